@@ -1,0 +1,69 @@
+"""One small registry type for every extension point (advantage estimators, rewards, ...).
+
+A duplicate name is an error and an unknown name lists the valid ones, so a typo in a config
+fails with the choices instead of a bare ``KeyError``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Name -> object mapping with a decorator for registration.
+
+    >>> estimators = Registry("advantage estimator")
+    >>> @estimators.register("mean")
+    ... def mean(x):
+    ...     return sum(x) / len(x)
+    >>> estimators.get("mean")([1, 3])
+    2.0
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def decorator(obj: T) -> T:
+            self.add(name, obj)
+            return obj
+
+        return decorator
+
+    def add(self, name: str, obj: T) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        if name in self._items and self._items[name] is not obj:
+            raise ValueError(f"{self.kind} {name!r} is already registered (by {_where(self._items[name])})")
+        self._items[name] = obj
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise KeyError(self.unknown_message(name)) from None
+
+    def unknown_message(self, name: str) -> str:
+        close = difflib.get_close_matches(str(name), self._items, n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        return f"unknown {self.kind} {name!r}.{hint} Available: {', '.join(sorted(self._items)) or '(none)'}"
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def items(self):
+        return sorted(self._items.items())
+
+
+def _where(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
