@@ -1,0 +1,45 @@
+"""The pure policy-gradient core shared by the text (GRPO) and diffusion (FlowGRPO) environments.
+
+Functions over tensors only: advantages from group rewards, KL penalties, clipped policy losses and
+their aggregation. No config objects, no ``.item()``, no distributed calls, no I/O.
+"""
+
+from unirl.core.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    group_advantages,
+    group_stats,
+    grpo_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from unirl.core.kl import KL_ESTIMATORS, gaussian_kl, kl_divergence
+from unirl.core.losses import (
+    AGG_MODES,
+    aggregate,
+    aggregate_denominator,
+    clipped_policy_loss,
+    entropy_from_logits,
+    masked_mean,
+    truncated_importance_weights,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "aggregate_denominator",
+    "clipped_policy_loss",
+    "compute_advantages",
+    "entropy_from_logits",
+    "gaussian_kl",
+    "group_advantages",
+    "group_stats",
+    "grpo_advantages",
+    "kl_divergence",
+    "masked_mean",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "truncated_importance_weights",
+]

@@ -1,0 +1,314 @@
+"""Policy-gradient losses over per-token (or per-denoising-step) log-probs.
+
+Legend: B prompts, G group size, N = B*G samples, T tokens (text) or denoising steps (diffusion).
+Every function takes tensors and returns tensors: no config objects, no ``.item()``, no I/O. Losses
+return ``(loss, metrics)`` where metrics are detached tensors; the caller decides when to sync.
+
+Masks are boolean (or 0/1) [N, T]. Masked positions never reach a loss, a gradient or a metric: they
+are replaced with ``torch.where`` (not multiplied by 0), so finite junk there changes nothing.
+
+Loss aggregation (``aggregate``) uses verl's mode names. TRL's ``GRPOConfig.loss_type`` maps to them:
+
+* ``grpo``    ~ ``seq-mean-token-mean``: mean over each sequence's tokens, then over sequences
+  (DeepSeekMath, https://arxiv.org/abs/2402.03300).
+* ``bnpo``    ~ ``token-mean`` over the local batch; ``dapo`` ~ ``token-mean`` normalised by the
+  global token count, i.e. pass ``denominator`` (DAPO, https://arxiv.org/abs/2503.14476).
+* ``dr_grpo`` ~ ``seq-mean-token-sum-norm``: token sums divided by a constant, (number of sequences)
+  x T, so long answers are not down-weighted (Dr. GRPO, https://arxiv.org/abs/2503.20783). TRL's
+  constant is ``max_completion_length``; here it is T = ``mask.shape[-1]``, equal to it when
+  completions are padded to that length (otherwise pass ``denominator``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LEVELS = ("token", "sequence")
+
+
+def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"{', '.join(shapes)} must have the same shape, got {listed}")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is set, over ``dim`` (all dims when None).
+
+    A slice with no masked-in element gives 0 (not NaN).
+
+    Args:
+        values: [...] e.g. [N, T].
+        mask: boolean or 0/1, same shape as ``values``.
+        dim: dim(s) to reduce.
+    """
+    _check_same_shape(values=values, mask=mask)
+    mask = _bool_mask(mask)
+    total = torch.where(mask, values, torch.zeros_like(values))
+    if dim is None:
+        return total.sum() / mask.sum().clamp_min(1)
+    return total.sum(dim) / mask.sum(dim).clamp_min(1)
+
+
+def aggregate_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """The normaliser ``aggregate`` divides by, computed for a whole mini-batch.
+
+    * ``token-mean``: number of masked-in tokens.
+    * ``seq-mean-token-mean`` and ``seq-mean-token-sum``: number of sequences with at least one
+      masked-in token (fully masked rows, e.g. padding rows, are not counted).
+    * ``seq-mean-token-sum-norm``: that sequence count times T = ``mask.shape[-1]`` (the whole
+      normaliser, so micro-batches padded to different lengths still add up).
+
+    Clamped to at least 1, so an all-masked batch aggregates to 0 rather than NaN.
+
+    Args:
+        mask: [N, T] boolean or 0/1 mask of the full mini-batch.
+        mode: one of ``AGG_MODES``.
+
+    Returns:
+        0-dim integer tensor.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, AGG_MODES))}, got {mode!r}")
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be 2-D [N, T], got shape {tuple(mask.shape)}")
+    mask = _bool_mask(mask)
+    if mode == "token-mean":
+        return mask.sum().clamp_min(1)
+    num_seqs = mask.any(dim=-1).sum()
+    if mode == "seq-mean-token-sum-norm":
+        return (num_seqs * mask.shape[-1]).clamp_min(1)
+    return num_seqs.clamp_min(1)
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    denominator: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [N, T] to a scalar (verl's ``agg_loss`` modes).
+
+    ``aggregate = numerator / denominator`` with
+
+    * ``token-mean``: sum of all masked-in values / number of masked-in tokens.
+    * ``seq-mean-token-mean``: sum over sequences of each sequence's token mean / number of sequences.
+    * ``seq-mean-token-sum``: sum over sequences of each sequence's token sum / number of sequences.
+    * ``seq-mean-token-sum-norm``: the same sums / (number of sequences x T), T = ``mask.shape[-1]``
+      (Dr. GRPO).
+
+    Sequences count only if they have at least one masked-in token. See ``aggregate_denominator``.
+
+    Gradient accumulation: when ``values`` is one micro-batch of a larger mini-batch, pass
+    ``denominator=aggregate_denominator(mini_batch_mask, mode)``; the micro-batch losses then sum to
+    exactly the mini-batch's ``aggregate`` (and their gradients to its gradient).
+
+    Args:
+        values: [N, T] per-token values.
+        mask: [N, T] boolean or 0/1.
+        mode: one of ``AGG_MODES``.
+        denominator: normaliser of the full mini-batch; default this batch's own.
+
+    Returns:
+        0-dim tensor.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, AGG_MODES))}, got {mode!r}")
+    if values.ndim != 2:
+        raise ValueError(f"values must be 2-D [N, T], got shape {tuple(values.shape)}")
+    _check_same_shape(values=values, mask=mask)
+    mask = _bool_mask(mask)
+    if denominator is None:
+        denominator = aggregate_denominator(mask, mode)
+    masked = torch.where(mask, values, torch.zeros_like(values))  # [N, T]
+    if mode == "token-mean":
+        return masked.sum() / denominator
+    seq_sums = masked.sum(dim=-1)  # [N]
+    if mode == "seq-mean-token-mean":
+        return (seq_sums / mask.sum(dim=-1).clamp_min(1)).sum() / denominator
+    return seq_sums.sum() / denominator
+
+
+def clipped_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    level: str = "token",
+    agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
+    denominator: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss (https://arxiv.org/abs/1707.06347) with its LLM-era variants.
+
+    Per token, with ratio ``r = exp(logp - old_logp)`` and advantage ``A``::
+
+        loss = max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))
+
+    * Asymmetric bounds: ``clip_high > clip_low`` is DAPO's clip-higher
+      (https://arxiv.org/abs/2503.14476), leaving room for low-probability tokens to grow.
+    * ``dual_clip=c`` (c > 1): for ``A < 0`` the loss is also capped at ``c * |A|``, so a huge ratio on
+      a bad token cannot produce an unbounded loss (dual-clip PPO, https://arxiv.org/abs/1912.09729).
+    * ``level="sequence"``: GSPO (https://arxiv.org/abs/2507.18071). The ratio of sequence i is
+      ``s_i = exp(mean over its masked tokens of (logp - old_logp))``, applied token-wise as GSPO-token:
+      ``r_t = exp(sg[log s_i] + logp_t - sg[logp_t])`` (sg = stop-gradient). Its value is ``s_i`` at
+      every token; with ``agg="seq-mean-token-mean"`` (what GSPO uses) and a per-sequence advantage,
+      the gradient equals that of the sequence-level objective ``-mean_i min(s_i A_i, clip(s_i) A_i)``.
+      Clipping then acts on whole sequences. GSPO's paper uses tiny bounds (3e-4 / 4e-4).
+
+    ``weights`` multiply the per-token loss after clipping (detached), e.g. truncated importance
+    sampling weights for the rollout/trainer mismatch (``truncated_importance_weights``).
+
+    Args:
+        logp: [N, T] log-probs of the sampled tokens under the policy being trained.
+        old_logp: [N, T] log-probs under the policy that the advantages refer to (no gradient).
+        advantages: [N] (broadcast over T) or [N, T].
+        mask: [N, T] boolean or 0/1; False marks prompt/padding positions.
+        clip_low: lower clip range, ratio >= 1 - clip_low; in [0, 1).
+        clip_high: upper clip range, ratio <= 1 + clip_high; >= 0.
+        dual_clip: None or the dual-clip constant c > 1.
+        level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
+        agg: aggregation mode, see ``aggregate``.
+        weights: optional [N, T] per-token weights.
+        denominator: mini-batch normaliser for gradient accumulation, see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``; metrics are detached 0-dim tensors averaged over masked-in tokens:
+        ``clip_frac`` (clipping active: ``clip_frac_low`` = ratio below ``1 - clip_low`` with A < 0, plus
+        ``clip_frac_high`` = ratio above ``1 + clip_high`` with A > 0), ``approx_kl`` (k3 estimate of
+        KL(old || new) from the token log-ratios, ``(r - 1) - log r`` as in CleanRL,
+        http://joschu.net/blog/kl-approx.html), ``ratio_mean``, ``ratio_max``, ``ratio_min`` (of the
+        ratio used in the loss: the sequence ratio for GSPO), and ``dual_clip_frac`` (A < 0 and
+        ratio > c) when ``dual_clip`` is set.
+    """
+    # 1. Check inputs.
+    if logp.ndim != 2:
+        raise ValueError(f"logp must be 2-D [N, T], got shape {tuple(logp.shape)}")
+    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(
+            f"advantages must be [N] or [N, T] with [N, T] = {tuple(logp.shape)}, "
+            f"got advantages {tuple(advantages.shape)}"
+        )
+    if weights is not None:
+        _check_same_shape(logp=logp, weights=weights)
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
+    if not clip_high >= 0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip!r}")
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {', '.join(map(repr, AGG_MODES))}, got {agg!r}")
+
+    # 2. Log-ratios. Masked positions become 0 here so junk there cannot reach values or gradients.
+    mask = _bool_mask(mask)
+    logp = torch.where(mask, logp, torch.zeros_like(logp))  # [N, T]
+    old_logp = torch.where(mask, old_logp.detach(), torch.zeros_like(logp))  # [N, T]
+    token_log_ratio = logp - old_logp  # [N, T]
+    if level == "token":
+        log_ratio = token_log_ratio  # [N, T]
+    else:
+        seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [N]
+        # GSPO-token: value log s_i at every token, gradient d logp_t.
+        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # [N, T]
+    ratio = torch.exp(log_ratio)  # [N, T]
+
+    # 3. Clipped surrogate, then the optional dual clip and weights.
+    adv = advantages.unsqueeze(-1).expand_as(logp) if advantages.ndim == 1 else advantages  # [N, T]
+    adv = torch.where(mask, adv.detach(), torch.zeros_like(logp))  # [N, T]
+    unclipped = -adv * ratio  # [N, T]
+    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)  # [N, T]
+    per_token = torch.maximum(unclipped, clipped)  # [N, T]
+    if dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)  # [N, T]
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = aggregate(per_token, mask, agg, denominator=denominator)
+
+    # 4. Metrics (detached, over masked-in tokens).
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (r < 1 - clip_low) & (adv < 0)  # [N, T]
+        high = (r > 1 + clip_high) & (adv > 0)  # [N, T]
+        metrics = {
+            "clip_frac": masked_mean((low | high).to(r.dtype), mask),
+            "clip_frac_low": masked_mean(low.to(r.dtype), mask),
+            "clip_frac_high": masked_mean(high.to(r.dtype), mask),
+            # CleanRL's approx_kl: (r - 1) - log r, the k3 estimator of KL(old || new).
+            "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
+            "ratio_mean": masked_mean(r, mask),
+            "ratio_max": torch.where(mask, r, torch.full_like(r, -torch.inf)).amax(),
+            "ratio_min": torch.where(mask, r, torch.full_like(r, torch.inf)).amin(),
+        }
+        if dual_clip is not None:
+            metrics["dual_clip_frac"] = masked_mean(((adv < 0) & (r > dual_clip)).to(r.dtype), mask)
+    return loss, metrics
+
+
+def truncated_importance_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    cap: float = 2.0,
+) -> torch.Tensor:
+    """Truncated importance sampling weights ``min(exp(old_logp - rollout_logp), cap)``, detached.
+
+    The rollout engine (vLLM, different kernels/precision) samples from a slightly different
+    distribution than the trainer computes; reweighting the per-token loss by the truncated ratio
+    trainer/rollout corrects for it without the variance of untruncated weights (TIS: Yao et al.
+    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+    https://fengyao.notion.site/off-policy-rl). Computed as ``exp(min(d, log cap))`` so no ``exp``
+    overflows. Pass the result as ``weights`` to ``clipped_policy_loss``.
+
+    Args:
+        old_logp: [N, T] trainer log-probs of the sampled tokens (the "old" policy).
+        rollout_logp: [N, T] log-probs reported by the rollout engine.
+        cap: truncation C > 0.
+
+    Returns:
+        [N, T] weights in (0, cap], no gradient.
+    """
+    _check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap!r}")
+    log_ratio = (old_logp - rollout_logp).detach()  # [N, T]
+    return torch.exp(log_ratio.clamp(max=math.log(cap)))
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution over the last dim, ``-sum p log p``.
+
+    Uses ``log_softmax`` (a logsumexp) so large logits do not overflow, and treats ``0 * log 0`` as 0
+    so ``-inf`` logits (masked vocabulary) are allowed. Half-precision logits are upcast: the math and
+    the result are float32 (float64 stays float64).
+
+    Args:
+        logits: [..., V], e.g. [N, T, V].
+
+    Returns:
+        [...] entropies, e.g. [N, T].
+    """
+    if logits.ndim < 1:
+        raise ValueError(f"logits must have a vocabulary dim [..., V], got shape {tuple(logits.shape)}")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)  # [..., V]
+    p = logp.exp()  # [..., V]
+    # 0 * log 0 := 0; replacing log p (not the product) keeps -inf out of the backward pass too.
+    logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+    return -(p * logp).sum(dim=-1)
