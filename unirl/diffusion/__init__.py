@@ -1,0 +1,8 @@
+"""FlowGRPO building blocks for flow-matching text-to-image models (Stable Diffusion 3 / 3.5).
+
+* :mod:`unirl.diffusion.sde`: one denoising step as a Gaussian policy with its log-probability (pure).
+* :mod:`unirl.diffusion.sampling`: prompt encoding, sampling with log-probs, re-scoring one step.
+* :mod:`unirl.diffusion.tiny`: a toy-size SD3 pipeline built from configs, for tests and demos.
+
+Submodules are imported on use so that ``import unirl.diffusion`` stays cheap.
+"""

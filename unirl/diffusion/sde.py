@@ -1,0 +1,178 @@
+"""One denoising step of a flow-matching sampler as a Gaussian policy, with its log-probability.
+
+FlowGRPO (Liu et al., 2025, https://arxiv.org/abs/2505.05470) turns the deterministic Euler ODE of a
+rectified-flow model into an SDE with the same marginals, so that each denoising step
+``x_t -> x_{t+dt}`` is a Gaussian ``N(mean, std^2)`` whose log-density can enter a PPO/GRPO ratio.
+
+Conventions (sigma is the noise level of the flow, ``x_sigma = (1 - sigma) x_0 + sigma x_1``; sampling
+runs from ``sigma = 1`` (noise) to ``sigma = 0`` (data); ``dt = sigma_next - sigma < 0``):
+
+* ``sde_type="flow"``: FlowGRPO's SDE (paper eq. 9, code ``sd3_sde_with_logprob.py``)::
+
+      s    = noise_level * sqrt(sigma / (1 - sigma))      (at sigma == 1: sqrt(1 / (1 - sigma_next)))
+      mean = x * (1 + s^2 / (2 sigma) * dt) + v * (1 + s^2 (1 - sigma) / (2 sigma)) * dt
+      std  = s * sqrt(-dt)
+
+  ``log_prob`` is the exact Gaussian log-density of the next sample.
+* ``sde_type="cps"``: coefficient-preserving sampling, added to FlowGRPO after the paper::
+
+      std  = sigma_next * sin(noise_level * pi / 2)
+      x0   = x - sigma * v,   x1 = x + (1 - sigma) * v           (predicted data and noise)
+      mean = x0 * (1 - sigma_next) + x1 * sqrt(sigma_next^2 - std^2)
+
+  ``log_prob`` follows FlowGRPO's code, which "removes all constants": ``-(x_next - mean)^2``. That
+  drops the additive ``-log(std) - log(2 pi) / 2`` (model-independent, cancels in a ratio) **and** the
+  ``1 / (2 std^2)`` factor (it does not cancel: a ratio ``exp(lp - lp_old)`` is the Gaussian ratio
+  raised to the power ``2 std^2``, a per-step temperature). ``noise_level`` must lie in [0, 1].
+
+``noise_level = 0`` is the deterministic Euler ODE step ``x + dt * v`` for both types (the same update
+as diffusers' ``FlowMatchEulerDiscreteScheduler.step``), with ``std = 0``; a point mass has no density,
+so ``log_prob`` is *defined* as 0 there (such steps are never trained).
+
+Everything is computed in float32 whatever the input dtype (bf16 overflows in the mean, as FlowGRPO
+notes), and the returned tensors are float32. Shapes: N = B*G samples, each ``[C, h, w]`` (any trailing
+shape works); ``log_prob`` is reduced over all non-batch dimensions (``"mean"``, FlowGRPO's choice, or
+``"sum"``).
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+SDE_TYPES = ("flow", "cps")
+REDUCTIONS = ("mean", "sum")
+
+
+def sde_step_with_logprob(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    *,
+    noise_level: float = 0.7,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    sde_type: str = "flow",
+    reduce: str = "mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Take (or score) one step ``sigma -> sigma_next`` of the sampling SDE.
+
+    Args:
+        velocity: ``[N, ...]`` model output ``v = x_1 - x_0`` at ``sample`` (after guidance).
+        sample: ``[N, ...]`` current latent ``x_sigma``.
+        sigma, sigma_next: ``[N]`` tensors (one noise level per sample) or python floats / 0-d
+            tensors shared by the batch; ``0 <= sigma_next < sigma <= 1``.
+        noise_level: FlowGRPO's ``a`` (flow) or the CPS angle fraction; ``0`` gives the ODE step.
+        prev_sample: ``[N, ...]`` the next latent to score instead of drawing one (training
+            re-evaluates a stored step this way). It is detached: gradients reach ``log_prob`` only
+            through ``mean``, i.e. through ``velocity``.
+        generator: torch generator(s) for the Gaussian noise when ``prev_sample`` is None.
+        sde_type: ``"flow"`` or ``"cps"`` (see the module docstring).
+        reduce: ``"mean"`` or ``"sum"`` of the per-element log-density over non-batch dimensions.
+
+    Returns:
+        ``(prev_sample [N, ...], log_prob [N], mean [N, ...], std [N, 1, ..., 1])``, all float32.
+        ``std`` is the standard deviation of the step itself (``s * sqrt(-dt)`` for ``"flow"``), so a
+        KL between two policies at the same step is ``||mean_a - mean_b||^2 / (2 std^2)``.
+    """
+    # 1. Check inputs.
+    _check_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce)
+    n = sample.shape[0]
+    sigma = _per_sample_sigma(sigma, "sigma", n, sample)  # [N, 1, ..., 1]
+    sigma_next = _per_sample_sigma(sigma_next, "sigma_next", n, sample)  # [N, 1, ..., 1]
+    _check_sigmas(sigma, sigma_next)
+
+    # 2. Upcast: the mean overflows in bf16.
+    velocity = velocity.float()  # [N, ...]
+    sample = sample.float()  # [N, ...]
+    if prev_sample is not None:
+        prev_sample = prev_sample.detach().float()  # [N, ...]
+    dt = sigma_next - sigma  # [N, 1, ..., 1], negative
+    reduce_dims = tuple(range(1, sample.ndim))
+
+    # 3. noise_level 0: the Euler ODE step, written as diffusers writes it so the two agree bit for bit.
+    if noise_level == 0:
+        mean = sample + dt * velocity  # [N, ...]
+        std = torch.zeros_like(sigma)  # [N, 1, ..., 1]
+        if prev_sample is None:
+            prev_sample = mean
+        return prev_sample, torch.zeros(n, device=sample.device), mean, std
+
+    # 4. Mean and standard deviation of the Gaussian step.
+    if sde_type == "flow":
+        # FlowGRPO eq. 9. At sigma == 1 the ratio sigma / (1 - sigma) is infinite; FlowGRPO uses the
+        # next sigma in the denominator there (``torch.where(sigma == 1, sigma_max, sigma)``).
+        s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma))) * noise_level
+        mean = sample * (1 + s**2 / (2 * sigma) * dt) + velocity * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+        std = s * torch.sqrt(-dt)  # [N, 1, ..., 1]
+    else:
+        # Coefficient-preserving: the next latent is (1 - sigma_next) x0 + sigma_next * (unit noise),
+        # split between the predicted noise x1 and fresh noise so their squared weights sum to sigma_next^2.
+        std = sigma_next * math.sin(noise_level * math.pi / 2)  # [N, 1, ..., 1]
+        x0 = sample - sigma * velocity  # [N, ...]
+        x1 = sample + velocity * (1 - sigma)  # [N, ...]
+        mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
+
+    # 5. Draw the next sample unless it was given.
+    if prev_sample is None:
+        noise = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=torch.float32)
+        prev_sample = mean + std * noise  # [N, ...]
+
+    # 6. Log-density of prev_sample, reduced over non-batch dimensions.
+    if sde_type == "flow":
+        log_prob = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    else:
+        log_prob = -((prev_sample - mean) ** 2)  # FlowGRPO's CPS convention, see the module docstring
+    log_prob = log_prob.mean(dim=reduce_dims) if reduce == "mean" else log_prob.sum(dim=reduce_dims)  # [N]
+    return prev_sample, log_prob, mean, std
+
+
+def _check_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce) -> None:
+    for name, value in (("velocity", velocity), ("sample", sample)):
+        if not isinstance(value, torch.Tensor) or value.ndim < 2:
+            raise ValueError(f"{name} must be a tensor [N, ...] with at least 2 dimensions, got {_describe(value)}")
+    if velocity.shape != sample.shape:
+        raise ValueError(f"velocity {tuple(velocity.shape)} and sample {tuple(sample.shape)} must have the same shape")
+    if prev_sample is not None and (not isinstance(prev_sample, torch.Tensor) or prev_sample.shape != sample.shape):
+        raise ValueError(f"prev_sample {_describe(prev_sample)} must have the shape of sample {tuple(sample.shape)}")
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if not isinstance(noise_level, Real) or not math.isfinite(noise_level) or noise_level < 0:
+        raise ValueError(f"noise_level must be a finite number >= 0, got {noise_level!r}")
+    if sde_type == "cps" and noise_level > 1:
+        raise ValueError(f"noise_level must lie in [0, 1] for sde_type='cps' (an angle fraction), got {noise_level!r}")
+
+
+def _per_sample_sigma(value, name: str, n: int, sample: torch.Tensor) -> torch.Tensor:
+    """A float, 0-d or ``[N]`` sigma as a float32 ``[N, 1, ..., 1]`` tensor on ``sample``'s device."""
+    if isinstance(value, Real) and not isinstance(value, bool):
+        value = torch.tensor(float(value))
+    if not isinstance(value, torch.Tensor) or value.ndim > 1 or (value.ndim == 1 and value.shape[0] != n):
+        raise ValueError(f"{name} must be a float or a tensor [N] with N = {n} (the batch of sample), got {_describe(value)}")
+    value = value.to(device=sample.device, dtype=torch.float32).expand(n)  # [N]
+    return value.view(n, *([1] * (sample.ndim - 1)))
+
+
+def _check_sigmas(sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
+    # One host sync per step; negligible next to a transformer forward, and bad sigmas give silent NaNs.
+    if not bool(((sigma > 0) & (sigma <= 1)).all()):
+        raise ValueError(f"sigma must lie in (0, 1], got {sigma.flatten().tolist()}")
+    if not bool(((sigma_next >= 0) & (sigma_next < 1)).all()):
+        raise ValueError(f"sigma_next must lie in [0, 1), got {sigma_next.flatten().tolist()}")
+    if not bool((sigma_next < sigma).all()):
+        raise ValueError(
+            f"sigma_next must be smaller than sigma (sampling runs from noise to data), "
+            f"got sigma={sigma.flatten().tolist()}, sigma_next={sigma_next.flatten().tolist()}"
+        )
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}"
+    return repr(value)
