@@ -1,0 +1,34 @@
+"""Shared fixtures. Models are tiny and built locally; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# vLLM's engine core in-process: weight sync from the trainer needs it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# One build of the tiny models per test session (the CLI subprocesses inherit it).
+os.environ.setdefault("UNIRL_CACHE", tempfile.mkdtemp(prefix="unirl-test-cache-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def shared_data(*parts: str) -> Path:
+    """A file under ../shared/data, or skip the test saying what is missing."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the shared test data sits beside the repository in CI (../shared/data)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir() -> Path:
+    from unirl.text.tiny import build_tiny_lm
+
+    return build_tiny_lm()

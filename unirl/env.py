@@ -1,0 +1,130 @@
+"""The small interface between the one training loop and an environment (text, diffusion).
+
+Shape legend used across unirl: B prompts per step, G samples per prompt (the group),
+N = B*G samples, T tokens (text) or trained denoising steps (diffusion).
+
+The loop owns the algorithm (advantages, old/reference log-probs, clipped update, KL penalty,
+optimizer, logging, checkpoints); the environment owns everything modality-specific: how to
+sample, how to score, and how to evaluate the log-probability of stored actions under a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """N sampled trajectories and everything needed to re-evaluate them.
+
+    ``tensors`` hold per-sample data with leading dimension N (token ids, masks, latents,
+    log-probs ...); ``samples`` are what the reward sees (strings or PIL images); ``columns``
+    carry the dataset's fields, one entry per sample, passed to rewards as keyword arguments.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    group_ids: torch.Tensor  # [N] long: samples with the same id answer the same prompt
+    prompts: list[str]  # [N]
+    samples: list[Any]  # [N]
+    columns: dict[str, list] = field(default_factory=dict)  # name -> [N]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> "Rollout":
+        """Sub-batch by sample indices (used for mini- and micro-batches)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        ids = idx.tolist()
+        return Rollout(
+            tensors={k: v[idx.to(v.device)] for k, v in self.tensors.items()},
+            group_ids=self.group_ids[idx.to(self.group_ids.device)],
+            prompts=[self.prompts[i] for i in ids],
+            samples=[self.samples[i] for i in ids],
+            columns={k: [v[i] for i in ids] for k, v in self.columns.items()},
+        )
+
+
+class Environment(ABC):
+    """What the loop needs from a modality. See ``unirl/text/env.py`` and ``unirl/diffusion/env.py``.
+
+    ``evaluate`` returns a dict with at least ``logp`` [N, T] and ``mask`` [N, T] (1 where the
+    step is trained); anything else it returns (e.g. the Gaussian mean for diffusion) is what
+    ``kl`` needs to compare a model with the reference.
+    """
+
+    #: If False the log-probs recorded at sampling time (``rollout.tensors["old_logp"]``) are the
+    #: policy's own and are used as the PPO "old" log-probs; if True the loop recomputes them with
+    #: the trainer (text: the engine's log-probs differ numerically from the trainer's).
+    recompute_old_logprobs: bool = True
+
+    @abstractmethod
+    def setup(self, accelerator) -> None:
+        """Load models, tokenizers/pipelines, data and the reward. Called once."""
+
+    @property
+    @abstractmethod
+    def model(self) -> torch.nn.Module:
+        """The trainable module (its trainable parameters go to the optimizer)."""
+
+    @model.setter
+    @abstractmethod
+    def model(self, module: torch.nn.Module) -> None:
+        """Replace the module by the accelerator-prepared one."""
+
+    @abstractmethod
+    def next_prompts(self, step: int) -> list[dict]:
+        """B dataset rows for this step (each holds at least ``prompt``)."""
+
+    @abstractmethod
+    def rollout(self, rows: list[dict], group_size: int) -> Rollout:
+        """Sample G completions for each of the B rows (N = B*G)."""
+
+    @abstractmethod
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards [N] (float32) and per-component metrics (``reward/<name>``)."""
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module, batch: Rollout) -> dict[str, torch.Tensor]:
+        """Re-evaluate the stored actions under ``model``: ``logp`` [n, T], ``mask`` [n, T], extras."""
+
+    @abstractmethod
+    def loss_mask(self, batch: Rollout) -> torch.Tensor:
+        """[n, T] mask of the trained tokens / steps, without running a model (same as ``evaluate``'s)."""
+
+    @abstractmethod
+    def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-step KL penalty [n, T] between the policy's and the reference's ``evaluate`` outputs."""
+
+    @contextlib.contextmanager
+    def reference_model(self) -> Iterator[torch.nn.Module]:
+        """Yield the frozen reference policy (a copy, or the same model with its LoRA disabled)."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    def sync_weights(self) -> None:
+        """Push the trainer's weights to the rollout engine (no-op when sampling uses the trainer)."""
+
+    def rollout_metrics(self, rollout: Rollout, evaluated_old: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Extra per-step metrics about the rollout (lengths, engine-vs-trainer log-prob gap ...)."""
+        return {}
+
+    def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
+        """Held-out evaluation (greedy for text, deterministic ODE for diffusion); ``eval/*`` metrics."""
+        return {}
+
+    @abstractmethod
+    def save_pretrained(self, directory: Path) -> None:
+        """Save the policy so the upstream library loads it as is (HF ``save_pretrained``, LoRA ...)."""
+
+    def checkpoint_objects(self) -> list[Any]:
+        """Extra stateful objects (``state_dict``/``load_state_dict``) saved with checkpoints, e.g. an EMA."""
+        return []
+
+    def close(self) -> None:
+        """Release engines and worker pools."""

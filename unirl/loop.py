@@ -1,0 +1,323 @@
+"""The one training loop, for every environment, on Accelerate.
+
+Each step is a short sequence of named stages, each timed as ``time/<stage>``:
+
+    rollout -> score -> advantages -> old_logprobs (+ reference) -> update -> sync -> log
+    (+ evaluate and checkpoint every N steps)
+
+The algorithm lives in ``unirl/core`` (advantages, clipped loss, KL, aggregation); the environment
+(``unirl/env.py``) supplies samples, rewards and log-probs. Shapes: N = B*G samples, T tokens or
+trained denoising steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unirl.core import aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats, truncated_importance_weights
+from unirl.env import Environment, Rollout
+from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
+
+
+class Trainer:
+    def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
+                 run_dir: str | Path, config_dict: dict[str, Any] | None = None):
+        self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
+        self.run_dir = Path(run_dir)
+        self.config_dict = config_dict or {}
+        self.step = 0
+
+    # ================================================================ setup
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.log_with or None,
+                                       project_dir=str(self.run_dir))
+        set_seed(cfg.seed)
+        self._guard_run_dir()
+        self.env.setup(self.accelerator)
+        model = self.env.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the environment's model has no trainable parameters")
+        o = self.optim_cfg
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        warmup = o.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.env.model = model
+        for obj in self.env.checkpoint_objects():
+            self.accelerator.register_for_checkpointing(obj)
+        if self.accelerator.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _write_yaml(self.run_dir / "config.yaml", self.config_dict)
+            if cfg.log_with:
+                self.accelerator.init_trackers(cfg.project, config=_flatten(self.config_dict))
+        if cfg.resume:
+            self._resume()
+        self.env.sync_weights()
+
+    def _guard_run_dir(self) -> None:
+        if (self.run_dir / "metrics.jsonl").exists() and not self.cfg.resume:
+            raise FileExistsError(
+                f"run directory {str(self.run_dir)!r} already holds a run (metrics.jsonl); pass trainer.resume=true "
+                f"to continue it or choose another --output-dir"
+            )
+
+    # ================================================================ train
+    def train(self) -> list[dict[str, float]]:
+        """Run ``trainer.total_steps`` steps; returns the per-step metrics."""
+        self.setup()
+        history = []
+        progress = _progress(self.cfg, self.step, self.accelerator.is_main_process)
+        try:
+            if self.cfg.eval_every and self.step == 0:
+                self._log({"step": 0, **self.evaluate()}, history=None)
+            while self.step < self.cfg.total_steps:
+                metrics = self.train_step()
+                history.append(metrics)
+                self._log(metrics, history)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                last = self.step == self.cfg.total_steps
+                if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or last):
+                    self._log({"step": self.step, **self.evaluate()}, history=None)
+                if (self.cfg.save_every and self.step % self.cfg.save_every == 0) or last:
+                    self.save_checkpoint()
+        finally:
+            if progress is not None:
+                progress.close()
+            if self.cfg.log_with:
+                self.accelerator.end_training()
+            self.env.close()
+        return history
+
+    def train_step(self) -> dict[str, float]:
+        times: dict[str, float] = {}
+        with _timer(times, "rollout"):
+            rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
+        with _timer(times, "score"):
+            rewards, reward_metrics = self.env.score(rollout)
+        with _timer(times, "advantages"):
+            adv_metrics = self.advantages(rollout, rewards)
+        with _timer(times, "old_logprobs"):
+            rollout_metrics = self.old_and_reference(rollout)
+        with _timer(times, "update"):
+            update_metrics = self.update(rollout)
+        with _timer(times, "sync"):
+            self.env.sync_weights()
+        self.step += 1
+        metrics = {"step": self.step, "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+                   **reward_metrics, **adv_metrics, **rollout_metrics, **update_metrics}
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics["time/step"] = sum(times.values())
+        return metrics
+
+    # ============================================================== stages
+    def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
+        """Group-relative advantages [N] from rewards [N] (same for every token / step of a sample)."""
+        adv = compute_advantages(self.algo.adv_estimator, rewards, rollout.group_ids, scale=self.algo.adv_scale)
+        if self.algo.adv_clip is not None:
+            adv = adv.clamp(-self.algo.adv_clip, self.algo.adv_clip)
+        rollout.tensors["advantages"] = adv
+        rollout.tensors["rewards"] = rewards
+        stats = group_stats(rewards, rollout.group_ids)
+        return {"adv/mean": adv.mean().item(), "adv/abs_mean": adv.abs().mean().item(),
+                **{f"adv/{k}": v.item() for k, v in stats.items()}}
+
+    @torch.no_grad()
+    def old_and_reference(self, rollout: Rollout) -> dict[str, float]:
+        """PPO's old log-probs (recomputed by the trainer unless the sampler's are the policy's) and the
+        reference outputs for the KL, stored in ``rollout.tensors`` as ``old_logp`` and ``ref/<key>``."""
+        model = self.env.model
+        metrics = {}
+        if self.env.recompute_old_logprobs:
+            old = self._evaluate_all(model, rollout)
+            rollout.tensors["old_logp"] = old["logp"].detach().cpu()
+            metrics.update(self.env.rollout_metrics(rollout, old))
+        if self.algo.kl_coef > 0:
+            with self.env.reference_model() as ref:
+                ref_out = self._evaluate_all(ref, rollout)
+            for k, v in ref_out.items():
+                if k != "mask":
+                    rollout.tensors[f"ref/{k}"] = v.detach().cpu()
+        return metrics
+
+    def _evaluate_all(self, model, rollout: Rollout) -> dict[str, torch.Tensor]:
+        parts = defaultdict(list)
+        for idx in torch.arange(len(rollout)).split(self.cfg.micro_batch_size):
+            for k, v in self.env.evaluate(model, rollout.select(idx)).items():
+                parts[k].append(v.detach().cpu())
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        """``ppo_epochs`` passes of mini-batch AdamW steps, micro-batches accumulating gradients."""
+        acc, model, algo = self.accelerator, self.env.model, self.algo
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
+        model.train()
+        for _ in range(self.cfg.ppo_epochs):
+            order = torch.randperm(len(rollout), generator=generator)
+            for mini_idx in order.split(self.cfg.mini_batch_size):
+                micro_chunks = mini_idx.split(self.cfg.micro_batch_size)
+                denominator = None  # the mini-batch's normaliser, so micro losses add up to its loss
+                for k, micro_idx in enumerate(micro_chunks):
+                    micro = rollout.select(micro_idx)
+                    if denominator is None:
+                        denominator = self._mini_denominator(rollout.select(mini_idx))
+                    sync = k == len(micro_chunks) - 1
+                    with contextlib.nullcontext() if sync else acc.no_sync(model):
+                        loss, m = self._micro_loss(model, micro, denominator)
+                        acc.backward(loss)
+                    for name, v in m.items():
+                        sums[name] += float(v)
+                        counts[name] += 1
+                grad_norm = self._optimizer_step()
+                sums["actor/grad_norm"] += grad_norm
+                counts["actor/grad_norm"] += 1
+        out = {k: sums[k] / counts[k] for k in sums}
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
+        return aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg)
+
+    def _micro_loss(self, model, micro: Rollout, denominator: torch.Tensor):
+        algo, device = self.algo, self.accelerator.device
+        cur = self.env.evaluate(model, micro)
+        mask = cur["mask"]
+        old_logp = micro.tensors["old_logp"].to(device)
+        weights = None
+        if algo.tis_cap is not None and "engine_logp" in micro.tensors:
+            weights = truncated_importance_weights(old_logp, micro.tensors["engine_logp"].to(device), cap=algo.tis_cap)
+        loss, m = clipped_policy_loss(
+            cur["logp"], old_logp, micro.tensors["advantages"].to(device), mask,
+            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, level=algo.level,
+            agg=algo.loss_agg, weights=weights, denominator=denominator,
+        )
+        metrics = {"loss/policy": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
+        if algo.kl_coef > 0:
+            ref = {k[len("ref/"):]: v.to(device) for k, v in micro.tensors.items() if k.startswith("ref/")}
+            kl = aggregate(self.env.kl(cur, ref), mask, algo.loss_agg, denominator=denominator)
+            loss = loss + algo.kl_coef * kl
+            metrics["loss/kl"] = kl.detach()
+        if algo.entropy_coef > 0 and "entropy" in cur:
+            entropy = aggregate(cur["entropy"], mask, algo.loss_agg, denominator=denominator)
+            loss = loss - algo.entropy_coef * entropy
+            metrics["actor/entropy"] = entropy.detach()
+        metrics["loss/total"] = loss.detach()
+        return loss, metrics
+
+    def _optimizer_step(self) -> float:
+        acc = self.accelerator
+        grad_norm = float("nan")
+        if self.optim_cfg.max_grad_norm is not None:
+            grad_norm = float(acc.clip_grad_norm_(self.env.model.parameters(), self.optim_cfg.max_grad_norm))
+        if math.isfinite(grad_norm) or self.optim_cfg.max_grad_norm is None:
+            self.optimizer.step()
+        else:
+            acc.print(f"step {self.step}: non-finite grad norm {grad_norm}; optimizer step skipped")
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def evaluate(self) -> dict[str, float]:
+        start = time.perf_counter()
+        out = self.env.evaluation(self.step, self.run_dir)
+        if out:
+            out["time/eval"] = time.perf_counter() - start
+        return out
+
+    # ============================================================ logging
+    def _log(self, metrics: dict[str, float], history) -> None:
+        if not self.accelerator.is_main_process or len(metrics) <= 1:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.cfg.log_with:
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    # ========================================================= checkpoints
+    def save_checkpoint(self) -> Path:
+        """``checkpoints/step_N/``: the policy (``save_pretrained``) and ``trainer_state/`` (optimizer,
+        scheduler, RNG, loop step). Written to a temporary name and renamed, so a crash never leaves
+        a half checkpoint that ``resume`` would pick."""
+        acc = self.accelerator
+        root = self.run_dir / "checkpoints"
+        final = root / f"step_{self.step:06d}"
+        tmp = root / f".tmp_step_{self.step:06d}"
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            self.env.save_pretrained(tmp)
+        acc.save_state(str(tmp / "trainer_state"))
+        if acc.is_main_process:
+            (tmp / "trainer_state" / "loop.json").write_text(json.dumps({"step": self.step}))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            self._prune(root)
+        acc.wait_for_everyone()
+        return final
+
+    def _prune(self, root: Path) -> None:
+        keep = self.cfg.keep_checkpoints
+        steps = sorted(root.glob("step_*"))
+        if keep is not None:
+            for old in steps[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _resume(self) -> None:
+        steps = sorted((self.run_dir / "checkpoints").glob("step_*"))
+        if not steps:
+            self.accelerator.print(f"resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting at step 0")
+            return
+        latest = steps[-1]
+        self.accelerator.load_state(str(latest / "trainer_state"))
+        self.step = json.loads((latest / "trainer_state" / "loop.json").read_text())["step"]
+        self.accelerator.print(f"resumed from {latest} (step {self.step})")
+
+
+# ================================================================ helpers
+@contextlib.contextmanager
+def _timer(times: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - start
+
+
+def _progress(cfg: TrainerConfig, start: int, main: bool):
+    if not (cfg.progress and main):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _write_yaml(path: Path, data: dict) -> None:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out

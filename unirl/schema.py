@@ -1,0 +1,136 @@
+"""Config dataclasses shared by every environment: the algorithm, the optimizer and the loop.
+
+YAML fills these (see ``unirl/config.py``); ``key=value`` overrides win; unknown keys and wrong
+types fail with the dotted path of the bad key. Environment configs (``unirl/text/config.py``,
+``unirl/diffusion/config.py``) nest them under ``algo``, ``optim`` and ``trainer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+@dataclass
+class AlgoConfig:
+    """Policy-gradient settings (the functions live in ``unirl/core``)."""
+
+    #: Advantage estimator: ``grpo``, ``rloo`` or ``reinforce++-baseline``.
+    adv_estimator: str = "grpo"
+    #: How ``grpo`` scales the centred rewards: by the group's std (GRPO), the batch's std
+    #: (FlowGRPO's global_std) or not at all (Dr.GRPO).
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    #: Clamp advantages to [-adv_clip, adv_clip] (FlowGRPO uses 5); null disables.
+    adv_clip: Optional[float] = None
+    clip_low: float = 0.2
+    #: DAPO's clip-higher uses a larger upper bound (e.g. 0.28).
+    clip_high: float = 0.2
+    #: Dual-clip constant (> 1) for negative advantages; null disables.
+    dual_clip: Optional[float] = None
+    #: ``sequence`` gives GSPO's sequence-level ratio.
+    level: Literal["token", "sequence"] = "token"
+    #: Loss aggregation (verl's names): token-mean, seq-mean-token-mean, seq-mean-token-sum,
+    #: seq-mean-token-sum-norm.
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    #: Weight of the KL-to-reference penalty in the loss (``beta``); 0 skips the reference pass.
+    kl_coef: float = 0.0
+    #: KL estimator for text (k1, k2, k3, k3+); diffusion uses the closed-form Gaussian KL.
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    #: Entropy bonus coefficient (text); 0 disables.
+    entropy_coef: float = 0.0
+    #: Truncated importance sampling cap for the rollout-engine vs trainer mismatch; null disables.
+    tis_cap: Optional[float] = None
+    #: How several rewards combine (TRL's multi_objective_aggregation): ``sum_then_normalize`` takes
+    #: the weighted sum of the raw rewards, then advantages normalise it; ``normalize_then_sum``
+    #: normalises each reward within its group first, then takes the weighted sum.
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+
+    def __post_init__(self):
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("clip_low and clip_high must be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    #: Linear warm-up steps (optimizer steps), then constant.
+    warmup_steps: int = 0
+    #: Gradient-norm clipping; null disables.
+    max_grad_norm: Optional[float] = 1.0
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class RewardConfig:
+    """One reward: a registered name, ``path/file.py:function`` or ``package.module:function``."""
+
+    name: str = "gsm8k"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: how many samples per step and how they are cut for the update."""
+
+    total_steps: int = 100
+    #: B: prompts per step (per process).
+    prompts_per_step: int = 8
+    #: G: samples per prompt.
+    group_size: int = 8
+    #: Passes over each step's samples.
+    ppo_epochs: int = 1
+    #: Samples per optimizer step; must divide B*G.
+    mini_batch_size: int = 64
+    #: Samples per forward/backward (gradient accumulation inside a mini-batch); must divide mini_batch_size.
+    micro_batch_size: int = 8
+    seed: int = 0
+    #: Run the held-out evaluation every N steps (and at the end); 0 disables.
+    eval_every: int = 0
+    #: Save a checkpoint every N steps (and at the end); 0 saves only at the end.
+    save_every: int = 0
+    #: Keep at most this many step checkpoints (oldest removed first); null keeps all.
+    keep_checkpoints: Optional[int] = 2
+    #: Continue from the latest checkpoint in the run directory.
+    resume: bool = False
+    #: Accelerate's mixed precision: no, fp16, bf16.
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    #: Extra trackers besides metrics.jsonl: wandb, tensorboard.
+    log_with: list[str] = field(default_factory=list)
+    project: str = "unirl"
+    #: Show a progress bar.
+    progress: bool = True
+    #: Threads scoring finished chunks of samples while the next chunk is sampled (0: score inline).
+    #: The rewards are identical either way.
+    reward_workers: int = 0
+
+    def __post_init__(self):
+        n = self.prompts_per_step * self.group_size
+        for name in ("total_steps", "prompts_per_step", "group_size", "ppo_epochs", "mini_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if n % self.mini_batch_size:
+            raise ValueError(
+                f"mini_batch_size={self.mini_batch_size} must divide prompts_per_step*group_size="
+                f"{self.prompts_per_step}*{self.group_size}={n}"
+            )
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size} must divide mini_batch_size={self.mini_batch_size}")
+        if self.reward_workers < 0:
+            raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")

@@ -1,0 +1,91 @@
+"""Config of a text GRPO run (``unirl train text --config NAME``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class ModelConfig:
+    #: A hub name, a local directory, or ``tiny`` for the embedded tiny Qwen2-style model.
+    name_or_path: str = "tiny"
+    #: Trainer dtype: float32, bfloat16, float16.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    #: A local .jsonl/.json/.parquet file, a ``datasets`` hub name, or ``tiny`` (the tiny model's
+    #: addition task, generated with the model).
+    train: str = "tiny"
+    #: Held-out split for evaluation (same forms); null disables evaluation.
+    test: Optional[str] = "tiny"
+    #: Hub config name and split names when ``train``/``test`` are hub names.
+    hub_config: Optional[str] = None
+    train_split: str = "train"
+    test_split: str = "test"
+    #: How a row becomes a prompt: ``gsm8k`` (question + verl's instruction, gold from ``#### N``)
+    #: or ``plain`` (the ``prompt_key`` column as is).
+    adapter: Literal["gsm8k", "plain"] = "gsm8k"
+    prompt_key: str = "question"
+    #: Apply the tokenizer's chat template when it has one.
+    chat_template: bool = True
+    #: Prompts longer than this (tokens) are an error.
+    max_prompt_length: int = 256
+    #: Number of held-out rows used per evaluation (null: all).
+    eval_size: Optional[int] = None
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    #: ``vllm`` (colocated, weights synced every step) or ``hf`` (transformers ``generate``).
+    engine: Literal["vllm", "hf"] = "vllm"
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    #: vLLM settings for GPUs (ignored by the CPU build where they do not apply).
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    #: vLLM dtype; "auto" follows the trainer's dtype.
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    #: Sleep vLLM (free its KV cache) during the update; GPU only.
+    sleep_during_update: bool = False
+    #: Greedy decoding length for evaluation (null: max_new_tokens).
+    eval_max_new_tokens: Optional[int] = None
+
+
+@dataclass
+class TextConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    #: Where the run directory goes (``--output-dir`` overrides).
+    output_dir: str = "runs/text"
+
+    def __post_init__(self):
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")
+        if self.rollout.temperature <= 0:
+            raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")

@@ -1,0 +1,91 @@
+"""Prompt data for text runs: load rows, turn them into prompts, hand out B rows per step."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+#: verl's GSM8K instruction (examples/data_preprocess/gsm8k.py).
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def load_rows(source: str, *, split: str = "train", hub_config: str | None = None) -> list[dict]:
+    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file or a ``datasets`` hub name."""
+    path = Path(source).expanduser()
+    if path.suffix in {".jsonl", ".json", ".parquet"} or path.exists():
+        if not path.exists():
+            raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+        if path.suffix == ".jsonl":
+            rows = []
+            with open(path) as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            return rows
+        if path.suffix == ".json":
+            rows = json.loads(path.read_text())
+            if not isinstance(rows, list):
+                raise ValueError(f"{path}: expected a JSON list of objects, got {type(rows).__name__}")
+            return rows
+        if path.suffix == ".parquet":
+            import datasets
+
+            return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+        raise ValueError(f"data file {str(path)!r}: expected a .jsonl, .json or .parquet file")
+    import datasets
+
+    return list(datasets.load_dataset(source, hub_config, split=split))
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The gold number of a GSM8K answer (the text after the last ``####``)."""
+    if "####" not in answer:
+        raise ValueError(f"GSM8K answer has no '#### N' line: {answer[-80:]!r}")
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def to_prompt_rows(rows: list[dict], *, adapter: str, prompt_key: str, source: str) -> list[dict]:
+    """Rows with a ``prompt`` (the user message) plus every original column.
+
+    ``gsm8k`` appends verl's instruction and adds ``answer`` = the gold number; ``plain`` takes
+    the ``prompt_key`` column as is.
+    """
+    out = []
+    for i, row in enumerate(rows):
+        if prompt_key not in row:
+            raise KeyError(f"{source}: row {i} has no {prompt_key!r} column (columns: {sorted(row)})")
+        new = dict(row)
+        if adapter == "gsm8k":
+            if "answer" not in row:
+                raise KeyError(f"{source}: row {i} has no 'answer' column, which the gsm8k adapter needs")
+            new["prompt"] = f"{row[prompt_key]} {GSM8K_INSTRUCTION}"
+            new["answer"] = gsm8k_gold(str(row["answer"]))
+        else:
+            new["prompt"] = str(row[prompt_key])
+        out.append(new)
+    return out
+
+
+class PromptSampler:
+    """Hands out B rows per step: epochs of a seeded shuffle, resumable from a step number."""
+
+    def __init__(self, rows: list[dict], batch_size: int, *, seed: int, shuffle: bool = True):
+        if not rows:
+            raise ValueError("the training data has no rows")
+        self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
+
+    def batch(self, step: int) -> list[dict]:
+        """Rows for ``step`` (0-based); the same step always gives the same rows."""
+        out = []
+        start = step * self.batch_size
+        for k in range(start, start + self.batch_size):
+            epoch, pos = divmod(k, len(self.rows))
+            order = list(range(len(self.rows)))
+            if self.shuffle:
+                random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            out.append(self.rows[order[pos]])
+        return out

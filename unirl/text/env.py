@@ -1,0 +1,248 @@
+"""The text environment: prompts -> vLLM (or transformers) samples -> rewards -> token log-probs.
+
+Shapes: N = B*G samples, P prompt tokens (left-padded), R response tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from unirl.core import kl_divergence
+from unirl.env import Environment, Rollout
+from unirl.scoring import RewardSet
+from unirl.text.config import TextConfig
+from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
+from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
+    """``tiny`` -> the locally built tiny model (cached); anything else is passed through."""
+    if name_or_path == "tiny":
+        from unirl.text.tiny import build_tiny_lm
+
+        return str(build_tiny_lm(seed=seed))
+    return name_or_path
+
+
+class TextEnvironment(Environment):
+    recompute_old_logprobs = True
+
+    def __init__(self, cfg: TextConfig):
+        self.cfg = cfg
+        self._model = None
+        self.ref = None
+        self.engine = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, accelerator) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.cfg
+        self.accelerator = accelerator
+        # 1. Model and tokenizer (tiny: built here, never downloaded).
+        self.model_path = resolve_model_path(cfg.model.name_or_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        dtype = _DTYPES[cfg.model.dtype]
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        # 2. Reference: the same weights with the LoRA disabled, or a frozen copy.
+        if cfg.model.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            lora = cfg.model.lora
+            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        elif cfg.algo.kl_coef > 0:
+            self.ref = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
+        self._model = model
+        # 3. Data.
+        self.train_rows = self._rows(cfg.data.train, cfg.data.train_split, "train")
+        self.test_rows = self._rows(cfg.data.test, cfg.data.test_split, "test") if cfg.data.test else []
+        if cfg.data.eval_size is not None:
+            self.test_rows = self.test_rows[: cfg.data.eval_size]
+        self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step,
+                                     seed=cfg.trainer.seed + accelerator.process_index, shuffle=cfg.data.shuffle)
+        # 4. Rewards and the rollout engine.
+        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers)
+        if cfg.rollout.engine == "vllm":
+            r = cfg.rollout
+            self.engine = VLLMEngine(
+                self.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
+                seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
+            )
+        else:
+            self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
+
+    def _rows(self, source: str, split: str, which: str) -> list[dict]:
+        if source == "tiny":
+            source = str(Path(self.model_path) / f"{which}.jsonl") if self.cfg.model.name_or_path == "tiny" else source
+            if source == "tiny":
+                raise ValueError("data.train/test='tiny' needs model.name_or_path='tiny' (the task ships with the tiny model)")
+        rows = load_rows(source, split=split, hub_config=self.cfg.data.hub_config)
+        return to_prompt_rows(rows, adapter=self.cfg.data.adapter, prompt_key=self.cfg.data.prompt_key, source=source)
+
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, module):
+        self._model = module
+
+    # ---------------------------------------------------------------- rollout
+    def next_prompts(self, step: int) -> list[dict]:
+        return self.sampler.batch(step)
+
+    def encode_prompt(self, row: dict, index: int = 0) -> list[int]:
+        text = row["prompt"]
+        if self.cfg.data.chat_template and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+        else:
+            ids = self.tokenizer(text).input_ids
+        if len(ids) > self.cfg.data.max_prompt_length:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens > data.max_prompt_length="
+                             f"{self.cfg.data.max_prompt_length}: {text[:80]!r}...")
+        return list(ids)
+
+    @torch.no_grad()
+    def rollout(self, rows: list[dict], group_size: int) -> Rollout:
+        r = self.cfg.rollout
+        prompt_ids = [self.encode_prompt(row, i) for i, row in enumerate(rows)]
+        gens = self.engine.generate(prompt_ids, n=group_size, max_new_tokens=r.max_new_tokens,
+                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        flat = [(i, g) for i, gs in enumerate(gens) for g in gs]  # N = B*G, grouped by prompt
+        return self._to_rollout(rows, prompt_ids, flat)
+
+    def _to_rollout(self, rows, prompt_ids, flat) -> Rollout:
+        pad = self.tokenizer.pad_token_id
+        P = max(len(prompt_ids[i]) for i, _ in flat)
+        R = max(1, max(len(g.response_ids) for _, g in flat))
+        N = len(flat)
+        prompt = torch.full((N, P), pad, dtype=torch.long)  # [N, P] left-padded
+        prompt_mask = torch.zeros((N, P), dtype=torch.long)
+        response = torch.full((N, R), pad, dtype=torch.long)  # [N, R] right-padded
+        response_mask = torch.zeros((N, R), dtype=torch.float32)
+        engine_logp = torch.zeros((N, R), dtype=torch.float32)
+        for n, (i, g) in enumerate(flat):
+            p, L = prompt_ids[i], len(g.response_ids)
+            prompt[n, P - len(p):] = torch.tensor(p)
+            prompt_mask[n, P - len(p):] = 1
+            if L:
+                response[n, :L] = torch.tensor(g.response_ids)
+                response_mask[n, :L] = 1
+                engine_logp[n, :L] = torch.tensor(g.logprobs)
+        columns = {k: [rows[i].get(k) for i, _ in flat] for k in rows[0] if k != "prompt"}
+        return Rollout(
+            tensors={"prompt_ids": prompt, "prompt_mask": prompt_mask, "response_ids": response,
+                     "response_mask": response_mask, "engine_logp": engine_logp,
+                     "finished": torch.tensor([g.finished for _, g in flat])},
+            group_ids=torch.tensor([i for i, _ in flat]),
+            prompts=[rows[i]["prompt"] for i, _ in flat],
+            samples=[g.text for _, g in flat],
+            columns=columns,
+        )
+
+    def score(self, rollout: Rollout):
+        return self.rewards(rollout.samples, prompts=rollout.prompts, columns=rollout.columns, group_ids=rollout.group_ids)
+
+    # ------------------------------------------------------------- log-probs
+    def evaluate(self, model, batch: Rollout) -> dict[str, torch.Tensor]:
+        """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling)."""
+        device = self.accelerator.device
+        t = {k: v.to(device) for k, v in batch.tensors.items()}
+        P = t["prompt_ids"].shape[1]
+        ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
+        attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], dim=1)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
+        logits = logits[:, P - 1:-1].float() / self.cfg.rollout.temperature  # [n, R, V] predicts response tokens
+        target = t["response_ids"].unsqueeze(-1)
+        logp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [n, R]
+        out = {"logp": logp, "mask": t["response_mask"]}
+        if self.cfg.algo.entropy_coef > 0:
+            from unirl.core import entropy_from_logits
+
+            out["entropy"] = entropy_from_logits(logits)
+        return out
+
+    def loss_mask(self, batch: Rollout) -> torch.Tensor:
+        return batch.tensors["response_mask"]
+
+    def kl(self, current, reference):
+        return kl_divergence(current["logp"], reference["logp"], estimator=self.cfg.algo.kl_estimator)
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        if self.cfg.model.lora.enabled:
+            with self.accelerator.unwrap_model(self._model).disable_adapter():
+                yield self._model
+        else:
+            if self.ref is None:
+                raise RuntimeError("no reference model: algo.kl_coef is 0")
+            yield self.ref
+
+    def sync_weights(self) -> None:
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.load_weights(hf_checkpoint_weights(self.accelerator.unwrap_model(self._model)))
+
+    def rollout_metrics(self, rollout: Rollout, old: dict[str, torch.Tensor]) -> dict[str, float]:
+        mask = rollout.tensors["response_mask"].bool()
+        diff = (rollout.tensors["engine_logp"] - old["logp"].cpu()).abs()[mask]
+        lengths = rollout.tensors["response_mask"].sum(-1)
+        return {
+            "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
+            "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
+            "rollout/response_length_mean": lengths.mean().item(),
+            "rollout/truncated_frac": 1.0 - rollout.tensors["finished"].float().mean().item(),
+        }
+
+    # ------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
+        if not self.test_rows:
+            return {}
+        r = self.cfg.rollout
+        prompt_ids = [self.encode_prompt(row, i) for i, row in enumerate(self.test_rows)]
+        gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
+                                    max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+        texts = [g[0].text for g in gens]
+        columns = {k: [row.get(k) for row in self.test_rows] for k in self.test_rows[0] if k != "prompt"}
+        comps = self.rewards.components(texts, prompts=[row["prompt"] for row in self.test_rows], columns=columns)
+        # Accuracy: the share of answers that get the first reward's full score (1 for gsm8k).
+        first = next(iter(comps.values()))
+        with open(run_dir / "eval_samples.jsonl", "a") as f:
+            for row, text, s in list(zip(self.test_rows, texts, first.tolist()))[:16]:
+                f.write(json.dumps({"step": step, "prompt": row["prompt"], "response": text, "score": s}) + "\n")
+        out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
+        out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in comps.items()})
+        return out
+
+    # ----------------------------------------------------------- checkpoints
+    def save_pretrained(self, directory: Path) -> None:
+        model = self.accelerator.unwrap_model(self._model)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.cfg.model.lora.enabled:
+            model.save_pretrained(directory / "adapter")
+            merged = copy.deepcopy(model).merge_and_unload()
+            merged.save_pretrained(directory, safe_serialization=True)
+        else:
+            model.save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
+
+    def close(self) -> None:
+        if getattr(self, "rewards", None) is not None:
+            self.rewards.close()
+        if self.engine is not None:
+            self.engine.close()

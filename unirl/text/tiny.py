@@ -1,0 +1,165 @@
+"""The embedded tiny default for text runs: a Qwen2-style model, its tokenizer and a task, built here.
+
+Nothing is downloaded. ``build_tiny_lm`` writes a real ``Qwen2ForCausalLM`` and a character-level
+fast tokenizer (built with ``tokenizers``) into a cache directory, from a fixed seed, so that
+transformers and vLLM both load it by path. Attention head_dim is 64 because vLLM's CPU attention
+kernels reject smaller heads.
+
+The task is small-number addition (operands 0..4) written in GSM8K's answer format (``#### N``), so
+the demo runs the real ``gsm8k`` reward. A random-initialised model never emits that format, and
+GRPO cannot find a reward it never samples, so the build includes a short supervised warm start:
+40 steps of 32 examples on the task itself (``#### a+b`` then EOS). That teaches the format and a
+little of the table: sampled accuracy starts near 0.1 and GRPO takes it to about 0.5 in the demo.
+(A warm start on a random digit, independent of the question, taught the format but also taught
+the model to ignore the question; GRPO then only learned the most frequent sum, 4, worth 0.2.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+
+# Characters the tokenizer knows. Enough for the addition task and simple English prompts.
+_ALPHABET = list("0123456789+-*/=?#:.,$ \n") + list("abcdefghijklmnopqrstuvwxyz") + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_SPECIAL = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
+
+#: Everything that changes the built artefacts goes into the cache key.
+TINY_LM_SPEC = {
+    "version": 4,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,  # head_dim 64
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "warm_start_steps": 40,
+    "warm_start_lr": 1e-3,
+    "max_operand": 4,
+}
+
+
+def default_cache_dir() -> Path:
+    import os
+
+    root = os.environ.get("UNIRL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "unirl")
+    return Path(root)
+
+
+def addition_question(a: int, b: int) -> str:
+    return f"{a}+{b}=?"
+
+
+def addition_rows(n: int, seed: int, max_operand: int = TINY_LM_SPEC["max_operand"]) -> list[dict]:
+    """``n`` addition problems ``{"question", "answer"}`` with GSM8K-style answers (``#### N``)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append({"question": addition_question(a, b), "answer": f"{a}+{b}={a + b}\n#### {a + b}"})
+    return rows
+
+
+def build_tokenizer():
+    """Character-level ``PreTrainedTokenizerFast`` (no merges), eos = ``<|endoftext|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level symbols (" " -> "Ġ", "\n" -> "Ċ") as in Qwen2's tokenizer, because transformers
+    # (and so vLLM) load this directory with the Qwen2 tokenizer class, which is byte-level.
+    byte_level = pre_tokenizers.ByteLevel.alphabet()
+    symbols = ["Ġ" if c == " " else "Ċ" if c == "\n" else c for c in _ALPHABET]
+    assert all(s in byte_level for s in symbols)
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL + symbols)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(_SPECIAL)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|unk|>",
+        model_max_length=TINY_LM_SPEC["max_position_embeddings"],
+    )
+
+
+def build_tiny_lm(directory: str | Path | None = None, seed: int = 0) -> Path:
+    """Build (or reuse) the tiny model + tokenizer + task data; return the model directory.
+
+    The directory holds ``config.json``, ``model.safetensors``, the tokenizer files, and
+    ``train.jsonl`` / ``test.jsonl`` of the addition task. A ``unirl_tiny.json`` marker with the
+    spec hash makes later calls return at once.
+    """
+    spec = dict(TINY_LM_SPEC, seed=seed)
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    directory = Path(directory) if directory else default_cache_dir() / f"tiny-qwen2-{digest}"
+    marker = directory / "unirl_tiny.json"
+    if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
+        return directory
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # 1. Tokenizer and model from config, seeded.
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+
+    # 2. Task data (train and held-out test from different seeds).
+    train, test = addition_rows(2000, seed=seed + 1), addition_rows(200, seed=seed + 2)
+
+    # 3. Short supervised warm start on the task (format plus a little of the table), see above.
+    _format_warm_start(model, tokenizer, train, spec, seed)
+
+    # 4. Save atomically enough: the marker is written last.
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    for name, rows in (("train.jsonl", train), ("test.jsonl", test)):
+        with open(directory / name, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    marker.write_text(json.dumps({"digest": digest, "spec": spec}, indent=1))
+    return directory
+
+
+def _format_warm_start(model, tokenizer, rows: list[dict], spec: dict, seed: int) -> None:
+    rng = random.Random(seed + 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["warm_start_lr"])
+    model.train()
+    for _ in range(spec["warm_start_steps"]):
+        batch = rng.sample(rows, 32)
+        prompts = [tokenizer(r["question"]).input_ids for r in batch]
+        answers = [tokenizer(r["answer"].split("\n")[-1]).input_ids + [tokenizer.eos_token_id] for r in batch]
+        length = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        ids = torch.full((len(batch), length), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), length), -100)
+        attn = torch.zeros((len(batch), length), dtype=torch.long)
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            seq = p + a
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, len(p) : len(seq)] = torch.tensor(a)
+            attn[i, : len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
