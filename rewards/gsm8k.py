@@ -2,8 +2,9 @@ r"""GSM8K exact-match reward, with verl's semantics (``verl/utils/reward_score/g
 
 The final answer is extracted from a solution in one of two ways:
 
-- ``strict``: the number right after the last ``####`` marker (the GSM8K answer format the
-  prompt asks for); no number there gives None.
+- ``strict``: the number of the last ``#### N`` (the GSM8K answer format the prompt asks for): a
+  marker of exactly four ``#`` then optional spaces and a number, as verl's regex
+  ``#### (\-?[0-9\.\,]+)``; no such marker gives None (so "######5" is not an answer).
 - ``flexible``: the last number anywhere in the text.
 
 Numbers are normalised before comparison: thousands commas, a leading ``$`` and trailing zeros
@@ -29,7 +30,7 @@ _NUMBER = re.compile(
     r"(?<![\w.])(?P<sign>-)?\$?"
     r"(?:(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?P<frac>\.\d+)?|(?P<bare_frac>\.\d+))"
 )
-_AFTER_MARKER = re.compile(r"\s*" + _NUMBER.pattern)
+_MARKED = re.compile(r"(?<!#)####[ \t]*" + _NUMBER.pattern)
 
 
 def extract_answer(text: str, method: Literal["strict", "flexible"] = "strict") -> str | None:
@@ -43,10 +44,9 @@ def extract_answer(text: str, method: Literal["strict", "flexible"] = "strict") 
     True
     """
     if method == "strict":
-        marker = text.rfind("####")
-        if marker < 0:
-            return None
-        match = _AFTER_MARKER.match(text, marker + len("####"))
+        match = None
+        for match in _MARKED.finditer(text):
+            pass  # keep the last one
     elif method == "flexible":
         match = None
         for match in _NUMBER.finditer(text):

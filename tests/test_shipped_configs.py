@@ -1,0 +1,31 @@
+"""Every YAML under configs/ loads into its environment's typed config, recursively."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from unirl.cli import ENVIRONMENTS, _import
+from unirl.config import CONFIGS_ROOT, load_config
+
+SHIPPED = sorted(CONFIGS_ROOT.rglob("*.yaml"))
+
+
+def test_configs_are_shipped():
+    names = {p.relative_to(CONFIGS_ROOT).as_posix() for p in SHIPPED}
+    assert {"text/tiny.yaml", "text/gsm8k.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(CONFIGS_ROOT).as_posix())
+def test_shipped_config_validates(path: Path):
+    env = path.relative_to(CONFIGS_ROOT).parts[0]
+    assert env in ENVIRONMENTS, f"{path}: configs/<env>/ must be one of {sorted(ENVIRONMENTS)}"
+    cfg = load_config(_import(ENVIRONMENTS[env][0]), path)
+    trainer = cfg.trainer
+    assert (trainer.prompts_per_step * trainer.group_size) % trainer.mini_batch_size == 0
+    assert cfg.rewards, f"{path}: no reward"
+    from rewards.registry import load_reward
+
+    for reward in cfg.rewards:  # every named reward resolves (models load lazily, not here)
+        load_reward(reward.name, **reward.kwargs)
