@@ -1,16 +1,21 @@
 """Reward functions for unirl, installed beside ``unirl`` (``rewards/<name>.py``, one task per file).
 
 A reward is a callable over a batch: ``reward(samples, *, prompts, <dataset columns>, **kwargs)``
-returns one finite float per sample. The full contract, and how a config names a reward (a
-registered name, ``path/to/file.py:function`` or ``package.module:function``), are in
-``rewards/registry.py``. Importing this package is cheap: the built-in reward modules are imported
-on the first lookup of a name.
+returns one finite float, or None ("does not apply"), per sample; it may be ``async``. Model-based
+rewards are classes (``rewards.models.ModelReward``) instantiated once with the config's kwargs. The
+full contract, and the ways a config names a reward (a registered name, an entry point of an
+installed package, ``path/to/file.py:function``, ``package.module:function``, ``http://host:port``),
+are in ``rewards/registry.py`` and docs/rewards.md. Importing this package is cheap: the built-in
+reward modules are imported on the first lookup of a name.
 """
 
+from rewards.models import ModelReward
 from rewards.registry import (
+    ENTRY_POINT_GROUP,
     REWARDS,
     RewardError,
     RewardInfo,
+    call_reward,
     list_rewards,
     load_reward,
     register_reward,
@@ -20,9 +25,12 @@ from rewards.registry import (
 )
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "REWARDS",
+    "ModelReward",
     "RewardError",
     "RewardInfo",
+    "call_reward",
     "list_rewards",
     "load_reward",
     "register_reward",

@@ -33,7 +33,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
         ("#### 18.0.", "18", "18"),
         ("#### 0.75", "0.75", "0.75"),
         ("#### 12\nwait, no\n#### 13", "13", "13"),  # the last marker wins
-        ("#### 12\n#### none", None, "12"),  # nothing after the last marker
+        ("#### 12\n#### none", "12", "12"),  # the last "#### N" counts, as in verl
+        ("######5#", None, "5"),  # not the marker: exactly four "#"
         ("#### 5 apples, 7 pears", "5", "7"),
         ("She makes 9 * 2 = $18 a day.", None, "18"),
         ("A: 1,234,567", None, "1234567"),
@@ -87,10 +88,12 @@ def test_gsm8k_doctests():
 @pytest.fixture
 def isolated_registry(monkeypatch):
     """A registry state the test may change freely; the real one is restored afterwards."""
+    registry._ensure_builtins()  # registered before the copy: a module imported once never registers again
     monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))
     monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
     monkeypatch.setattr(registry, "_UNAVAILABLE", dict(registry._UNAVAILABLE))
     monkeypatch.setattr(registry, "_IMPORTED", set(registry._IMPORTED))
+    monkeypatch.setattr(registry, "_ENTRY_POINTS_SEEN", set(registry._ENTRY_POINTS_SEEN))
     monkeypatch.setattr(registry, "BUILTIN_MODULES", list(registry.BUILTIN_MODULES))
     return registry
 
@@ -121,7 +124,10 @@ def test_unknown_name_lists_available():
     with pytest.raises(RewardError) as info:
         load_reward("gsm8")
     message = str(info.value)
-    assert "unknown reward 'gsm8'" in message and "Did you mean 'gsm8k'?" in message and "Available: gsm8k" in message
+    assert "unknown reward 'gsm8'" in message and "Did you mean 'gsm8k'?" in message
+    available = message.split("Available: ")[1].split(". Or give")[0].split(", ")
+    assert available == sorted(available)  # every registered name, sorted
+    assert {"aesthetic", "clip_score", "gsm8k", "math_verify", "pickscore"} <= set(available)
 
 
 def test_load_from_file_binds_kwargs(tmp_path):
@@ -175,6 +181,30 @@ def test_builtin_with_missing_dependency(isolated_registry, tmp_path, monkeypatc
     assert "unirl_test_ocr_reward" in isolated_registry.unavailable_builtins()
 
 
+def test_builtin_whose_dependency_crashes_on_import(isolated_registry, tmp_path, monkeypatch):
+    # E.g. a torchvision built for another torch raises RuntimeError on import: that module's
+    # rewards are unavailable, with the error; the others still load.
+    (tmp_path / "unirl_test_crashing_dep.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    (tmp_path / "unirl_test_uses_crashing_dep.py").write_text("import unirl_test_crashing_dep\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    isolated_registry.BUILTIN_MODULES.append("unirl_test_uses_crashing_dep")
+    assert load_reward("gsm8k") is gsm8k
+    assert isolated_registry.unavailable_builtins()["unirl_test_uses_crashing_dep"] == (
+        "unirl_test_uses_crashing_dep failed to import: RuntimeError: operator torchvision::nms does not exist")
+
+
+def test_a_bug_in_our_own_reward_module_is_raised_not_hidden():
+    # Only a dependency's failure makes a built-in "unavailable"; a bug in rewards/ must surface.
+    ours = str(Path(registry.__file__).parent / "imaginary.py")
+    assert registry._raised_in_rewards_package(SyntaxError("invalid syntax", (ours, 1, 1, "def (")))
+    with pytest.raises(NameError) as info:
+        exec(compile("undefined_name", ours, "exec"))
+    assert registry._raised_in_rewards_package(info.value)
+    with pytest.raises(NameError) as info:
+        exec(compile("undefined_name", "/elsewhere/torchvision/__init__.py", "exec"))
+    assert not registry._raised_in_rewards_package(info.value)
+
+
 # ----------------------------------------------------------------------------------------------
 # score_batch
 # ----------------------------------------------------------------------------------------------
@@ -187,22 +217,26 @@ def test_score_batch_accepts_lists_and_arrays():
     assert score_batch(gsm8k, ["#### 1", "#### 2"], name="gsm8k", answer=["1", "1"], prompts=["a", "b"]) == [1.0, 0.0]
     assert score_batch(lambda s, **kw: np.array([0.5, 1]), ["a", "b"], name="np") == [0.5, 1.0]
     assert score_batch(lambda s, **kw: torch.tensor([0.25, 1.0], requires_grad=True), ["a", "b"], name="t") == [0.25, 1.0]
+    # None: "does not apply", passed through for RewardSet to leave out.
+    assert score_batch(lambda s, **kw: [None, 2], ["a", "b"], name="none") == [None, 2.0]
+    with pytest.raises(RewardError, match=r"reward 'arr' returned an array of shape \(2, 1\), expected \(2,\)"):
+        score_batch(lambda s, **kw: np.zeros((2, 1)), ["a", "b"], name="arr")
 
 
 @pytest.mark.parametrize(
     "returned, expected",
     [
         ([1.0], "reward 'bad' returned 1 scores for 2 samples"),
-        ([1.0, math.nan], "reward 'bad' returned nan for sample 1; scores must be finite"),
+        ([1.0, math.nan], "reward 'bad' returned nan for sample 1 (prompt 'q1'); scores must be finite"),
         ([math.inf, 1.0], "reward 'bad' returned inf for sample 0"),
-        ([1.0, None], "reward 'bad' returned None for sample 1; scores must be floats"),
-        ([1.0, "1"], "reward 'bad' returned '1' for sample 1"),
+        ([1.0, "1"], "reward 'bad' returned '1' for sample 1 (prompt 'q1'); scores must be floats (or None"),
+        ([[1.0], [2.0]], "reward 'bad' returned [1.0] for sample 0 (prompt 'q0')"),
         (0.5, "reward 'bad' returned float, expected a list of 2 floats"),
     ],
 )
 def test_score_batch_errors(returned, expected):
     with pytest.raises(RewardError) as info:
-        score_batch(lambda samples, **kwargs: returned, ["x", "y"], name="bad")
+        score_batch(lambda samples, **kwargs: returned, ["x", "y"], name="bad", prompts=["q0", "q1"])
     assert str(info.value).startswith(expected)
 
 

@@ -2,6 +2,8 @@
 
     unirl train text --config gsm8k [--output-dir DIR] [--dry-run] [key=value ...]
     unirl train diffusion --config sd3_ocr ...
+    unirl rewards list
+    unirl serve-reward NAME [--host 127.0.0.1] [--port P]
 
 ``--config`` takes a name (``configs/<env>/NAME.yaml`` in this repository) or a path to a YAML file.
 """
@@ -56,6 +58,9 @@ def train(env_name: str, config: str, overrides: list[str], output_dir: str | No
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unirl", description="RL post-training for LLMs and diffusion models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    from unirl.reward_commands import add_subcommands
+
+    add_subcommands(sub)  # unirl rewards list, unirl serve-reward NAME
     p_train = sub.add_parser("train", help="train a policy")
     p_train.add_argument("env", choices=sorted(ENVIRONMENTS))
     p_train.add_argument("--config", required=True, help="config name (configs/<env>/NAME.yaml) or a YAML path")
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides are key=value)")
         args.overrides = list(args.overrides) + extra
 
+    if args.command != "train":
+        return args.func(args)
     from unirl.config import ConfigError
 
     try:

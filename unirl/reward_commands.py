@@ -1,0 +1,85 @@
+"""``unirl rewards list`` and ``unirl serve-reward``: the reward subcommands of the ``unirl`` CLI.
+
+``add_subcommands(subparsers)`` adds both to a parser's subcommands; each sets ``func`` (which
+takes the parsed arguments and returns an exit status). Also runnable alone:
+``python -m unirl.reward_commands rewards list``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_subcommands(subparsers) -> None:
+    """Add ``rewards list`` and ``serve-reward`` to ``subparsers`` (from ``add_subparsers()``)."""
+    p_rewards = subparsers.add_parser("rewards", help="the rewards a config can name")
+    rewards_sub = p_rewards.add_subparsers(dest="rewards_command", required=True)
+    p_list = rewards_sub.add_parser("list", help="each reward's name, modality, source and description")
+    p_list.set_defaults(func=list_command)
+
+    p_serve = subparsers.add_parser("serve-reward", help="host a reward over HTTP; a run uses it as http://host:port")
+    p_serve.add_argument("name", help="a registered reward, path/to/file.py:function or package.module:function")
+    p_serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p_serve.add_argument("--kwargs", default="{}", metavar="JSON",
+                         help='settings for the reward, as in a config\'s kwargs: \'{"method": "flexible"}\'')
+    p_serve.set_defaults(func=serve_command)
+
+
+def list_command(args: argparse.Namespace) -> int:
+    """Print a table of the registered rewards, then those that could not be loaded and why."""
+    from rewards.registry import list_rewards, unavailable_builtins
+
+    rows = [(i.name, i.modality, i.source, i.description) for i in list_rewards()]
+    header = ("NAME", "MODALITY", "SOURCE", "DESCRIPTION")
+    widths = [max(len(r[k]) for r in [header, *rows]) for k in range(3)]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
+    unavailable = unavailable_builtins()
+    if unavailable:
+        print("\nnot available:")
+        for reason in unavailable.values():
+            print(f"  {reason}")
+    print("\nAlso: path/to/file.py:function, package.module:function, http://host:port (see docs/rewards.md).")
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Serve ``args.name`` until interrupted; print the URL first (a line a script can wait for)."""
+    from rewards.registry import RewardError
+    from rewards.remote import make_server
+
+    try:
+        kwargs = json.loads(args.kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as err:
+        print(f"unirl serve-reward: --kwargs must be a JSON object ({err}): {args.kwargs!r}", file=sys.stderr)
+        return 2
+    try:
+        server = make_server(args.name, args.host, args.port, kwargs)
+    except (RewardError, OSError) as err:
+        print(f"unirl serve-reward: {err}", file=sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    print(f"serving reward {args.name!r} at http://{host}:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m unirl.reward_commands", description="unirl's reward subcommands")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
