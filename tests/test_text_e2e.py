@@ -136,3 +136,32 @@ def test_bad_config_stops_early_with_the_key(override, expected, tmp_path):
 def test_unknown_config_name_lists_available():
     proc = _unirl("train", "text", "--config", "gsm9k", timeout=120)
     assert proc.returncode == 2 and "gsm8k" in proc.stderr and "tiny" in proc.stderr
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_kl_reference_and_tis_paths(tmp_path, tiny_lm_dir, lora):
+    """KL to the reference (LoRA: adapter disabled; full: frozen copy) and TIS weights, 2 steps."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "rollout.engine=hf",
+                  f"model.lora.enabled={str(lora).lower()}", "model.lora.r=8", "algo.kl_coef=0.05",
+                  "algo.tis_cap=2.0", "trainer.prompts_per_step=4", "trainer.mini_batch_size=16",
+                  "trainer.micro_batch_size=8", "trainer.ppo_epochs=2", "trainer.total_steps=2",
+                  "trainer.eval_every=0", "trainer.progress=false")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _train_rows(run)
+    # Step 1, first mini-batch: policy == reference, so the KL is 0; later updates move it away.
+    assert all("loss/kl" in m for m in rows)
+    assert rows[-1]["loss/kl"] > 0
+    ckpt = run / "checkpoints" / "step_000002"
+    merged = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32)
+    assert any(not torch.equal(p, q) for p, q in zip(merged.parameters(), initial.parameters()))
+    if lora:
+        from peft import PeftModel
+
+        assert (ckpt / "adapter" / "adapter_config.json").exists()
+        with_adapter = PeftModel.from_pretrained(initial, ckpt / "adapter").merge_and_unload()
+        for p, q in zip(with_adapter.parameters(), merged.parameters()):
+            torch.testing.assert_close(p, q)
