@@ -165,3 +165,48 @@ def test_kl_reference_and_tis_paths(tmp_path, tiny_lm_dir, lora):
         with_adapter = PeftModel.from_pretrained(initial, ckpt / "adapter").merge_and_unload()
         for p, q in zip(with_adapter.parameters(), merged.parameters()):
             torch.testing.assert_close(p, q)
+
+
+def test_every_way_of_naming_a_reward_in_a_run(tmp_path, tiny_lm_dir):
+    """A registered name, a file.py:function, a package.module:function and an installed package's
+    ``unirl.rewards`` entry point, all in one config, through a short run; each is logged."""
+    site = tmp_path / "site"
+    (site / "e2e_plugin").mkdir(parents=True)
+    (site / "e2e_plugin" / "__init__.py").write_text("")
+    (site / "e2e_plugin" / "rules.py").write_text(
+        "def has_marker(samples, **kwargs):\n    return [float('####' in s) for s in samples]\n\n"
+        "def short(samples, *, limit, **kwargs):\n    return [float(len(s) <= limit) for s in samples]\n"
+    )
+    info = site / "e2e_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: e2e-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[unirl.rewards]\ne2e_short = e2e_plugin.rules:short\n")
+    (tmp_path / "my_reward.py").write_text(
+        "def not_applicable_to_odd(samples, *, prompts, **kwargs):\n"
+        "    return [None if int(p[0]) % 2 else 1.0 for p in prompts]\n"
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "rewards": [
+            {"name": "gsm8k"},
+            {"name": f"{tmp_path / 'my_reward.py'}:not_applicable_to_odd", "weight": 0.5},
+            {"name": "e2e_plugin.rules:has_marker", "weight": 0.25},
+            {"name": "e2e_short", "weight": 0.25, "kwargs": {"limit": 6}},
+        ],
+        "rollout": {"engine": "hf", "max_new_tokens": 8},
+        "trainer": {"total_steps": 2, "prompts_per_step": 4, "group_size": 4, "mini_batch_size": 16,
+                    "micro_batch_size": 16, "eval_every": 0, "progress": False},
+    }))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", str(config),
+                           "--output-dir", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for m in _train_rows(tmp_path / "run"):
+        for name in ("gsm8k", "not_applicable_to_odd", "has_marker", "e2e_short"):
+            assert 0.0 <= m[f"reward/{name}"] <= 1.0, name
+        # The reward applies only to even first operands, so its logged mean is over those: 1
+        # (NaN if a step drew none; the sampler is seeded, so that is deterministic).
+        value = m["reward/not_applicable_to_odd"]
+        assert value == 1.0 or value != value
+        assert m["reward/mean"] <= 1 + 0.5 + 0.25 + 0.25
