@@ -42,3 +42,14 @@ def test_every_python_block_runs(isolated_registry):
     assert len(blocks) >= 2
     for i, block in enumerate(blocks):
         exec(compile(block, f"{DOC}:python block {i}", "exec"), {})
+
+
+def test_readme_write_your_own_reward_example_runs(isolated_registry):
+    readme = DOC.parents[1] / "README.md"
+    text = readme.read_text()
+    start = text.index("\n## Write your own reward\n")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"^```python\n(.*?)^```$", text[start:end if end > 0 else None], flags=re.S | re.M)
+    assert blocks, "README.md lost its '## Write your own reward' python block"
+    exec(compile(blocks[0], f"{readme}:Write your own reward", "exec"), {})  # its assert checks the scores
+    assert registry.reward_info("ends_with_period").modality == "text"
