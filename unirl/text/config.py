@@ -66,8 +66,6 @@ class RolloutConfig:
     #: vLLM dtype; "auto" follows the trainer's dtype.
     dtype: str = "auto"
     max_model_len: Optional[int] = None
-    #: Sleep vLLM (free its KV cache) during the update; GPU only.
-    sleep_during_update: bool = False
     #: Greedy decoding length for evaluation (null: max_new_tokens).
     eval_max_new_tokens: Optional[int] = None
 

@@ -90,12 +90,6 @@ class VLLMEngine:
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
-        self.llm.sleep(level=1)
-
-    def wake_up(self) -> None:
-        self.llm.wake_up()
-
     def close(self) -> None:
         del self.llm
 

@@ -70,8 +70,9 @@ class TextEnvironment(Environment):
         self.test_rows = self._rows(cfg.data.test, cfg.data.test_split, "test") if cfg.data.test else []
         if cfg.data.eval_size is not None:
             self.test_rows = self.test_rows[: cfg.data.eval_size]
-        self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step,
-                                     seed=cfg.trainer.seed + accelerator.process_index, shuffle=cfg.data.shuffle)
+        self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
+                                     shuffle=cfg.data.shuffle, rank=accelerator.process_index,
+                                     world_size=accelerator.num_processes)
         # 4. Rewards and the rollout engine.
         self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers)
         if cfg.rollout.engine == "vllm":
