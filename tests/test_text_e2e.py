@@ -210,3 +210,28 @@ def test_every_way_of_naming_a_reward_in_a_run(tmp_path, tiny_lm_dir):
         value = m["reward/not_applicable_to_odd"]
         assert value == 1.0 or value != value
         assert m["reward/mean"] <= 1 + 0.5 + 0.25 + 0.25
+
+
+def test_a_failing_reward_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, tiny_lm_dir):
+    (tmp_path / "flaky.py").write_text(
+        "CALLS = 0\n\n"
+        "def flaky(samples, *, prompts, **kwargs):\n"
+        "    global CALLS\n"
+        "    CALLS += len(samples) > 1  # batch calls only (a failing batch is re-scored sample by sample)\n"
+        "    if CALLS >= 3:\n"
+        "        raise RuntimeError('reward server fell over')\n"
+        "    return [0.5] * len(samples)\n"
+    )
+    run = tmp_path / "run"
+    proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "rollout.engine=hf",
+                  f"rewards=[{{name: {tmp_path / 'flaky.py'}:flaky}}]", "trainer.prompts_per_step=4",
+                  "trainer.mini_batch_size=32", "trainer.micro_batch_size=32", "trainer.total_steps=5",
+                  "trainer.eval_every=0", "trainer.save_every=2", "trainer.progress=false")
+    assert proc.returncode != 0
+    assert "flaky" in proc.stderr and "reward server fell over" in proc.stderr
+    assert "sample 0" in proc.stderr and "=?" in proc.stderr  # the sample index and its prompt
+    assert [m["step"] for m in _train_rows(run)] == [1, 2]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000002")
