@@ -85,17 +85,6 @@ def test_gsm8k_doctests():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def isolated_registry(monkeypatch):
-    """A registry state the test may change freely; the real one is restored afterwards."""
-    registry._ensure_builtins()  # registered before the copy: a module imported once never registers again
-    monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))
-    monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
-    monkeypatch.setattr(registry, "_UNAVAILABLE", dict(registry._UNAVAILABLE))
-    monkeypatch.setattr(registry, "_IMPORTED", set(registry._IMPORTED))
-    monkeypatch.setattr(registry, "_ENTRY_POINTS_SEEN", set(registry._ENTRY_POINTS_SEEN))
-    monkeypatch.setattr(registry, "BUILTIN_MODULES", list(registry.BUILTIN_MODULES))
-    return registry
 
 
 def test_builtin_is_found_by_name():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 
 from rewards import registry
 
@@ -22,11 +21,6 @@ def python_blocks(heading: str | None = None) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
 
 
-@pytest.fixture
-def isolated_registry(monkeypatch):
-    registry._ensure_builtins()
-    monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))
-    monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
 
 
 def test_write_your_own_reward_example_runs(isolated_registry):

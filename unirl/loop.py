@@ -164,7 +164,7 @@ class Trainer:
 
     def update(self, rollout: Rollout) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch AdamW steps, micro-batches accumulating gradients."""
-        acc, model, algo = self.accelerator, self.env.model, self.algo
+        acc, model = self.accelerator, self.env.model
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
