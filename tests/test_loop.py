@@ -1,0 +1,90 @@
+"""The training loop's update on a real environment (tiny text model, transformers engine).
+
+Gradient accumulation must not change the update: one mini-batch cut into micro-batches gives the
+same parameters as the whole mini-batch at once, for every loss aggregation mode.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from unirl.cli import load_run_config
+from unirl.config import config_to_dict
+from unirl.loop import Trainer
+from unirl.text.env import TextEnvironment
+
+
+def _record_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
+    """Keep a copy of the accumulated gradients at every optimizer step (Adam's update would hide
+    a wrong overall scale, the gradient does not)."""
+    grads: list[list[torch.Tensor]] = []
+    step = trainer._optimizer_step
+
+    def recording_step():
+        grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
+        return step()
+
+    trainer._optimizer_step = recording_step
+    return grads
+
+
+def _trainer(tmp_path, micro: int, agg: str, kl: float) -> Trainer:
+    cfg = load_run_config("text", "tiny", [
+        "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
+        f"trainer.micro_batch_size={micro}", "trainer.eval_every=0", "trainer.progress=false",
+        f"algo.loss_agg={agg}", f"algo.kl_coef={kl}", "optim.max_grad_norm=null", "optim.lr=1e-3",
+    ], output_dir=str(tmp_path / f"run-{micro}-{agg}-{kl}"))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer.setup()
+    return trainer
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_same_update(tmp_path, tiny_lm_dir, agg):
+    kl = 0.1 if agg == "token-mean" else 0.0
+    whole, split = _trainer(tmp_path, 16, agg, kl), _trainer(tmp_path, 4, agg, kl)
+    try:
+        rollout = whole.env.rollout(whole.env.next_prompts(0), 4)
+        rewards, _ = whole.env.score(rollout)
+        assert rewards.std() > 0, "need a non-zero advantage somewhere"
+        whole.advantages(rollout, rewards)
+        whole.old_and_reference(rollout)
+        # The same data for the second trainer, whose model starts from the same weights.
+        split_rollout = copy.deepcopy(rollout)
+        before = [p.detach().clone() for p in whole.env.model.parameters()]
+        for p, q in zip(whole.env.model.parameters(), split.env.model.parameters()):
+            assert torch.equal(p, q)
+        g_whole, g_split = _record_grads(whole), _record_grads(split)
+        m_whole, m_split = whole.update(rollout), split.update(split_rollout)
+        moved = max((p - b).abs().max().item() for p, b in zip(whole.env.model.parameters(), before))
+        assert moved > 1e-5
+        assert len(g_whole) == len(g_split) == 1  # one mini-batch: one optimizer step each
+        assert max(g.abs().max().item() for g in g_whole[0]) > 1e-4
+        for a, b in zip(g_whole[0], g_split[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        # Adam turns tiny float32 summation differences into visible ones only where |grad| ~ eps.
+        for p, q in zip(whole.env.model.parameters(), split.env.model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        assert m_whole["loss/policy"] == pytest.approx(m_split["loss/policy"] * 4, rel=1e-4, abs=1e-7)
+    finally:
+        whole.env.close()
+        split.env.close()
+
+
+def test_on_policy_first_mini_batch_has_ratio_one(tmp_path, tiny_lm_dir):
+    trainer = _trainer(tmp_path, 16, "token-mean", 0.0)
+    try:
+        rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+        rewards, _ = trainer.env.score(rollout)
+        trainer.advantages(rollout, rewards)
+        trainer.old_and_reference(rollout)
+        metrics = trainer.update(rollout)  # one mini-batch: the whole step is on-policy
+        assert metrics["actor/ratio_min"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["actor/clip_frac"] == 0.0
+    finally:
+        trainer.env.close()
