@@ -1,0 +1,226 @@
+"""The diffusion environment on the toy SD3 (real diffusers classes): on-policy log-probs, KL, EMA,
+schedules, and the LoRA saved in diffusers' format loading into a stock pipeline."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from unirl.config import load_config
+from unirl.diffusion.config import DiffusionConfig
+from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
+from unirl.diffusion.sampling import sigma_schedule, stochastic_steps, trained_steps
+from unirl.diffusion.tiny import build_tiny_sd3
+
+TINY = ["model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_sequence_length=16",
+        "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.mini_batch_size=8",
+        "trainer.micro_batch_size=8", "sampling.chunk_size=8", "sampling.num_steps=6", "sampling.eval_num_steps=6"]
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir():
+    return build_tiny_sd3()
+
+
+def make_env(tiny_sd3_dir, *overrides: str) -> DiffusionEnvironment:
+    from accelerate import Accelerator
+
+    cfg = load_config(DiffusionConfig, None, [*TINY, *overrides])
+    env = DiffusionEnvironment(cfg)
+    env.setup(Accelerator(cpu=True))
+    return env
+
+
+def perturb_lora(env, seed: int = 0, scale: float = 0.3) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in env.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.mark.parametrize("overrides", [
+    (),  # every step stochastic and trained, no guidance
+    ("sampling.guidance_scale=3.0", "sampling.train_cfg=true"),  # CFG in rollouts and training
+    ("sampling.guidance_scale=3.0", "sampling.sde_window.size=2", "sampling.sde_window.range=[1,5]",
+     "sampling.timestep_fraction=0.5", "sampling.same_noise_per_group=true"),  # Fast window, step subset
+    ("sampling.sde_type=cps", "sampling.noise_level=0.5", "sampling.timestep_fraction=0.6"),
+])
+def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_dir, overrides):
+    env = make_env(tiny_sd3_dir, *overrides)
+    perturb_lora(env)  # a non-trivial policy, as after some training
+    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    old = rollout.tensors["old_logp"]  # [N, T]
+    with torch.no_grad():
+        cur = env.evaluate(env.model, rollout)
+    assert cur["logp"].shape == old.shape == env.loss_mask(rollout).shape
+    assert torch.equal(cur["logp"], old)  # ratio exactly 1 for every trained step
+    assert torch.equal(torch.exp(cur["logp"] - old), torch.ones_like(old))
+    # A shuffled sub-batch (the loop's micro-batches) re-scores the same steps to float precision.
+    idx = torch.tensor([5, 0, 3])
+    with torch.no_grad():
+        sub = env.evaluate(env.model, rollout.select(idx))
+    torch.testing.assert_close(sub["logp"], old[idx], rtol=0, atol=1e-5)
+    env.close()
+
+
+def test_rollout_records_the_chosen_steps_and_shares_noise_within_groups(tiny_sd3_dir):
+    env = make_env(tiny_sd3_dir, "sampling.sde_window.size=2", "sampling.sde_window.range=[1,5]",
+                   "sampling.same_noise_per_group=true")
+    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    steps = rollout.tensors["step_index"]  # [N, 2]
+    assert steps.shape == (8, 2) and bool((steps[:, 1] == steps[:, 0] + 1).all())  # one window for the batch
+    assert 1 <= int(steps[0, 0]) and int(steps[0, 1]) < 5
+    sigmas, _ = sigma_schedule(env.scheduler, 6)
+    torch.testing.assert_close(rollout.tensors["sigma"], sigmas[steps], rtol=0, atol=0)
+    # Steps before the window are deterministic, so a group that shares the initial noise shares the
+    # latent entering the window; the SDE noise then differs within the group.
+    if int(steps[0, 0]) > 0:
+        lat = rollout.tensors["latents"][:, 0]  # [N, C, h, w]
+        assert torch.equal(lat[0], lat[3]) and not torch.equal(lat[0], lat[4])
+    assert not torch.equal(rollout.tensors["next_latents"][0, 0], rollout.tensors["next_latents"][1, 0])
+    assert rollout.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    env.close()
+
+
+def test_trained_steps_subset_and_window_bounds():
+    stochastic = torch.tensor([False, True, True, True, True, False])
+    steps = trained_steps(50, stochastic, 0.5, torch.Generator().manual_seed(0))  # int(4 * 0.5) = 2 of 4
+    assert steps.shape == (50, 2) and bool((steps[:, 0] < steps[:, 1]).all())
+    assert set(steps.flatten().tolist()) == {1, 2, 3, 4}
+    assert trained_steps(3, stochastic, 1.0, torch.Generator()).tolist() == [[1, 2, 3, 4]] * 3
+    starts = {int(stochastic_steps(10, 3, (2, 8), random.Random(s)).nonzero()[0]) for s in range(200)}
+    assert starts == {2, 3, 4, 5}
+    assert bool(stochastic_steps(4).all())
+
+
+def test_kl_is_zero_for_the_reference_and_matches_the_closed_form(tiny_sd3_dir):
+    env = make_env(tiny_sd3_dir, "algo.kl_coef=0.1")
+    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    with torch.no_grad():
+        with env.reference_model() as ref:
+            ref_out = env.evaluate(ref, rollout)
+        cur = env.evaluate(env.model, rollout)  # LoRA B starts at 0: the policy is the reference
+        assert torch.equal(env.kl(cur, ref_out), torch.zeros_like(cur["logp"]))
+        perturb_lora(env)
+        cur = env.evaluate(env.model, rollout)
+        with env.reference_model() as ref:  # the adapter is disabled inside, so ref is unchanged
+            torch.testing.assert_close(env.evaluate(ref, rollout)["mean"], ref_out["mean"], rtol=0, atol=0)
+    kl = env.kl(cur, ref_out)  # [N, T]
+    # FlowGRPO: ((mean - ref_mean)^2).mean(dims) / (2 std^2), one step and one sample at a time.
+    n, t = 3, 2
+    diff = (cur["mean"][n, t] - ref_out["mean"][n, t]).double()
+    expected = diff.square().mean() / (2 * cur["std"][n, t].double() ** 2)
+    assert float(kl[n, t]) == pytest.approx(float(expected), rel=1e-5)
+    assert bool((kl > 0).all())
+    env.cfg.kl_form = "dt_scaled"
+    torch.testing.assert_close(env.kl(cur, ref_out), kl * (rollout.tensors["sigma"] - rollout.tensors["sigma_next"]))
+    env.close()
+
+
+def test_gradient_of_the_rescored_log_prob_reaches_only_the_lora_weights(tiny_sd3_dir):
+    env = make_env(tiny_sd3_dir)
+    perturb_lora(env)
+    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    env.evaluate(env.model, rollout)["logp"].sum().backward()
+    grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
+    assert grads and all("lora_" in n for n in grads)
+    # The last block is context_pre_only (SD3): its text-stream output is discarded, so the text
+    # query projection gets no gradient there; every other adapter does.
+    silent = {n for n, g in grads.items() if g is None or g.abs().sum() == 0}
+    assert all("transformer_blocks.1.attn.add_q_proj" in n for n in silent), silent
+    assert len(silent) <= 2 < len(grads)
+    env.close()
+
+
+def test_param_ema_by_hand():
+    p = torch.nn.Parameter(torch.zeros(2))
+    ema = ParamEMA([p], decay=0.9, update_every=1)
+    with torch.no_grad():
+        p.fill_(1.0)
+    ema.catch_up(1)  # decay min(1/10, 0.9) = 0.1: 0 + 0.9 * (1 - 0) = 0.9
+    ema.catch_up(1)  # no new step: no update
+    torch.testing.assert_close(ema.shadow[0], torch.full((2,), 0.9))
+    ema.catch_up(2)  # decay min(2/11, 0.9): 0.9 + (9/11) * 0.1
+    expected = 0.9 + (1 - 2 / 11) * 0.1
+    torch.testing.assert_close(ema.shadow[0], torch.full((2,), expected))
+    with ema.swapped():
+        torch.testing.assert_close(p.detach(), torch.full((2,), expected))
+    torch.testing.assert_close(p.detach(), torch.ones(2))
+    state = ema.state_dict()
+    other = ParamEMA([torch.nn.Parameter(torch.zeros(2))], decay=0.9)
+    other.load_state_dict(state)
+    assert other.updates == 2 and torch.equal(other.shadow[0], ema.shadow[0])
+
+
+def test_saved_lora_loads_into_a_stock_pipeline_and_changes_its_output(tiny_sd3_dir, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    env = make_env(tiny_sd3_dir, "ema.enabled=false")
+    perturb_lora(env, scale=0.5)
+    env.save_pretrained(tmp_path / "ckpt")
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    kwargs = dict(prompt="a red cat", num_inference_steps=4, height=32, width=32, guidance_scale=1.0,
+                  max_sequence_length=16, output_type="latent")
+    before = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(tmp_path / "ckpt")
+    after = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    assert (after - before).abs().max() > 1e-3
+    # The loaded transformer is our policy: same velocity (alpha / r scaling included).
+    x, t = torch.randn(2, 4, 16, 16), torch.tensor([700.0, 300.0])
+    emb, pooled = torch.randn(2, 32, 32), torch.randn(2, 32)
+    with torch.no_grad():
+        ours = env.model(hidden_states=x, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled, return_dict=False)[0]
+        stock = pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled, return_dict=False)[0]
+    torch.testing.assert_close(stock, ours, rtol=1e-4, atol=1e-5)
+    env.close()
+
+
+def test_full_finetune_trains_every_weight_and_keeps_a_frozen_reference(tiny_sd3_dir, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    env = make_env(tiny_sd3_dir, "model.lora.enabled=false", "algo.kl_coef=0.04", "ema.enabled=false")
+    assert all(p.requires_grad for p in env.model.parameters())
+    with env.reference_model() as ref:
+        assert ref is not env.model and not any(p.requires_grad for p in ref.parameters())
+    env.save_pretrained(tmp_path / "ckpt")
+    loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "ckpt" / "transformer")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), env.model.state_dict().values()))
+    env.close()
+
+
+def test_deterministic_evaluation_writes_a_grid_and_is_reproducible(tiny_sd3_dir, tmp_path):
+    env = make_env(tiny_sd3_dir, "data.eval_size=4", "data.grid_size=4")
+    first = env.evaluation(0, tmp_path)
+    second = env.evaluation(0, tmp_path)
+    assert first == second and set(first) == {"eval/reward", "eval/reward/brightness"}
+    assert 0 < first["eval/reward"] < 1
+    from PIL import Image
+
+    grid = Image.open(tmp_path / "eval" / "step_000000.png")
+    assert grid.size[0] == 4 * 160
+    env.close()
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).parents[1] / "configs" / "diffusion").glob("*.yaml")):
+        cfg = load_config(DiffusionConfig, path)
+        assert cfg.rewards, path
+
+
+@pytest.mark.parametrize("override, match", [
+    ("sampling.noise_level=0", "noise_level"),
+    ("sampling.sde_window.size=4", "sde_window"),  # 4 steps do not fit in range [0, 3)
+    ("sampling.timestep_fraction=0", "timestep_fraction"),
+    ("ema.decay=1.0", "decay"),
+])
+def test_bad_configs_fail_with_the_key(override, match):
+    from unirl.config import ConfigError
+
+    extra = ["sampling.sde_window.range=[0,3]"] if "sde_window" in override else []
+    with pytest.raises(ConfigError, match=match):
+        load_config(DiffusionConfig, None, [override, *extra])

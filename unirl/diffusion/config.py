@@ -1,0 +1,158 @@
+"""Config of a FlowGRPO run on a flow-matching text-to-image model (``unirl train diffusion --config NAME``).
+
+The shared ``algo``, ``optim``, ``trainer``, ``rewards`` and ``output_dir`` fields are the text
+environment's (``unirl/schema.py``); everything diffusion-specific lives in ``model``, ``sampling``,
+``ema`` and ``data``. FlowGRPO: https://arxiv.org/abs/2505.05470 (reference code
+https://github.com/yifan123/flow_grpo, ``config/grpo.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig
+
+#: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
+SD3_LORA_TARGETS = [
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+]
+
+
+@dataclass
+class LoraConfig:
+    #: False: full fine-tuning of the transformer (the reference is then a frozen copy).
+    enabled: bool = True
+    r: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(SD3_LORA_TARGETS))
+
+
+@dataclass
+class ModelConfig:
+    #: A diffusers pipeline directory or hub name (``stabilityai/stable-diffusion-3.5-medium``), or
+    #: ``tiny`` for the toy SD3 built locally (``unirl/diffusion/tiny.py``).
+    name_or_path: str = "tiny"
+    #: dtype of the frozen components and the transformer's base weights; LoRA weights stay float32.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class SdeWindowConfig:
+    """Flow-GRPO-Fast (FlowGRPO's ``sde_window_size``/``sde_window_range``): only ``size`` consecutive
+    steps are stochastic (and trained); the others are deterministic ODE steps. The window start is
+    drawn uniformly per rollout so that ``[start, start + size)`` lies inside ``range``."""
+
+    #: Number of stochastic steps; 0 makes every step stochastic (plain FlowGRPO).
+    size: int = 0
+    #: ``[lo, hi)`` step indices the window must lie in; null: all steps.
+    range: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class SamplingConfig:
+    #: Image height and width in pixels (a multiple of the VAE scale factor times the patch size).
+    resolution: int = 512
+    #: Denoising steps of a training rollout.
+    num_steps: int = 10
+    #: Denoising steps of the deterministic evaluation sampler (FlowGRPO: 40).
+    eval_num_steps: int = 40
+    #: Classifier-free guidance scale (1 disables guidance).
+    guidance_scale: float = 4.5
+    #: Use guidance in the rollouts and in the training forward (FlowGRPO's ``train.cfg``). False: the
+    #: policy is the conditional model alone (rollouts unguided, one forward per step, half the cost);
+    #: evaluation still uses ``guidance_scale``.
+    train_cfg: bool = True
+    #: FlowGRPO's ``a`` in the SDE's ``sigma_t = a sqrt(t / (1 - t))`` (flow) or the CPS angle fraction.
+    noise_level: float = 0.7
+    sde_type: Literal["flow", "cps"] = "flow"
+    sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
+    #: Fraction of the stochastic steps trained per sample (a random subset per sample, FlowGRPO's
+    #: ``timestep_fraction``); at least one step is trained.
+    timestep_fraction: float = 1.0
+    #: The B*G samples of a step start from the same initial noise within a group (FlowGRPO's ``same_latent``).
+    same_noise_per_group: bool = False
+    #: Samples per transformer batch when sampling; finished chunks are scored while the next one samples.
+    chunk_size: int = 16
+    #: T5 tokens per prompt (SD3's default is 256; FlowGRPO uses 128).
+    max_sequence_length: int = 128
+
+    def __post_init__(self):
+        if self.num_steps < 1 or self.eval_num_steps < 1:
+            raise ValueError("num_steps and eval_num_steps must be >= 1")
+        if self.guidance_scale < 1:
+            raise ValueError(f"guidance_scale must be >= 1 (1 disables guidance), got {self.guidance_scale}")
+        if self.noise_level <= 0:
+            raise ValueError(f"noise_level must be > 0 (0 has no density to train), got {self.noise_level}")
+        if self.sde_type == "cps" and self.noise_level > 1:
+            raise ValueError(f"noise_level must lie in (0, 1] for sde_type='cps', got {self.noise_level}")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"timestep_fraction must lie in (0, 1], got {self.timestep_fraction}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        w = self.sde_window
+        lo, hi = w.range if w.range is not None else (0, self.num_steps)
+        if w.size < 0:
+            raise ValueError(f"sde_window.size must be >= 0, got {w.size}")
+        if w.size and not (0 <= lo and lo + w.size <= hi <= self.num_steps):
+            raise ValueError(
+                f"sde_window: a window of {w.size} steps must fit in range [{lo}, {hi}) within num_steps={self.num_steps}"
+            )
+
+
+@dataclass
+class EmaConfig:
+    """An exponential moving average of the trainable weights, used for evaluation and saving
+    (FlowGRPO's ``EMAModuleWrapper``: decay ``min((1 + k) / (10 + k), decay)`` at update k)."""
+
+    enabled: bool = True
+    decay: float = 0.9
+    #: Update every N training steps.
+    update_every: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.decay < 1:
+            raise ValueError(f"decay must lie in [0, 1), got {self.decay}")
+        if self.update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {self.update_every}")
+
+
+@dataclass
+class DataConfig:
+    #: A ``.txt`` file with one prompt per line, a ``.jsonl`` file with a ``prompt`` field (other
+    #: fields become reward columns), or ``tiny`` (a small prompt list built in code).
+    train: str = "tiny"
+    #: Held-out prompts in the same forms; null disables evaluation.
+    test: Optional[str] = "tiny"
+    #: Held-out prompts per evaluation (the first ones; null: all).
+    eval_size: Optional[int] = 16
+    #: Images drawn on the evaluation grid PNG.
+    grid_size: int = 16
+    shuffle: bool = True
+
+
+@dataclass
+class DiffusionConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    #: KL to the reference: ``gaussian`` is the exact KL of the two Gaussian steps,
+    #: ``(mean - ref_mean)^2 / (2 std^2)`` with the step's std (FlowGRPO's current code); ``dt_scaled``
+    #: multiplies it by ``|dt|`` (FlowGRPO's first release divided by the SDE's sigma_t^2 instead of
+    #: the step variance sigma_t^2 |dt|), a per-unit-time KL that weights steps by their length.
+    kl_form: Literal["gaussian", "dt_scaled"] = "gaussian"
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="brightness")])
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    #: Where the run directory goes (``--output-dir`` overrides).
+    output_dir: str = "runs/diffusion"
+
+    def __post_init__(self):
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")

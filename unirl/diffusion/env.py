@@ -1,0 +1,410 @@
+"""The diffusion environment: FlowGRPO for Stable Diffusion 3 / 3.5 (diffusers), LoRA or full fine-tuning.
+
+FlowGRPO (Liu et al., 2025, https://arxiv.org/abs/2505.05470): sample each prompt G times with an SDE
+that has the ODE's marginals, so each denoising step is a Gaussian policy with a log-prob; score the
+images; train each stored step with the group-relative advantage through the same clipped ratio as
+text GRPO (``unirl.core``), with a closed-form Gaussian KL to the reference model.
+
+What this file adds to the pure pieces (``sde.py``, ``sampling.py``):
+
+* the sampler's log-probs are the policy's own (the trainer samples), so
+  ``recompute_old_logprobs = False`` and ``rollout.tensors["old_logp"]`` is the PPO "old" log-prob;
+* the reference is the same transformer with its LoRA adapter disabled (or a frozen copy);
+* an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
+* chunks of samples are scored in the reward pool while the next chunk samples.
+
+Simplifications against FlowGRPO's reference code: one EMA update per training step (not per
+optimizer step), the negative prompt is the empty string encoded once, and the SDE window (Fast mode)
+is drawn once per rollout from the run's seed.
+
+Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[C, h, w]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import random
+import textwrap
+from pathlib import Path
+
+import torch
+
+from unirl.core import gaussian_kl
+from unirl.diffusion.config import DiffusionConfig
+from unirl.diffusion.sampling import (
+    decode_latents, encode_prompts, rescore_steps, sample_with_logprob, sigma_schedule, stochastic_steps,
+    to_pil, trained_steps,
+)
+from unirl.env import Environment, Rollout
+from unirl.scoring import RewardSet, concat_components
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """``tiny`` -> the locally built toy SD3 (cached); anything else is passed through."""
+    if name_or_path == "tiny":
+        from unirl.diffusion.tiny import build_tiny_sd3
+
+        return str(build_tiny_sd3())
+    return name_or_path
+
+
+def load_prompt_rows(source: str, split: str) -> list[dict]:
+    """Rows ``{"prompt": ..., <columns>}`` from ``tiny``, a ``.txt`` (one prompt a line) or a ``.jsonl``."""
+    if source == "tiny":
+        from unirl.diffusion.tiny import tiny_prompts
+
+        return [{"prompt": p} for p in tiny_prompts(split)]
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a string 'prompt'")
+        return rows
+    if path.suffix == ".txt":
+        return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
+    raise ValueError(f"prompt file {str(path)!r}: expected .txt (one prompt a line) or .jsonl")
+
+
+class ParamEMA:
+    """Exponential moving average of a list of parameters, with FlowGRPO's warm-up
+    ``decay_k = min((1 + k) / (10 + k), decay)`` at update k (``flow_grpo/ema.py``).
+
+    ``catch_up(steps_done)`` updates once when a multiple of ``update_every`` training steps passed
+    since the last call; ``swapped()`` puts the averages into the parameters for a while.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, update_every: int = 1):
+        self.params, self.decay, self.update_every = list(params), decay, update_every
+        self.shadow = [p.detach().clone().float() for p in self.params]
+        self.updates = 0
+        self.steps_seen = 0
+
+    @torch.no_grad()
+    def catch_up(self, steps_done: int) -> None:
+        crossed = steps_done // self.update_every > self.steps_seen // self.update_every
+        self.steps_seen = max(self.steps_seen, steps_done)
+        if not crossed:
+            return
+        d = min((1 + self.updates) / (10 + self.updates), self.decay)
+        for s, p in zip(self.shadow, self.params):
+            s.sub_((1 - d) * (s - p.detach().float()))
+        self.updates += 1
+
+    @contextlib.contextmanager
+    def swapped(self):
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"shadow": [s.cpu() for s in self.shadow], "updates": self.updates, "steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, v in zip(self.shadow, state["shadow"], strict=True):
+            s.copy_(v)
+        self.updates, self.steps_seen = state["updates"], state["steps_seen"]
+
+
+class DiffusionEnvironment(Environment):
+    recompute_old_logprobs = False  # the trainer samples: the sampler's log-probs are the policy's
+
+    def __init__(self, cfg: DiffusionConfig):
+        self.cfg = cfg
+        self._model = None
+        self.ref = None
+        self.ema = None
+        self._step = 0
+        self._pending: tuple[int, list] | None = None  # (id of the rollout, reward futures of its chunks)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, accelerator) -> None:
+        from diffusers import StableDiffusion3Pipeline
+
+        cfg, s = self.cfg, self.cfg.sampling
+        self.accelerator = accelerator
+        device = accelerator.device
+        # 1. Pipeline components; only the transformer trains.
+        self.model_path = resolve_model_path(cfg.model.name_or_path)
+        pipe = StableDiffusion3Pipeline.from_pretrained(self.model_path, dtype=_DTYPES[cfg.model.dtype])
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+            module = getattr(pipe, name)
+            if module is not None:
+                module.requires_grad_(False).eval().to(device)
+        self.pipe, self.vae, self.scheduler = pipe, pipe.vae, pipe.scheduler
+        factor = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+        if s.resolution % factor:
+            raise ValueError(f"sampling.resolution={s.resolution} must be a multiple of {factor} for this model")
+        self.latent_shape = (pipe.transformer.config.in_channels, s.resolution // pipe.vae_scale_factor,
+                             s.resolution // pipe.vae_scale_factor)
+        # 2. The policy: LoRA on the attention projections (reference = adapter disabled) or the whole
+        #    transformer (reference = a frozen copy, only when the KL is used).
+        transformer = pipe.transformer.requires_grad_(False).to(device)
+        if cfg.model.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        if cfg.model.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            lora = cfg.model.lora
+            transformer = get_peft_model(transformer, LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian",
+                target_modules=lora.target_modules))
+        else:
+            if cfg.algo.kl_coef > 0:
+                self.ref = copy.deepcopy(transformer).eval()
+            transformer.requires_grad_(True)
+        self._model = transformer
+        if cfg.ema.enabled:
+            self.ema = ParamEMA([p for p in transformer.parameters() if p.requires_grad], cfg.ema.decay,
+                                cfg.ema.update_every)
+        # 3. The empty negative prompt, encoded once; the sigma schedules.
+        neg_embeds, neg_pooled = encode_prompts(pipe, [""], max_sequence_length=s.max_sequence_length, device=device)
+        self.negative = {"neg_prompt_embeds": neg_embeds, "neg_pooled": neg_pooled}  # [1, L, D], [1, P]
+        self.train_sigmas, self.train_timesteps = sigma_schedule(self.scheduler, s.num_steps)
+        self.eval_sigmas, self.eval_timesteps = sigma_schedule(self.scheduler, s.eval_num_steps)
+        # 4. Data and rewards.
+        from unirl.text.data import PromptSampler
+
+        self.train_rows = load_prompt_rows(cfg.data.train, "train")
+        self.test_rows = load_prompt_rows(cfg.data.test, "test") if cfg.data.test else []
+        if cfg.data.eval_size is not None:
+            self.test_rows = self.test_rows[: cfg.data.eval_size]
+        self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
+                                     shuffle=cfg.data.shuffle, rank=accelerator.process_index,
+                                     world_size=accelerator.num_processes)
+        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers)
+
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, module):
+        self._model = module
+
+    @property
+    def train_guidance(self) -> float:
+        """Guidance of the rollouts and the training forward (1 unless ``sampling.train_cfg``)."""
+        return self.cfg.sampling.guidance_scale if self.cfg.sampling.train_cfg else 1.0
+
+    def _cond(self, embeds: torch.Tensor, pooled: torch.Tensor, guidance: float) -> dict[str, torch.Tensor]:
+        cond = {"prompt_embeds": embeds, "pooled": pooled}
+        if guidance > 1:
+            n = embeds.shape[0]
+            cond["neg_prompt_embeds"] = self.negative["neg_prompt_embeds"].expand(n, -1, -1)  # [n, L, D]
+            cond["neg_pooled"] = self.negative["neg_pooled"].expand(n, -1)  # [n, P]
+        return cond
+
+    # ---------------------------------------------------------------- rollout
+    def next_prompts(self, step: int) -> list[dict]:
+        self._step = step
+        if self.ema is not None:
+            self.ema.catch_up(step)  # the update of step - 1 is done
+        return self.sampler.batch(step)
+
+    @torch.no_grad()
+    def rollout(self, rows: list[dict], group_size: int) -> Rollout:
+        cfg, s = self.cfg, self.cfg.sampling
+        device = self.accelerator.device
+        B, G = len(rows), group_size
+        N = B * G
+        seed = cfg.trainer.seed * 1_000_003 + self.accelerator.process_index * 10_007 + self._step
+        generator = torch.Generator().manual_seed(seed)
+        # 1. Prompts: encoded once per row, repeated for the group.
+        prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
+        embeds, pooled = encode_prompts(self.pipe, [row["prompt"] for row in rows],
+                                        max_sequence_length=s.max_sequence_length, device=device)
+        embeds, pooled = embeds.repeat_interleave(G, 0), pooled.repeat_interleave(G, 0)  # [N, L, D], [N, P]
+        group_ids = torch.arange(B).repeat_interleave(G)  # [N]
+        # 2. Initial noise (shared within a group if asked), SDE window and trained steps.
+        noise = torch.randn((B if s.same_noise_per_group else N, *self.latent_shape), generator=generator)
+        if s.same_noise_per_group:
+            noise = noise.repeat_interleave(G, 0)  # [N, C, h, w]
+        # The window is drawn from the seed and step only, so every process uses the same one.
+        window_rng = random.Random(cfg.trainer.seed * 7_919 + self._step)
+        stochastic = stochastic_steps(s.num_steps, s.sde_window.size, s.sde_window.range, window_rng)  # [S]
+        steps = trained_steps(N, stochastic, s.timestep_fraction, generator)  # [N, T]
+        # 3. Sample chunk by chunk; each finished chunk is scored in the reward pool meanwhile.
+        sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
+        outs, images, futures = [], [], []
+        columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        for idx in torch.arange(N).split(s.chunk_size):
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            cond = self._cond(embeds[lo:hi], pooled[lo:hi], self.train_guidance)
+            out = sample_with_logprob(self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+                                      guidance_scale=self.train_guidance, noise_level=s.noise_level,
+                                      stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
+                                      generator=generator)
+            chunk_images = to_pil(decode_latents(self.vae, out.final))
+            futures.append(self.rewards.submit(chunk_images, prompts=prompts[lo:hi],
+                                               columns={k: v[lo:hi] for k, v in columns.items()}))
+            outs.append(out)
+            images += chunk_images
+        # 4. Everything training needs to re-evaluate the trained steps.
+        sig = sigmas.cpu()
+        tensors = {
+            "latents": torch.cat([o.latents for o in outs]).cpu(),  # [N, T, C, h, w]
+            "next_latents": torch.cat([o.next_latents for o in outs]).cpu(),  # [N, T, C, h, w]
+            "old_logp": torch.cat([o.logp for o in outs]).cpu(),  # [N, T]
+            "step_index": steps,  # [N, T]
+            "sigma": sig[steps],  # [N, T]
+            "sigma_next": sig[steps + 1],  # [N, T]
+            "timestep": timesteps.cpu()[steps],  # [N, T]
+            "prompt_embeds": embeds.cpu(),  # [N, L, D]
+            "pooled": pooled.cpu(),  # [N, P]
+        }
+        rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns)
+        self._pending = (id(rollout), futures)
+        return rollout
+
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+        if self._pending is not None and self._pending[0] == id(rollout):
+            components = concat_components([f.result() for f in self._pending[1]])
+            self._pending = None
+        else:  # a rollout not made by the last ``rollout`` call: score it inline
+            components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
+        return self.rewards.combine(components, rollout.group_ids)
+
+    # ------------------------------------------------------------- log-probs
+    def evaluate(self, model, batch: Rollout) -> dict[str, torch.Tensor]:
+        """Re-score each trained step with the stored next latent as the action (gradients flow)."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        t = {k: batch.tensors[k].to(device) for k in
+             ("latents", "next_latents", "sigma", "sigma_next", "timestep", "prompt_embeds", "pooled")}
+        cond = self._cond(t["prompt_embeds"], t["pooled"], self.train_guidance)
+        out = rescore_steps(model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"], t["timestep"], cond,
+                            guidance_scale=self.train_guidance, noise_level=s.noise_level, sde_type=s.sde_type)
+        out["mask"] = torch.ones_like(out["logp"])  # [n, T]: every stored step is trained
+        out["dt"] = (t["sigma_next"] - t["sigma"]).float()  # [n, T], < 0
+        return out
+
+    def loss_mask(self, batch: Rollout) -> torch.Tensor:
+        return torch.ones_like(batch.tensors["old_logp"])  # [n, T]
+
+    def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[n, T] closed-form KL between the policy's and the reference's Gaussian steps (same std)."""
+        n, T = current["logp"].shape
+        mean = current["mean"].flatten(0, 1)  # [n*T, C, h, w]
+        ref_mean = reference["mean"].to(mean.device).flatten(0, 1)
+        kl = gaussian_kl(mean, ref_mean, current["std"].flatten()).view(n, T)  # [n, T]
+        if self.cfg.kl_form == "dt_scaled":
+            kl = kl * (-current["dt"])
+        return kl
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        if self.cfg.model.lora.enabled:
+            with self.accelerator.unwrap_model(self._model).disable_adapter():
+                yield self._model
+        else:
+            if self.ref is None:
+                raise RuntimeError("no reference model: algo.kl_coef is 0")
+            yield self.ref
+
+    # ------------------------------------------------------------ evaluation
+    @contextlib.contextmanager
+    def _ema_weights(self, steps_done: int):
+        if self.ema is None:
+            yield
+            return
+        self.ema.catch_up(steps_done)
+        with self.ema.swapped():
+            yield
+
+    @torch.no_grad()
+    def sample_deterministic(self, prompts: list[str]) -> list:
+        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12_345)
+        noise = torch.randn((len(prompts), *self.latent_shape), generator=generator)
+        stochastic = torch.zeros(s.eval_num_steps, dtype=torch.bool)
+        images = []
+        for lo in range(0, len(prompts), s.chunk_size):
+            chunk = prompts[lo:lo + s.chunk_size]
+            embeds, pooled = encode_prompts(self.pipe, chunk, max_sequence_length=s.max_sequence_length, device=device)
+            out = sample_with_logprob(self._model, noise[lo:lo + len(chunk)].to(device), self.eval_sigmas.to(device),
+                                      self.eval_timesteps.to(device), self._cond(embeds, pooled, s.guidance_scale),
+                                      guidance_scale=s.guidance_scale, noise_level=0.0, stochastic=stochastic)
+            images += to_pil(decode_latents(self.vae, out.final))
+        return images
+
+    def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
+        if not self.test_rows:
+            return {}
+        prompts = [row["prompt"] for row in self.test_rows]
+        with self._ema_weights(step):
+            images = self.sample_deterministic(prompts)
+        columns = {k: [row.get(k) for row in self.test_rows] for k in self.test_rows[0] if k != "prompt"}
+        comps = self.rewards.components(images, prompts=prompts, columns=columns)
+        total, _ = self.rewards.combine(comps, torch.arange(len(prompts)))
+        out = {f"eval/reward/{k}": v.nanmean().item() for k, v in comps.items()}
+        out["eval/reward"] = total.mean().item()
+        if self.accelerator.is_main_process:
+            k = self.cfg.data.grid_size
+            captions = [f"{p}\n" + " ".join(f"{name}={v[i].item():.3f}" for name, v in comps.items())
+                        for i, p in enumerate(prompts[:k])]
+            path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            image_grid(images[:k], captions).save(path)
+        return out
+
+    # ----------------------------------------------------------- checkpoints
+    def save_pretrained(self, directory: Path) -> None:
+        """LoRA: diffusers' format (``StableDiffusion3Pipeline.load_lora_weights(directory)`` loads it);
+        full fine-tuning: the transformer's ``save_pretrained`` in ``directory/transformer``. EMA weights
+        when the EMA is on."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        model = self.accelerator.unwrap_model(self._model)
+        with self._ema_weights(self._step + 1):  # called after the step's update
+            if self.cfg.model.lora.enabled:
+                from diffusers import StableDiffusion3Pipeline
+                from peft.utils import get_peft_model_state_dict
+
+                prefix = "base_model.model."
+                state = {k.removeprefix(prefix): v.detach().cpu().contiguous()
+                         for k, v in get_peft_model_state_dict(model).items()}
+                StableDiffusion3Pipeline.save_lora_weights(
+                    directory, transformer_lora_layers=state,
+                    transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
+            else:
+                model.save_pretrained(directory / "transformer")
+
+    def checkpoint_objects(self) -> list:
+        return [self.ema] if self.ema is not None else []
+
+    def close(self) -> None:
+        if getattr(self, "rewards", None) is not None:
+            self.rewards.close()
+
+
+def image_grid(images: list, captions: list[str], cell: int = 160, columns: int = 4):
+    """A PNG-ready grid: each image scaled to ``cell`` px with its caption (prompt, rewards) below."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    text_h = 5 * 12 + 4
+    rows = max(1, -(-len(images) // columns))
+    grid = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (image, caption) in enumerate(zip(images, captions)):
+        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
+        resample = Image.NEAREST if image.width < cell else Image.BICUBIC
+        grid.paste(image.convert("RGB").resize((cell, cell), resample), (x, y))
+        prompt, _, scores = caption.partition("\n")
+        lines = textwrap.wrap(prompt, width=cell // 6)[:4] + [scores]
+        draw.multiline_text((x + 2, y + cell + 2), "\n".join(lines), fill="black", font=font, spacing=1)
+    return grid
