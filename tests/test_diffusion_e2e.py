@@ -83,3 +83,50 @@ def test_variants_train_and_resume(tmp_path, options):
     rows = _train(run, "trainer.total_steps=3", "trainer.eval_every=0", "trainer.resume=true", *options)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
     assert (run / "checkpoints" / "step_000003").exists()
+
+
+def test_every_way_of_naming_an_image_reward_in_a_run(tmp_path):
+    """A registered name, a file.py:function, a package.module:function and an installed package's
+    ``unirl.rewards`` entry point, in one short tiny diffusion run; each is logged."""
+    import os
+
+    import yaml
+
+    site = tmp_path / "site"
+    (site / "img_plugin").mkdir(parents=True)
+    (site / "img_plugin" / "__init__.py").write_text(
+        "def redness(images, **kwargs):\n"
+        "    return [sum(p[0] for p in im.convert('RGB').getdata()) / (255.0 * im.width * im.height) for im in images]\n\n"
+        "def is_square(images, **kwargs):\n    return [float(im.width == im.height) for im in images]\n"
+    )
+    info = site / "img_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: img-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[unirl.rewards]\nimg_square = img_plugin:is_square\n")
+    (tmp_path / "my_reward.py").write_text("def half(images, *, prompts, **kwargs):\n    return [0.5] * len(images)\n")
+    config = tmp_path / "run.yaml"
+    base = yaml.safe_load((REPO / "configs" / "diffusion" / "tiny.yaml").read_text())
+    config.write_text(yaml.safe_dump({
+        **base,
+        "rewards": [
+            {"name": "brightness"},
+            {"name": f"{tmp_path / 'my_reward.py'}:half", "weight": 0.5},
+            {"name": "img_plugin:redness", "weight": 0.25},
+            {"name": "img_square", "weight": 0.25},
+        ],
+        "trainer": {**base["trainer"], "total_steps": 2, "prompts_per_step": 4, "group_size": 4,
+                    "mini_batch_size": 16, "micro_batch_size": 16, "eval_every": 0, "progress": False,
+                    "reward_workers": 1},
+    }))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "diffusion", "--config", str(config),
+                           "--output-dir", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for m in rows:
+        assert m["reward/half"] == 0.5 and m["reward/img_square"] == 1.0
+        assert 0 < m["reward/brightness"] < 1 and 0 < m["reward/redness"] < 1
+        expected = m["reward/brightness"] + 0.5 * 0.5 + 0.25 * m["reward/redness"] + 0.25
+        assert m["reward/mean"] == pytest.approx(expected, abs=1e-5)
