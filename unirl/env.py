@@ -128,3 +128,17 @@ class Environment(ABC):
 
     def close(self) -> None:
         """Release engines and worker pools."""
+
+
+@contextlib.contextmanager
+def lora_or_frozen_reference(accelerator, model: torch.nn.Module, frozen: torch.nn.Module | None,
+                             lora: bool) -> Iterator[torch.nn.Module]:
+    """The reference policy both environments use: with LoRA, the trained model itself with its
+    adapter disabled (no second copy in memory); otherwise the frozen copy made at setup."""
+    if lora:
+        with accelerator.unwrap_model(model).disable_adapter():
+            yield model
+    else:
+        if frozen is None:
+            raise RuntimeError("no reference model: algo.kl_coef is 0")
+        yield frozen

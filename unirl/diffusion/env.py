@@ -37,7 +37,7 @@ from unirl.diffusion.sampling import (
     decode_latents, encode_prompts, rescore_steps, sample_with_logprob, sigma_schedule, stochastic_steps,
     to_pil, trained_steps,
 )
-from unirl.env import Environment, Rollout
+from unirl.env import Environment, Rollout, lora_or_frozen_reference
 from unirl.scoring import RewardSet, concat_components
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -304,15 +304,8 @@ class DiffusionEnvironment(Environment):
             kl = kl * (-current["dt"])
         return kl
 
-    @contextlib.contextmanager
     def reference_model(self):
-        if self.cfg.model.lora.enabled:
-            with self.accelerator.unwrap_model(self._model).disable_adapter():
-                yield self._model
-        else:
-            if self.ref is None:
-                raise RuntimeError("no reference model: algo.kl_coef is 0")
-            yield self.ref
+        return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
 
     # ------------------------------------------------------------ evaluation
     @contextlib.contextmanager

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from unirl.cache import default_cache_dir
 
 #: Everything that changes the built artefacts goes into the cache key.
 TINY_SD3_SPEC = {
@@ -85,12 +86,6 @@ _LATENT_RGB = [[0.8, 0.3, -0.2, 0.1], [0.2, 0.8, 0.3, -0.1], [-0.1, 0.2, 0.8, 0.
 _MARKER = "unirl_tiny_sd3.json"
 # Characters the T5 vocabulary knows (others map to <unk>); CLIP's byte-level BPE knows every byte.
 _T5_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;!?'\"-+*/=()&#%$@"
-
-
-def default_cache_dir() -> Path:
-    """``$UNIRL_CACHE``, else ``$XDG_CACHE_HOME/unirl``, else ``~/.cache/unirl``."""
-    root = os.environ.get("UNIRL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "unirl")
-    return Path(root)
 
 
 def build_tiny_sd3(directory: str | Path | None = None, seed: int = 0) -> Path:

@@ -5,7 +5,6 @@ Shapes: N = B*G samples, P prompt tokens (left-padded), R response tokens (right
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from unirl.core import kl_divergence
-from unirl.env import Environment, Rollout
+from unirl.env import Environment, Rollout, lora_or_frozen_reference
 from unirl.scoring import RewardSet
 from unirl.text.config import TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
@@ -184,15 +183,8 @@ class TextEnvironment(Environment):
     def kl(self, current, reference):
         return kl_divergence(current["logp"], reference["logp"], estimator=self.cfg.algo.kl_estimator)
 
-    @contextlib.contextmanager
     def reference_model(self):
-        if self.cfg.model.lora.enabled:
-            with self.accelerator.unwrap_model(self._model).disable_adapter():
-                yield self._model
-        else:
-            if self.ref is None:
-                raise RuntimeError("no reference model: algo.kl_coef is 0")
-            yield self.ref
+        return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
 
     def sync_weights(self) -> None:
         if isinstance(self.engine, VLLMEngine):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from unirl.cache import default_cache_dir
+
 # Characters the tokenizer knows. Enough for the addition task and simple English prompts.
 _ALPHABET = list("0123456789+-*/=?#:.,$ \n") + list("abcdefghijklmnopqrstuvwxyz") + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _SPECIAL = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
@@ -40,13 +42,6 @@ TINY_LM_SPEC = {
     "warm_start_lr": 1e-3,
     "max_operand": 4,
 }
-
-
-def default_cache_dir() -> Path:
-    import os
-
-    root = os.environ.get("UNIRL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "unirl")
-    return Path(root)
 
 
 def addition_question(a: int, b: int) -> str:
