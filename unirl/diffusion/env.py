@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import random
 import textwrap
 from pathlib import Path
@@ -62,7 +61,9 @@ def load_prompt_rows(source: str, split: str) -> list[dict]:
     if not path.exists():
         raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        from unirl.text.data import load_rows
+
+        rows = load_rows(str(path))  # the text runs' loader: a bad line is named with its number
         for i, row in enumerate(rows):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a string 'prompt'")
