@@ -36,6 +36,9 @@ F64 = torch.float64
 SEEDS = range(6)
 
 
+# Every valid (level, agg) pair: GSPO (level="sequence") takes only seq-mean-token-mean.
+_LEVEL_AGG = [("token", agg) for agg in AGG_MODES] + [("sequence", "seq-mean-token-mean")]
+
 def close(actual, expected, tol=1e-12):
     actual = torch.as_tensor(actual)
     expected = torch.as_tensor(expected, dtype=actual.dtype)
@@ -88,6 +91,11 @@ def test_group_of_one_gets_zero_advantage_for_every_estimator():
     close(group_advantages(rewards, ids, eps=0.0)[1:], [-math.sqrt(0.5), math.sqrt(0.5)])
     for name in ADVANTAGE_ESTIMATORS:
         adv = compute_advantages(name, rewards, ids)
+        if name == "reinforce++-baseline":
+            # verl's baseline of a lone sample is 0, so it keeps its raw reward before whitening:
+            # centred [3, -0.5, 0.5], mean 1, deviations [2, -1.5, -0.5], unbiased var 6.5 / 2.
+            close(adv, [v / math.sqrt(3.25 + 1e-8) for v in (2.0, -1.5, -0.5)])
+            continue
         assert adv[0] == 0.0, name
         assert torch.isfinite(adv).all(), name
     # A whole batch of one sample: no NaN anywhere.
@@ -109,7 +117,7 @@ def test_reinforce_pp_baseline_by_hand_and_differs_from_batch_scale():
     # Centred: [0.25, -0.75, 0.25, 0.25, 0, 0]; squares sum 0.75, unbiased var over 6: 0.75 / 5 = 0.15.
     rewards = t([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
     ids = torch.tensor([1, 1, 1, 1, 2, 2])
-    s = math.sqrt(0.15)
+    s = math.sqrt(0.15 + 1e-8)  # verl's masked_whiten adds 1e-8 to the variance
     expected = [0.25 / s, -0.75 / s, 0.25 / s, 0.25 / s, 0.0, 0.0]
     close(compute_advantages("reinforce++-baseline", rewards, ids, eps=0.0), expected)
     # grpo scale="batch" uses the std of the raw rewards: mean 0.5, squares 6 * 0.25 = 1.5,
@@ -147,8 +155,12 @@ def _loop_reference(name: str, rewards: list[float], ids: list[int], scale: str,
         return out
     centred = [r - statistics.fmean(groups[g]) for r, g in zip(rewards, ids)]
     if name == "reinforce++-baseline":
-        s = stdev(centred)
-        return [c / (s + eps) for c in centred]
+        # verl: a lone sample's baseline is 0; whiten with the mean and unbiased variance (+ 1e-8).
+        centred = [r - (statistics.fmean(groups[g]) if len(groups[g]) > 1 else 0.0) for r, g in zip(rewards, ids)]
+        if len(centred) < 2:
+            return [0.0] * len(centred)
+        m, var = statistics.fmean(centred), statistics.variance(centred)
+        return [(c - m) / math.sqrt(var + 1e-8) for c in centred]
     assert name == "grpo"
     for c, g in zip(centred, ids):
         if scale == "group":
@@ -180,8 +192,11 @@ def test_advantages_zero_mean_per_group_and_permutation_equivariant(seed):
     for name in ADVANTAGE_ESTIMATORS:
         for scale in ("group", "batch", "none"):
             adv = compute_advantages(name, rewards, ids, scale=scale)
-            for g in ids.unique():
-                close(adv[ids == g].sum(), 0.0, tol=1e-9)
+            if name == "reinforce++-baseline":
+                close(adv.sum(), 0.0, tol=1e-9)  # whitened over the batch (lone samples keep their reward)
+            else:
+                for g in ids.unique():
+                    close(adv[ids == g].sum(), 0.0, tol=1e-9)
             close(compute_advantages(name, rewards[perm], ids[perm], scale=scale), adv[perm], tol=1e-12)
 
 
@@ -208,8 +223,9 @@ def test_estimators_share_one_signature():
     assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce++-baseline"}
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         params = inspect.signature(fn).parameters
-        assert list(params) == ["rewards", "group_ids", "scale", "eps"], name
-        assert params["scale"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert list(params) == ["rewards", "group_ids", "mask", "scale", "eps", "unbiased"], name
+        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("mask", "scale", "eps", "unbiased"))
+        assert params["mask"].default is None and params["unbiased"].default is True
         assert params["scale"].default == "group" and params["eps"].default == 1e-6
 
 
@@ -513,6 +529,8 @@ def test_ratio_one_gives_minus_advantage_mean(seed):
     }
     for level in ("token", "sequence"):
         for agg, expected in want.items():
+            if level == "sequence" and agg != "seq-mean-token-mean":
+                continue  # GSPO takes only seq-mean-token-mean (test_gspo_refuses_other_aggregations)
             for a in (adv, adv_tok):
                 loss, m = clipped_policy_loss(logp, logp.detach(), a, mask, level=level, agg=agg)
                 close(loss, expected)
@@ -537,21 +555,20 @@ def test_masked_positions_change_nothing(seed):
     def junk(x, scale):
         return torch.where(mask, x, scale * torch.randn(shape, generator=g, dtype=F64))
 
-    for level in ("token", "sequence"):
-        for agg in AGG_MODES:
-            kw = dict(level=level, agg=agg, clip_low=0.1, clip_high=0.15, dual_clip=2.0)
-            x = logp.clone().requires_grad_(True)
-            loss, m = clipped_policy_loss(x, old, adv, mask, weights=weights, **kw)
-            loss.backward()
-            # Junk large enough that exp() of it overflows to inf: multiplying by the mask would give NaN.
-            y = junk(logp, 400.0).requires_grad_(True)
-            loss2, m2 = clipped_policy_loss(y, junk(old, 400.0), junk(adv, 1e4), mask, weights=junk(weights, 1e3), **kw)
-            loss2.backward()
-            assert loss2.item() == loss.item()
-            assert torch.equal(x.grad, y.grad)
-            assert (y.grad[~mask] == 0).all()
-            for k in m:
-                assert torch.equal(m[k], m2[k]), k
+    for level, agg in _LEVEL_AGG:
+        kw = dict(level=level, agg=agg, clip_low=0.1, clip_high=0.15, dual_clip=2.0)
+        x = logp.clone().requires_grad_(True)
+        loss, m = clipped_policy_loss(x, old, adv, mask, weights=weights, **kw)
+        loss.backward()
+        # Junk large enough that exp() of it overflows to inf: multiplying by the mask would give NaN.
+        y = junk(logp, 400.0).requires_grad_(True)
+        loss2, m2 = clipped_policy_loss(y, junk(old, 400.0), junk(adv, 1e4), mask, weights=junk(weights, 1e3), **kw)
+        loss2.backward()
+        assert loss2.item() == loss.item()
+        assert torch.equal(x.grad, y.grad)
+        assert (y.grad[~mask] == 0).all()
+        for k in m:
+            assert torch.equal(m[k], m2[k]), k
 
 
 def test_weights_multiply_the_per_token_loss():
@@ -573,17 +590,28 @@ def test_gspo_sequence_ratio_by_hand():
     logp = t([[0.1, 0.3, 5.0], [-0.4, 0.0, 0.1]])
     mask = torch.tensor([[True, True, False], [True, True, True]])
     adv = t([1.0, -1.0])
-    _, m = clipped_policy_loss(logp, old, adv, mask, level="sequence", clip_low=0.5, clip_high=0.5)
+    _, m = clipped_policy_loss(logp, old, adv, mask, level="sequence", agg="seq-mean-token-mean", clip_low=0.5, clip_high=0.5)
     s0, s1 = math.exp(0.2), math.exp(-0.1)
     close(m["ratio_max"], s0)
     close(m["ratio_min"], s1)
     close(m["ratio_mean"], (2 * s0 + 3 * s1) / 5)  # mean over the 5 masked-in tokens
     # With clip bounds 0.05, s0 = 1.2214 > 1.05 and A0 > 0: both of its tokens clip; s1 = 0.905 < 0.95
-    # with A1 < 0: all three clip. Loss token-mean: (2 * -1.05 + 3 * 0.95) / 5 = 0.75 / 5 = 0.15.
-    loss, m = clipped_policy_loss(logp, old, adv, mask, level="sequence", clip_low=0.05, clip_high=0.05)
+    # with A1 < 0: all three clip. Per-token losses: -1.05 (sequence 0), 0.95 (sequence 1);
+    # seq-mean-token-mean: (-1.05 + 0.95) / 2 = -0.05.
+    loss, m = clipped_policy_loss(logp, old, adv, mask, level="sequence", agg="seq-mean-token-mean",
+                                  clip_low=0.05, clip_high=0.05)
     close(m["clip_frac"], 1.0)
     close(m["clip_frac_high"], 2 / 5)
-    close(loss, 0.15)
+    close(loss, -0.05)
+
+
+def test_gspo_refuses_other_aggregations():
+    # verl hard-codes seq-mean-token-mean for GSPO; token-mean would weight sequences by length.
+    logp, old, adv, mask = _hand_example()
+    for agg in AGG_MODES:
+        if agg != "seq-mean-token-mean":
+            with pytest.raises(ValueError, match=f"level='sequence'.*seq-mean-token-mean.*got agg='{agg}'"):
+                clipped_policy_loss(logp, old, adv, mask, level="sequence", agg=agg)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -656,20 +684,19 @@ def test_policy_loss_micro_batches_sum_to_full_batch(seed):
     old = torch.randn(shape, generator=g, dtype=F64) - 2
     logp = old + 0.3 * torch.randn(shape, generator=g, dtype=F64)
     adv = torch.randn(shape[0], generator=g, dtype=F64)
-    for level in ("token", "sequence"):
-        for agg in AGG_MODES:
-            x = logp.clone().requires_grad_(True)
-            full, _ = clipped_policy_loss(x, old, adv, mask, level=level, agg=agg)
-            full.backward()
-            den = aggregate_denominator(mask, agg)
-            y = logp.clone().requires_grad_(True)
-            total = 0.0
-            for a, b in [(0, 3), (3, 4), (4, 7)]:
-                part, _ = clipped_policy_loss(y[a:b], old[a:b], adv[a:b], mask[a:b], level=level, agg=agg, denominator=den)
-                part.backward()
-                total = total + part
-            close(total, full)
-            close(y.grad, x.grad)
+    for level, agg in _LEVEL_AGG:
+        x = logp.clone().requires_grad_(True)
+        full, _ = clipped_policy_loss(x, old, adv, mask, level=level, agg=agg)
+        full.backward()
+        den = aggregate_denominator(mask, agg)
+        y = logp.clone().requires_grad_(True)
+        total = 0.0
+        for a, b in [(0, 3), (3, 4), (4, 7)]:
+            part, _ = clipped_policy_loss(y[a:b], old[a:b], adv[a:b], mask[a:b], level=level, agg=agg, denominator=den)
+            part.backward()
+            total = total + part
+        close(total, full)
+        close(y.grad, x.grad)
 
 
 def test_policy_loss_bad_inputs():

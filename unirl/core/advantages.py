@@ -6,15 +6,19 @@ equal-sized groups), so a batch that lost some samples to filtering still works.
 
 Every estimator in ``ADVANTAGE_ESTIMATORS`` has the same signature::
 
-    fn(rewards [N], group_ids [N], *, scale="group", eps=1e-6) -> advantages [N]
+    fn(rewards [N], group_ids [N], *, mask=None, scale="group", eps=1e-6, unbiased=True) -> [N] or [N, T]
 
-so a trainer calls ``compute_advantages(name, rewards, group_ids, ...)`` and never branches on the
-name. Estimators that have no use for ``scale`` (or ``eps``) accept and ignore it.
+so a trainer calls ``compute_advantages(name, rewards, group_ids, mask=..., ...)`` and never
+branches on the name. ``mask`` [N, T] marks the trained tokens (or denoising steps); estimators that
+whiten over tokens (``reinforce++-baseline``) need it and return per-token advantages [N, T], the
+others return [N] (the same advantage for every token of a sample). Estimators that have no use for
+``mask``, ``scale``, ``eps`` or ``unbiased`` accept and ignore them.
 
-Std convention: every std here is the *unbiased* one (Bessel's correction, ``torch.std``'s default),
-as GRPO implementations (verl, TRL) use; a group of one sample has std 0 by definition (not NaN) and
-gets advantage 0. FlowGRPO's reference code uses numpy's biased std (``np.std``); for a group of G
-samples the two differ by the factor sqrt(G / (G - 1)).
+Std convention: by default every std here is the *unbiased* one (Bessel's correction, ``torch.std``'s
+default), as GRPO implementations (verl, TRL) use; ``unbiased=False`` gives the biased one (numpy's
+``np.std``), which FlowGRPO's ``PerPromptStatTracker`` uses (with ``eps=1e-4``); a group of one sample has std 0 by definition (not NaN) and
+gets advantage 0 from ``grpo`` and ``rloo`` (verl gives a lone sample ``r / (1 + eps)``, its mean
+being set to 0 and its std to 1; a group of one carries no relative signal, so unirl keeps it out). For a group of G samples the two stds differ by the factor sqrt(G / (G - 1)).
 """
 
 from __future__ import annotations
@@ -42,16 +46,18 @@ def _check(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
         raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
 
 
-def _group_moments(rewards: torch.Tensor, group_ids: torch.Tensor):
-    """``inverse`` [N] (group index of each sample) and per-group ``counts``, ``means``, unbiased
-    ``stds``, each [num_groups]. Vectorised with ``unique(return_inverse=True)`` + ``index_add``."""
+def _group_moments(rewards: torch.Tensor, group_ids: torch.Tensor, unbiased: bool = True):
+    """``inverse`` [N] (group index of each sample) and per-group ``counts``, ``means``, ``stds``
+    (unbiased unless ``unbiased=False``), each [num_groups]. Vectorised with
+    ``unique(return_inverse=True)`` + ``index_add``."""
     uniq, inverse = torch.unique(group_ids, return_inverse=True)  # [num_groups], [N]
     zeros = rewards.new_zeros(uniq.numel())  # [num_groups]
     counts = zeros.index_add(0, inverse, torch.ones_like(rewards))  # [num_groups]
     means = zeros.index_add(0, inverse, rewards) / counts  # [num_groups]
     sq = zeros.index_add(0, inverse, (rewards - means[inverse]).square())  # [num_groups]
-    # Unbiased variance; a group of one has no spread to estimate, so its std is defined as 0.
-    var = torch.where(counts > 1, sq / (counts - 1).clamp_min(1), torch.zeros_like(sq))  # [num_groups]
+    # A group of one has no spread to estimate, so its std is defined as 0 (either convention).
+    dof = (counts - 1).clamp_min(1) if unbiased else counts  # [num_groups]
+    var = torch.where(counts > 1, sq / dof, torch.zeros_like(sq))  # [num_groups]
     return inverse, counts, means, var.sqrt()
 
 
@@ -60,11 +66,11 @@ def _safe_divide(centered: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, centered / torch.where(scale > 0, scale, 1), torch.zeros_like(centered))
 
 
-def _batch_std(values: torch.Tensor) -> torch.Tensor:
-    """Unbiased std of all N values; 0 for N < 2 instead of NaN."""
+def _batch_std(values: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Std of all N values (unbiased unless ``unbiased=False``); 0 for N < 2 instead of NaN."""
     if values.numel() < 2:
         return values.new_zeros(())
-    return values.std()
+    return values.std(correction=1 if unbiased else 0)
 
 
 def group_advantages(
@@ -73,6 +79,7 @@ def group_advantages(
     *,
     scale: str = "group",
     eps: float = 1e-6,
+    unbiased: bool = True,
 ) -> torch.Tensor:
     """Group-relative advantages: subtract the group mean, then optionally divide by a std.
 
@@ -84,13 +91,15 @@ def group_advantages(
     * ``scale="none"``: ``r - mean_g``, Dr. GRPO (https://arxiv.org/abs/2503.20783), which argues the
       per-group std biases learning towards too-easy and too-hard prompts.
 
-    Stds are unbiased (see the module docstring). A group of one sample gets advantage 0.
+    Stds are unbiased unless ``unbiased=False`` (see the module docstring). A group of one sample
+    gets advantage 0. FlowGRPO's advantages are ``scale="batch", eps=1e-4, unbiased=False``.
 
     Args:
         rewards: [N] floating-point rewards, N = B*G.
         group_ids: [N] integer group (prompt) id of each sample.
         scale: ``"group"``, ``"batch"`` or ``"none"``.
         eps: added to the std before dividing. With ``eps=0`` a zero std gives advantage 0, not NaN.
+        unbiased: Bessel-corrected stds (True) or numpy's biased ones (False).
 
     Returns:
         advantages [N], same dtype as ``rewards``.
@@ -98,12 +107,12 @@ def group_advantages(
     _check(rewards, group_ids)
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {', '.join(map(repr, SCALES))}, got {scale!r}")
-    inverse, _, means, stds = _group_moments(rewards, group_ids)
+    inverse, _, means, stds = _group_moments(rewards, group_ids, unbiased)
     centered = rewards - means[inverse]  # [N]
     if scale == "group":
         return _safe_divide(centered, stds[inverse] + eps)
     if scale == "batch":
-        return _safe_divide(centered, _batch_std(rewards) + eps)
+        return _safe_divide(centered, _batch_std(rewards, unbiased) + eps)
     return centered
 
 
@@ -112,11 +121,13 @@ def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     *,
+    mask: torch.Tensor | None = None,
     scale: str = "group",
     eps: float = 1e-6,
+    unbiased: bool = True,
 ) -> torch.Tensor:
     """GRPO (https://arxiv.org/abs/2402.03300): ``group_advantages`` under the registry contract."""
-    return group_advantages(rewards, group_ids, scale=scale, eps=eps)
+    return group_advantages(rewards, group_ids, scale=scale, eps=eps, unbiased=unbiased)
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
@@ -124,14 +135,17 @@ def rloo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     *,
+    mask: torch.Tensor | None = None,
     scale: str = "group",
     eps: float = 1e-6,
+    unbiased: bool = True,
 ) -> torch.Tensor:
     """REINFORCE leave-one-out: ``r_i - mean of the other samples of its group``.
 
     Kool et al. 2019 (https://openreview.net/forum?id=r1lgTGL5DE), used for LLMs by Ahmadian et al.
     2024 (https://arxiv.org/abs/2402.14740). Equals ``G / (G - 1) * (r_i - mean_g)`` for a group of
-    size G; a group of one has no other sample and gets 0. ``scale`` and ``eps`` are ignored.
+    size G; a group of one has no other sample and gets 0. ``mask``, ``scale``, ``eps`` and
+    ``unbiased`` are ignored.
 
     Args:
         rewards: [N] floating-point rewards.
@@ -152,29 +166,58 @@ def reinforce_pp_baseline_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     *,
+    mask: torch.Tensor | None = None,
     scale: str = "group",
     eps: float = 1e-6,
+    unbiased: bool = True,
 ) -> torch.Tensor:
-    """REINFORCE++ with a group baseline (https://arxiv.org/abs/2501.03262).
+    """REINFORCE++ with a group baseline (https://arxiv.org/abs/2501.03262), as verl computes it
+    (``compute_reinforce_plus_plus_baseline_outcome_advantage``).
 
-    Subtract the group mean, then normalise the *centred* values by their std over the whole batch
-    (their batch mean is already 0, because each group's centred values sum to 0), as verl's
-    ``reinforce_plus_plus_baseline`` whitening does. This differs from
-    ``group_advantages(scale="batch")``, which divides by the std of the raw rewards. ``scale`` is
-    ignored.
+    1. Subtract the group mean from each reward. A group of one sample keeps its raw reward (verl
+       sets the baseline of a lone sample to 0, not to its own reward).
+    2. Broadcast the centred value to every response token and *whiten over tokens*: with ``x`` the
+       token values where ``mask`` is set, ``(x - mean(x)) / sqrt(var(x) + 1e-8)``, the mean and the
+       Bessel-corrected variance taken over all masked-in tokens of the batch (verl's
+       ``masked_whiten``). Long responses therefore weigh more in the mean and the variance: rewards
+       [1, 0, 1, 0] in one group with lengths [1, 10, 1, 10] give 3.09 and -0.31, not +-0.87.
+
+    Without ``mask`` every sample counts as one token (whitening over samples). ``scale`` is
+    ignored; ``eps`` and ``unbiased`` are unused too: the variance is Bessel-corrected and gets verl's
+    fixed 1e-8.
 
     Args:
         rewards: [N] floating-point rewards.
         group_ids: [N] integer group ids.
-        eps: added to the batch std before dividing.
+        mask: [N, T] boolean or 0/1 response mask, or None.
 
     Returns:
-        advantages [N].
+        advantages [N, T] (0 at masked positions) when ``mask`` is given, else [N].
     """
     _check(rewards, group_ids)
-    inverse, _, means, _ = _group_moments(rewards, group_ids)
-    centered = rewards - means[inverse]  # [N]
-    return _safe_divide(centered, _batch_std(centered) + eps)
+    inverse, counts, means, _ = _group_moments(rewards, group_ids)
+    baseline = torch.where(counts > 1, means, torch.zeros_like(means))  # [num_groups]
+    centered = rewards - baseline[inverse]  # [N]
+    if mask is None:
+        return _masked_whiten(centered.unsqueeze(-1), torch.ones_like(centered, dtype=torch.bool).unsqueeze(-1)).squeeze(-1)
+    if mask.ndim != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"mask must be [N, T] with N = {rewards.shape[0]}, got shape {tuple(mask.shape)}")
+    mask = mask if mask.dtype == torch.bool else mask != 0
+    return _masked_whiten(centered.unsqueeze(-1).expand(mask.shape), mask)  # [N, T]
+
+
+def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` over the masked-in entries (unbiased var), 0 elsewhere.
+
+    Fewer than two masked-in entries have no variance to estimate: the whitened values are 0."""
+    count = mask.sum()
+    zeros = torch.zeros_like(values)
+    if count < 2:
+        return zeros
+    mean = torch.where(mask, values, zeros).sum() / count
+    centered = torch.where(mask, values - mean, zeros)
+    var = centered.square().sum() / (count - 1)
+    return torch.where(mask, centered * torch.rsqrt(var + 1e-8), zeros)
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -113,10 +113,12 @@ def gaussian_kl(
     """Closed-form KL between Gaussians with the same std, averaged over the non-batch dims.
 
     ``KL(N(mean, std^2) || N(ref_mean, std^2)) = (mean - ref_mean)^2 / (2 std^2)`` per element, then the
-    mean over ``reduce_dims``. This is FlowGRPO's KL for an SDE denoising step, where the current and
-    reference policies share the step's noise level and differ only in the predicted mean
+    mean over ``reduce_dims``. An SDE denoising step of the current and the reference policy shares its
+    noise level and differs only in the predicted mean, so this is the form of FlowGRPO's KL
     (https://arxiv.org/abs/2505.05470, ``(mean - ref_mean)**2.mean(dims) / (2 std**2)``; identical when
-    std is constant over the reduced dims).
+    std is constant over the reduced dims). Which std goes in is the caller's choice: the step's own
+    gives the exact KL, FlowGRPO passes the SDE's diffusion coefficient (see
+    ``unirl.diffusion.sde.step_kl``).
 
     Args:
         mean: [N, ...] mean of the current policy's transition, e.g. [N, C, H, W] latents.

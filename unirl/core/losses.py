@@ -14,9 +14,14 @@ Loss aggregation (``aggregate``) uses verl's mode names. TRL's ``GRPOConfig.loss
 * ``bnpo``    ~ ``token-mean`` over the local batch; ``dapo`` ~ ``token-mean`` normalised by the
   global token count, i.e. pass ``denominator`` (DAPO, https://arxiv.org/abs/2503.14476).
 * ``dr_grpo`` ~ ``seq-mean-token-sum-norm``: token sums divided by a constant, (number of sequences)
-  x T, so long answers are not down-weighted (Dr. GRPO, https://arxiv.org/abs/2503.20783). TRL's
-  constant is ``max_completion_length``; here it is T = ``mask.shape[-1]``, equal to it when
-  completions are padded to that length (otherwise pass ``denominator``).
+  x ``norm_length``, so long answers are not down-weighted (Dr. GRPO,
+  https://arxiv.org/abs/2503.20783). TRL divides by ``batch size x max_completion_length``: pass
+  ``norm_length=max_completion_length`` (the text environment passes ``rollout.max_new_tokens``) so
+  the normaliser does not change with the longest response of a step. Without it T =
+  ``mask.shape[-1]`` is used, which is that constant only when responses are padded to it.
+
+GSPO (``level="sequence"``) aggregates with ``seq-mean-token-mean`` only, as verl hard-codes for it;
+another mode would weight sequences by their length and is refused.
 """
 
 from __future__ import annotations
@@ -58,20 +63,21 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, 
     return total.sum(dim) / mask.sum(dim).clamp_min(1)
 
 
-def aggregate_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregate_denominator(mask: torch.Tensor, mode: str, *, norm_length: int | None = None) -> torch.Tensor:
     """The normaliser ``aggregate`` divides by, computed for a whole mini-batch.
 
     * ``token-mean``: number of masked-in tokens.
     * ``seq-mean-token-mean`` and ``seq-mean-token-sum``: number of sequences with at least one
       masked-in token (fully masked rows, e.g. padding rows, are not counted).
-    * ``seq-mean-token-sum-norm``: that sequence count times T = ``mask.shape[-1]`` (the whole
-      normaliser, so micro-batches padded to different lengths still add up).
+    * ``seq-mean-token-sum-norm``: that sequence count times ``norm_length`` (Dr. GRPO's constant,
+      TRL's ``max_completion_length``), or times T = ``mask.shape[-1]`` when ``norm_length`` is None.
 
     Clamped to at least 1, so an all-masked batch aggregates to 0 rather than NaN.
 
     Args:
         mask: [N, T] boolean or 0/1 mask of the full mini-batch.
         mode: one of ``AGG_MODES``.
+        norm_length: the constant length of ``seq-mean-token-sum-norm``; ignored by other modes.
 
     Returns:
         0-dim integer tensor.
@@ -85,7 +91,9 @@ def aggregate_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
         return mask.sum().clamp_min(1)
     num_seqs = mask.any(dim=-1).sum()
     if mode == "seq-mean-token-sum-norm":
-        return (num_seqs * mask.shape[-1]).clamp_min(1)
+        if norm_length is not None and not norm_length >= 1:
+            raise ValueError(f"norm_length must be a positive length or None, got {norm_length!r}")
+        return (num_seqs * (mask.shape[-1] if norm_length is None else int(norm_length))).clamp_min(1)
     return num_seqs.clamp_min(1)
 
 
@@ -95,6 +103,7 @@ def aggregate(
     mode: str,
     *,
     denominator: torch.Tensor | float | None = None,
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss [N, T] to a scalar (verl's ``agg_loss`` modes).
 
@@ -103,8 +112,8 @@ def aggregate(
     * ``token-mean``: sum of all masked-in values / number of masked-in tokens.
     * ``seq-mean-token-mean``: sum over sequences of each sequence's token mean / number of sequences.
     * ``seq-mean-token-sum``: sum over sequences of each sequence's token sum / number of sequences.
-    * ``seq-mean-token-sum-norm``: the same sums / (number of sequences x T), T = ``mask.shape[-1]``
-      (Dr. GRPO).
+    * ``seq-mean-token-sum-norm``: the same sums / (number of sequences x ``norm_length``), by
+      default ``norm_length`` = T = ``mask.shape[-1]`` (Dr. GRPO).
 
     Sequences count only if they have at least one masked-in token. See ``aggregate_denominator``.
 
@@ -117,6 +126,7 @@ def aggregate(
         mask: [N, T] boolean or 0/1.
         mode: one of ``AGG_MODES``.
         denominator: normaliser of the full mini-batch; default this batch's own.
+        norm_length: see ``aggregate_denominator`` (used only when ``denominator`` is None).
 
     Returns:
         0-dim tensor.
@@ -128,7 +138,7 @@ def aggregate(
     _check_same_shape(values=values, mask=mask)
     mask = _bool_mask(mask)
     if denominator is None:
-        denominator = aggregate_denominator(mask, mode)
+        denominator = aggregate_denominator(mask, mode, norm_length=norm_length)
     masked = torch.where(mask, values, torch.zeros_like(values))  # [N, T]
     if mode == "token-mean":
         return masked.sum() / denominator
@@ -167,7 +177,8 @@ def clipped_policy_loss(
       ``r_t = exp(sg[log s_i] + logp_t - sg[logp_t])`` (sg = stop-gradient). Its value is ``s_i`` at
       every token; with ``agg="seq-mean-token-mean"`` (what GSPO uses) and a per-sequence advantage,
       the gradient equals that of the sequence-level objective ``-mean_i min(s_i A_i, clip(s_i) A_i)``.
-      Clipping then acts on whole sequences. GSPO's paper uses tiny bounds (3e-4 / 4e-4).
+      Clipping then acts on whole sequences. GSPO's paper uses tiny bounds (3e-4 / 4e-4). ``agg`` must
+      be ``"seq-mean-token-mean"`` (verl hard-codes it for GSPO; another mode is a ValueError).
 
     ``weights`` multiply the per-token loss after clipping (detached), e.g. truncated importance
     sampling weights for the rollout/trainer mismatch (``truncated_importance_weights``).
@@ -215,6 +226,10 @@ def clipped_policy_loss(
         raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {', '.join(map(repr, AGG_MODES))}, got {agg!r}")
+    if level == "sequence" and agg != "seq-mean-token-mean":
+        raise ValueError(
+            f"level='sequence' (GSPO) aggregates with agg='seq-mean-token-mean' (as verl does), got agg={agg!r}"
+        )
 
     # 2. Log-ratios. Masked positions become 0 here so junk there cannot reach values or gradients.
     mask = _bool_mask(mask)
