@@ -63,6 +63,11 @@ class Environment(ABC):
     #: the trainer (text: the engine's log-probs differ numerically from the trainer's).
     recompute_old_logprobs: bool = True
 
+    #: The constant length ``seq-mean-token-sum-norm`` divides by (Dr. GRPO; TRL's
+    #: ``max_completion_length``): text sets it to ``rollout.max_new_tokens`` so the normaliser does
+    #: not change with the longest response of a step. None: the width of the loss mask.
+    loss_norm_length: int | None = None
+
     @abstractmethod
     def setup(self, accelerator) -> None:
         """Load models, tokenizers/pipelines, data and the reward. Called once."""
@@ -109,6 +114,10 @@ class Environment(ABC):
 
     def sync_weights(self) -> None:
         """Push the trainer's weights to the rollout engine (no-op when sampling uses the trainer)."""
+
+    def after_optimizer_step(self, optimizer_steps: int) -> None:
+        """Called after every optimizer step with the number of optimizer steps done so far (1, 2,
+        ...), e.g. to update an EMA of the weights on FlowGRPO's schedule."""
 
     def rollout_metrics(self, rollout: Rollout, evaluated_old: dict[str, torch.Tensor]) -> dict[str, float]:
         """Extra per-step metrics about the rollout (lengths, engine-vs-trainer log-prob gap ...)."""

@@ -35,6 +35,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.config_dict = config_dict or {}
         self.step = 0
+        self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -112,6 +113,9 @@ class Trainer:
             rewards, reward_metrics = self.env.score(rollout)
         with _timer(times, "advantages"):
             adv_metrics = self.advantages(rollout, rewards)
+            if self.algo.drop_zero_adv:
+                rollout, drop_metrics = self.drop_zero_advantage(rollout)
+                adv_metrics.update(drop_metrics)
         with _timer(times, "old_logprobs"):
             rollout_metrics = self.old_and_reference(rollout)
         with _timer(times, "update"):
@@ -127,15 +131,40 @@ class Trainer:
 
     # ============================================================== stages
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
-        """Group-relative advantages [N] from rewards [N] (same for every token / step of a sample)."""
-        adv = compute_advantages(self.algo.adv_estimator, rewards, rollout.group_ids, scale=self.algo.adv_scale)
-        if self.algo.adv_clip is not None:
-            adv = adv.clamp(-self.algo.adv_clip, self.algo.adv_clip)
+        """Advantages from rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
+        for estimators that work per token (``reinforce++-baseline`` whitens over tokens)."""
+        algo = self.algo
+        mask = self.env.loss_mask(rollout).bool()  # [N, T]
+        adv = compute_advantages(algo.adv_estimator, rewards, rollout.group_ids, mask=mask, scale=algo.adv_scale,
+                                 eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased")
+        if algo.adv_clip is not None:
+            adv = adv.clamp(-algo.adv_clip, algo.adv_clip)
         rollout.tensors["advantages"] = adv
         rollout.tensors["rewards"] = rewards
         stats = group_stats(rewards, rollout.group_ids)
-        return {"adv/mean": adv.mean().item(), "adv/abs_mean": adv.abs().mean().item(),
+        per_token = adv if adv.ndim == 2 else adv.unsqueeze(-1).expand(mask.shape)  # [N, T]
+        return {"adv/mean": per_token[mask].mean().item(), "adv/abs_mean": per_token[mask].abs().mean().item(),
                 **{f"adv/{k}": v.item() for k, v in stats.items()}}
+
+    def drop_zero_advantage(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """FlowGRPO's filter: keep the samples with a non-zero advantage at some token/step, topped up
+        with dropped ones (at random) until the kept count divides into the step's number of
+        mini-batches, so the number of optimizer steps does not change."""
+        adv = rollout.tensors["advantages"]
+        nonzero = adv.ne(0) if adv.ndim == 1 else adv.ne(0).any(dim=-1)  # [N]
+        num_mini = self._num_mini_batches()
+        remainder = int(nonzero.sum()) % num_mini
+        if remainder:
+            dropped = (~nonzero).nonzero().squeeze(-1)
+            generator = torch.Generator().manual_seed(self.cfg.seed * 6_151 + self.step)
+            top_up = dropped[torch.randperm(len(dropped), generator=generator)[: num_mini - remainder]]
+            nonzero[top_up] = True
+        kept = nonzero.nonzero().squeeze(-1)
+        metrics = {"adv/dropped_frac": 1.0 - len(kept) / len(rollout), "adv/kept": float(len(kept))}
+        return rollout.select(kept), metrics
+
+    def _num_mini_batches(self) -> int:
+        return self.cfg.prompts_per_step * self.cfg.group_size // self.cfg.mini_batch_size
 
     @torch.no_grad()
     def old_and_reference(self, rollout: Rollout) -> dict[str, float]:
@@ -143,6 +172,8 @@ class Trainer:
         reference outputs for the KL, stored in ``rollout.tensors`` as ``old_logp`` and ``ref/<key>``."""
         model = self.env.model
         metrics = {}
+        if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv)
+            return metrics
         if self.env.recompute_old_logprobs:
             old = self._evaluate_all(model, rollout)
             rollout.tensors["old_logp"] = old["logp"].detach().cpu()
@@ -168,10 +199,14 @@ class Trainer:
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
+        if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv): nothing to learn from
+            return {}
+        # As many mini-batches as B*G / mini_batch_size (fewer samples when zero advantages were dropped).
+        mini_size = -(-len(rollout) // self._num_mini_batches())
         model.train()
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(len(rollout), generator=generator)
-            for mini_idx in order.split(self.cfg.mini_batch_size):
+            for mini_idx in order.split(mini_size):
                 micro_chunks = mini_idx.split(self.cfg.micro_batch_size)
                 denominator = None  # the mini-batch's normaliser, so micro losses add up to its loss
                 for k, micro_idx in enumerate(micro_chunks):
@@ -193,7 +228,8 @@ class Trainer:
         return out
 
     def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
-        return aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg)
+        return aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg,
+                                     norm_length=self.env.loss_norm_length)
 
     def _micro_loss(self, model, micro: Rollout, denominator: torch.Tensor):
         algo, device = self.algo, self.accelerator.device
@@ -232,6 +268,8 @@ class Trainer:
             acc.print(f"step {self.step}: non-finite grad norm {grad_norm}; optimizer step skipped")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.env.after_optimizer_step(self.optimizer_steps)
         return grad_norm
 
     def evaluate(self) -> dict[str, float]:
@@ -266,7 +304,8 @@ class Trainer:
             self.env.save_pretrained(tmp)
         acc.save_state(str(tmp / "trainer_state"))
         if acc.is_main_process:
-            (tmp / "trainer_state" / "loop.json").write_text(json.dumps({"step": self.step}))
+            (tmp / "trainer_state" / "loop.json").write_text(
+                json.dumps({"step": self.step, "optimizer_steps": self.optimizer_steps}))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             self._prune(root)
@@ -287,7 +326,8 @@ class Trainer:
             return
         latest = steps[-1]
         self.accelerator.load_state(str(latest / "trainer_state"))
-        self.step = json.loads((latest / "trainer_state" / "loop.json").read_text())["step"]
+        state = json.loads((latest / "trainer_state" / "loop.json").read_text())
+        self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
         self.accelerator.print(f"resumed from {latest} (step {self.step})")
 
 

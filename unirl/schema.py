@@ -20,22 +20,38 @@ class AlgoConfig:
     #: How ``grpo`` scales the centred rewards: by the group's std (GRPO), the batch's std
     #: (FlowGRPO's global_std) or not at all (Dr.GRPO).
     adv_scale: Literal["group", "batch", "none"] = "group"
+    #: The std convention of ``adv_scale``: ``unbiased`` (Bessel's correction; verl, TRL) or
+    #: ``biased`` (numpy's ``np.std``; FlowGRPO's ``PerPromptStatTracker``).
+    adv_std: Literal["unbiased", "biased"] = "unbiased"
+    #: Added to the std before dividing (verl/TRL 1e-6; FlowGRPO 1e-4).
+    adv_eps: float = 1e-6
     #: Clamp advantages to [-adv_clip, adv_clip] (FlowGRPO uses 5); null disables.
     adv_clip: Optional[float] = None
+    #: Drop samples whose advantage is zero at every token/step before the update (FlowGRPO does),
+    #: so under ``token-mean`` they do not dilute the policy term; ``adv/dropped_frac`` logs how many.
+    #: The number of optimizer steps per training step stays the same: the kept samples are split
+    #: into as many mini-batches, topped up with dropped samples (chosen at random) until they
+    #: divide evenly, as FlowGRPO does.
+    drop_zero_adv: bool = False
     clip_low: float = 0.2
     #: DAPO's clip-higher uses a larger upper bound (e.g. 0.28).
     clip_high: float = 0.2
     #: Dual-clip constant (> 1) for negative advantages; null disables.
     dual_clip: Optional[float] = None
-    #: ``sequence`` gives GSPO's sequence-level ratio.
+    #: ``sequence`` gives GSPO's sequence-level ratio; it needs ``loss_agg: seq-mean-token-mean``
+    #: (verl hard-codes that mode for GSPO).
     level: Literal["token", "sequence"] = "token"
     #: Loss aggregation (verl's names): token-mean, seq-mean-token-mean, seq-mean-token-sum,
-    #: seq-mean-token-sum-norm.
+    #: seq-mean-token-sum-norm (Dr. GRPO: divided by sequences x the environment's constant length,
+    #: ``rollout.max_new_tokens`` for text, like TRL's ``dr_grpo``).
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     #: Weight of the KL-to-reference penalty in the loss (``beta``); 0 skips the reference pass.
     kl_coef: float = 0.0
     #: KL estimator for text (k1, k2, k3, k3+); diffusion uses the closed-form Gaussian KL.
     kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    #: verl's safety clamp of the k3 estimators (``low_var_kl``): the value is clamped to at most
+    #: this (and its exponent to [-20, 20]). Applies to k3 and k3+ only; null gives the exact value.
+    kl_clamp: Optional[float] = 10.0
     #: Entropy bonus coefficient (text); 0 disables.
     entropy_coef: float = 0.0
     #: Truncated importance sampling cap for the rollout-engine vs trainer mismatch; null disables.
@@ -54,6 +70,15 @@ class AlgoConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"kl_clamp must be > 0 or null, got {self.kl_clamp}")
+        if self.adv_eps < 0:
+            raise ValueError(f"adv_eps must be >= 0, got {self.adv_eps}")
+        if self.level == "sequence" and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(
+                f"level=sequence (GSPO) aggregates with loss_agg=seq-mean-token-mean, as verl does; "
+                f"got loss_agg={self.loss_agg} (set algo.loss_agg=seq-mean-token-mean)"
+            )
 
 
 @dataclass

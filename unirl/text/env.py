@@ -180,8 +180,14 @@ class TextEnvironment(Environment):
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return batch.tensors["response_mask"]
 
+    @property
+    def loss_norm_length(self) -> int:
+        return self.cfg.rollout.max_new_tokens  # Dr. GRPO's constant, TRL's max_completion_length
+
     def kl(self, current, reference):
-        return kl_divergence(current["logp"], reference["logp"], estimator=self.cfg.algo.kl_estimator)
+        algo = self.cfg.algo
+        clamp = algo.kl_clamp if algo.kl_estimator in ("k3", "k3+") else None  # verl clamps low_var_kl only
+        return kl_divergence(current["logp"], reference["logp"], estimator=algo.kl_estimator, clamp=clamp)
 
     def reference_model(self):
         return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
