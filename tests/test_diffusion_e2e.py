@@ -65,7 +65,7 @@ def _train(run: Path, *overrides: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     # LoRA with the KL to the adapter-disabled reference, CFG in training, a Fast window, scoring threads.
-    ("algo.kl_coef=0.04", "kl_form=dt_scaled", "sampling.guidance_scale=2.0", "sampling.train_cfg=true",
+    ("algo.kl_coef=0.04", "kl_form=exact", "sampling.guidance_scale=2.0", "sampling.train_cfg=true",
      "sampling.sde_window.size=3", "sampling.timestep_fraction=0.7", "trainer.reward_workers=1",
      "trainer.mini_batch_size=16", "trainer.micro_batch_size=8"),
     # Full fine-tuning with a frozen reference copy.

@@ -3,6 +3,7 @@ schedules, and the LoRA saved in diffusers' format loading into a stock pipeline
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -87,10 +88,14 @@ def test_rollout_records_the_chosen_steps_and_shares_noise_within_groups(tiny_sd
 
 def test_trained_steps_subset_and_window_bounds():
     stochastic = torch.tensor([False, True, True, True, True, False])
-    steps = trained_steps(50, stochastic, 0.5, torch.Generator().manual_seed(0))  # int(4 * 0.5) = 2 of 4
+    # FlowGRPO's selection (the default): the first int(4 * 0.5) = 2 stochastic steps in sampling order.
+    assert trained_steps(5, stochastic, 0.5, torch.Generator()).tolist() == [[1, 2]] * 5
+    assert trained_steps(2, stochastic, 0.99, torch.Generator()).tolist() == [[1, 2, 3]] * 2  # int(3.96) = 3
+    steps = trained_steps(50, stochastic, 0.5, torch.Generator().manual_seed(0), "random")  # 2 of 4 at random
     assert steps.shape == (50, 2) and bool((steps[:, 0] < steps[:, 1]).all())
     assert set(steps.flatten().tolist()) == {1, 2, 3, 4}
-    assert trained_steps(3, stochastic, 1.0, torch.Generator()).tolist() == [[1, 2, 3, 4]] * 3
+    for selection in ("first", "random"):
+        assert trained_steps(3, stochastic, 1.0, torch.Generator(), selection).tolist() == [[1, 2, 3, 4]] * 3
     starts = {int(stochastic_steps(10, 3, (2, 8), random.Random(s)).nonzero()[0]) for s in range(200)}
     assert starts == {2, 3, 4, 5}
     assert bool(stochastic_steps(4).all())
@@ -108,15 +113,20 @@ def test_kl_is_zero_for_the_reference_and_matches_the_closed_form(tiny_sd3_dir):
         cur = env.evaluate(env.model, rollout)
         with env.reference_model() as ref:  # the adapter is disabled inside, so ref is unchanged
             torch.testing.assert_close(env.evaluate(ref, rollout)["mean"], ref_out["mean"], rtol=0, atol=0)
-    kl = env.kl(cur, ref_out)  # [N, T]
-    # FlowGRPO: ((mean - ref_mean)^2).mean(dims) / (2 std^2), one step and one sample at a time.
+    kl = env.kl(cur, ref_out)  # [N, T], kl_form flowgrpo (the default)
+    # FlowGRPO: ((mean - ref_mean)^2).mean(dims) / (2 std_dev_t^2), std_dev_t = 0.7 sqrt(sigma / (1 - sigma))
+    # (the next sigma in the denominator at sigma 1), one step and one sample at a time.
     n, t = 3, 2
     diff = (cur["mean"][n, t] - ref_out["mean"][n, t]).double()
-    expected = diff.square().mean() / (2 * cur["std"][n, t].double() ** 2)
-    assert float(kl[n, t]) == pytest.approx(float(expected), rel=1e-5)
+    sigma, sigma_next = float(rollout.tensors["sigma"][n, t]), float(rollout.tensors["sigma_next"][n, t])
+    std_dev_t = 0.7 * math.sqrt(sigma / (1 - (sigma_next if sigma == 1 else sigma)))
+    assert float(kl[n, t]) == pytest.approx(float(diff.square().mean() / (2 * std_dev_t**2)), rel=1e-5)
     assert bool((kl > 0).all())
-    env.cfg.kl_form = "dt_scaled"
-    torch.testing.assert_close(env.kl(cur, ref_out), kl * (rollout.tensors["sigma"] - rollout.tensors["sigma_next"]))
+    # The exact KL divides by the step's variance std_dev_t^2 |dt|.
+    env.cfg.kl_form = "exact"
+    exact = env.kl(cur, ref_out)
+    assert float(exact[n, t]) == pytest.approx(float(diff.square().mean() / (2 * cur["std"][n, t].double() ** 2)), rel=1e-5)
+    torch.testing.assert_close(kl, exact * (rollout.tensors["sigma"] - rollout.tensors["sigma_next"]))
     env.close()
 
 
@@ -140,11 +150,10 @@ def test_param_ema_by_hand():
     ema = ParamEMA([p], decay=0.9, update_every=1)
     with torch.no_grad():
         p.fill_(1.0)
-    ema.catch_up(1)  # decay min(1/10, 0.9) = 0.1: 0 + 0.9 * (1 - 0) = 0.9
-    ema.catch_up(1)  # no new step: no update
-    torch.testing.assert_close(ema.shadow[0], torch.full((2,), 0.9))
-    ema.catch_up(2)  # decay min(2/11, 0.9): 0.9 + (9/11) * 0.1
-    expected = 0.9 + (1 - 2 / 11) * 0.1
+    ema.step(1)  # after optimizer step 1: decay min(2/11, 0.9): 0 + (9/11) * (1 - 0)
+    torch.testing.assert_close(ema.shadow[0], torch.full((2,), 9 / 11))
+    ema.step(2)  # decay min(3/12, 0.9): 9/11 + (3/4) * (2/11)
+    expected = 9 / 11 + 0.75 * 2 / 11
     torch.testing.assert_close(ema.shadow[0], torch.full((2,), expected))
     with ema.swapped():
         torch.testing.assert_close(p.detach(), torch.full((2,), expected))
@@ -152,7 +161,7 @@ def test_param_ema_by_hand():
     state = ema.state_dict()
     other = ParamEMA([torch.nn.Parameter(torch.zeros(2))], decay=0.9)
     other.load_state_dict(state)
-    assert other.updates == 2 and torch.equal(other.shadow[0], ema.shadow[0])
+    assert torch.equal(other.shadow[0], ema.shadow[0])
 
 
 def test_saved_lora_loads_into_a_stock_pipeline_and_changes_its_output(tiny_sd3_dir, tmp_path):

@@ -71,9 +71,13 @@ class SamplingConfig:
     noise_level: float = 0.7
     sde_type: Literal["flow", "cps"] = "flow"
     sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
-    #: Fraction of the stochastic steps trained per sample (a random subset per sample, FlowGRPO's
-    #: ``timestep_fraction``); at least one step is trained.
+    #: Fraction of the stochastic steps trained per sample, ``T = int(K * fraction)`` of K (FlowGRPO's
+    #: ``timestep_fraction``; at least one step is trained).
     timestep_fraction: float = 1.0
+    #: Which T steps: ``first`` = the first T stochastic steps in sampling order, as FlowGRPO trains
+    #: them (0.99 of 10 leaves out the last, sharpest step, whose std is about 0.006); ``random`` = a
+    #: random subset per sample (unirl's earlier choice, which trains that step about 90% of the time).
+    timestep_selection: Literal["first", "random"] = "first"
     #: The B*G samples of a step start from the same initial noise within a group (FlowGRPO's ``same_latent``).
     same_noise_per_group: bool = False
     #: Samples per transformer batch when sampling; finished chunks are scored while the next one samples.
@@ -106,12 +110,14 @@ class SamplingConfig:
 
 @dataclass
 class EmaConfig:
-    """An exponential moving average of the trainable weights, used for evaluation and saving
-    (FlowGRPO's ``EMAModuleWrapper``: decay ``min((1 + k) / (10 + k), decay)`` at update k)."""
+    """An exponential moving average of the trainable weights, used for evaluation and saving,
+    on FlowGRPO's schedule (``EMAModuleWrapper``): after optimizer step k (k = 1, 2, ... counted over
+    the whole run) the EMA is updated when ``(k + 1) % update_every == 0``, with decay
+    ``min((1 + k) / (10 + k), decay)``."""
 
     enabled: bool = True
     decay: float = 0.9
-    #: Update every N training steps.
+    #: Update every N optimizer steps (FlowGRPO's ``update_step_interval``; its SD3 script uses 8).
     update_every: int = 1
 
     def __post_init__(self):
@@ -141,11 +147,12 @@ class DiffusionConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
-    #: KL to the reference: ``gaussian`` is the exact KL of the two Gaussian steps,
-    #: ``(mean - ref_mean)^2 / (2 std^2)`` with the step's std (FlowGRPO's current code); ``dt_scaled``
-    #: multiplies it by ``|dt|`` (FlowGRPO's first release divided by the SDE's sigma_t^2 instead of
-    #: the step variance sigma_t^2 |dt|), a per-unit-time KL that weights steps by their length.
-    kl_form: Literal["gaussian", "dt_scaled"] = "gaussian"
+    #: KL to the reference per trained step (``unirl.diffusion.sde.step_kl``): ``flowgrpo`` is
+    #: FlowGRPO's ``train_sd3.py``, ``(mean - ref_mean)^2 / (2 s^2)`` with the SDE's diffusion
+    #: coefficient s (for the flow SDE without the step's sqrt(|dt|), so |dt| times the exact KL);
+    #: ``exact`` is the KL of the two Gaussian steps (divides by the step variance s^2 |dt|: 3.7x to
+    #: 112x stronger per step on SD3's shift-3 10-step schedule). Equal for ``sde_type: cps``.
+    kl_form: Literal["flowgrpo", "exact"] = "flowgrpo"
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="brightness")])
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -13,9 +13,11 @@ What this file adds to the pure pieces (``sde.py``, ``sampling.py``):
 * an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
 * chunks of samples are scored in the reward pool while the next chunk samples.
 
-Simplifications against FlowGRPO's reference code: one EMA update per training step (not per
-optimizer step), the negative prompt is the empty string encoded once, and the SDE window (Fast mode)
-is drawn once per rollout from the run's seed.
+Differences from FlowGRPO's reference code: the EMA is updated once per optimizer step (FlowGRPO
+calls its ``ema.step`` after every micro-batch with the optimizer-step count, so with gradient
+accumulation it repeats the same update several times at each qualifying step); the negative prompt
+is the empty string encoded once; and the SDE window (Fast mode) is drawn once per rollout from the
+run's seed.
 
 Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[C, h, w]``.
 """
@@ -30,12 +32,12 @@ from pathlib import Path
 
 import torch
 
-from unirl.core import gaussian_kl
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.sampling import (
     decode_latents, encode_prompts, rescore_steps, sample_with_logprob, sigma_schedule, stochastic_steps,
     to_pil, trained_steps,
 )
+from unirl.diffusion.sde import step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference
 from unirl.scoring import RewardSet, concat_components
 
@@ -74,29 +76,31 @@ def load_prompt_rows(source: str, split: str) -> list[dict]:
 
 
 class ParamEMA:
-    """Exponential moving average of a list of parameters, with FlowGRPO's warm-up
-    ``decay_k = min((1 + k) / (10 + k), decay)`` at update k (``flow_grpo/ema.py``).
+    """Exponential moving average of a list of parameters on FlowGRPO's schedule
+    (``flow_grpo/ema.py``, ``EMAModuleWrapper.step``).
 
-    ``catch_up(steps_done)`` updates once when a multiple of ``update_every`` training steps passed
-    since the last call; ``swapped()`` puts the averages into the parameters for a while.
+    ``step(k)`` is called after optimizer step k (k = 1, 2, ... over the whole run). When
+    ``(k + 1) % update_every == 0`` the averages move towards the parameters with decay
+    ``d_k = min((1 + k) / (10 + k), decay)``: ``shadow <- shadow + (1 - d_k) (param - shadow)``. The
+    warm-up follows the optimizer-step count, not the number of updates, so with ``update_every=8``
+    the first update (k = 7) already has decay 8/17 and 0.9 is reached at k = 81, the tenth update.
+    ``swapped()`` puts the averages into the parameters for a while.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], decay: float, update_every: int = 1):
         self.params, self.decay, self.update_every = list(params), decay, update_every
         self.shadow = [p.detach().clone().float() for p in self.params]
-        self.updates = 0
-        self.steps_seen = 0
+
+    def decay_at(self, optimizer_step: int) -> float:
+        return min((1 + optimizer_step) / (10 + optimizer_step), self.decay)
 
     @torch.no_grad()
-    def catch_up(self, steps_done: int) -> None:
-        crossed = steps_done // self.update_every > self.steps_seen // self.update_every
-        self.steps_seen = max(self.steps_seen, steps_done)
-        if not crossed:
+    def step(self, optimizer_step: int) -> None:
+        if (optimizer_step + 1) % self.update_every:
             return
-        d = min((1 + self.updates) / (10 + self.updates), self.decay)
+        d = self.decay_at(optimizer_step)
         for s, p in zip(self.shadow, self.params):
-            s.sub_((1 - d) * (s - p.detach().float()))
-        self.updates += 1
+            s.add_((1 - d) * (p.detach().float() - s))
 
     @contextlib.contextmanager
     def swapped(self):
@@ -112,12 +116,11 @@ class ParamEMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict:
-        return {"shadow": [s.cpu() for s in self.shadow], "updates": self.updates, "steps_seen": self.steps_seen}
+        return {"shadow": [s.cpu() for s in self.shadow]}
 
     def load_state_dict(self, state: dict) -> None:
         for s, v in zip(self.shadow, state["shadow"], strict=True):
             s.copy_(v)
-        self.updates, self.steps_seen = state["updates"], state["steps_seen"]
 
 
 class DiffusionEnvironment(Environment):
@@ -212,9 +215,11 @@ class DiffusionEnvironment(Environment):
     # ---------------------------------------------------------------- rollout
     def next_prompts(self, step: int) -> list[dict]:
         self._step = step
-        if self.ema is not None:
-            self.ema.catch_up(step)  # the update of step - 1 is done
         return self.sampler.batch(step)
+
+    def after_optimizer_step(self, optimizer_steps: int) -> None:
+        if self.ema is not None:
+            self.ema.step(optimizer_steps)
 
     @torch.no_grad()
     def rollout(self, rows: list[dict], group_size: int) -> Rollout:
@@ -237,7 +242,7 @@ class DiffusionEnvironment(Environment):
         # The window is drawn from the seed and step only, so every process uses the same one.
         window_rng = random.Random(cfg.trainer.seed * 7_919 + self._step)
         stochastic = stochastic_steps(s.num_steps, s.sde_window.size, s.sde_window.range, window_rng)  # [S]
-        steps = trained_steps(N, stochastic, s.timestep_fraction, generator)  # [N, T]
+        steps = trained_steps(N, stochastic, s.timestep_fraction, generator, s.timestep_selection)  # [N, T]
         # 3. Sample chunk by chunk; each finished chunk is scored in the reward pool meanwhile.
         sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
         outs, images, futures = [], [], []
@@ -289,32 +294,31 @@ class DiffusionEnvironment(Environment):
         out = rescore_steps(model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"], t["timestep"], cond,
                             guidance_scale=self.train_guidance, noise_level=s.noise_level, sde_type=s.sde_type)
         out["mask"] = torch.ones_like(out["logp"])  # [n, T]: every stored step is trained
-        out["dt"] = (t["sigma_next"] - t["sigma"]).float()  # [n, T], < 0
+        out["sigma"], out["sigma_next"] = t["sigma"].float(), t["sigma_next"].float()  # [n, T], for the KL
         return out
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.tensors["old_logp"])  # [n, T]
 
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[n, T] closed-form KL between the policy's and the reference's Gaussian steps (same std)."""
+        """[n, T] KL penalty between the policy's and the reference's Gaussian steps (``kl_form``)."""
+        s = self.cfg.sampling
         n, T = current["logp"].shape
         mean = current["mean"].flatten(0, 1)  # [n*T, C, h, w]
         ref_mean = reference["mean"].to(mean.device).flatten(0, 1)
-        kl = gaussian_kl(mean, ref_mean, current["std"].flatten()).view(n, T)  # [n, T]
-        if self.cfg.kl_form == "dt_scaled":
-            kl = kl * (-current["dt"])
-        return kl
+        kl = step_kl(mean, ref_mean, current["sigma"].flatten(), current["sigma_next"].flatten(),
+                     noise_level=s.noise_level, sde_type=s.sde_type, form=self.cfg.kl_form)  # [n*T]
+        return kl.view(n, T)
 
     def reference_model(self):
         return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
 
     # ------------------------------------------------------------ evaluation
     @contextlib.contextmanager
-    def _ema_weights(self, steps_done: int):
+    def _ema_weights(self):
         if self.ema is None:
             yield
             return
-        self.ema.catch_up(steps_done)
         with self.ema.swapped():
             yield
 
@@ -339,7 +343,7 @@ class DiffusionEnvironment(Environment):
         if not self.test_rows:
             return {}
         prompts = [row["prompt"] for row in self.test_rows]
-        with self._ema_weights(step):
+        with self._ema_weights():
             images = self.sample_deterministic(prompts)
         columns = {k: [row.get(k) for row in self.test_rows] for k in self.test_rows[0] if k != "prompt"}
         comps = self.rewards.components(images, prompts=prompts, columns=columns)
@@ -363,7 +367,7 @@ class DiffusionEnvironment(Environment):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self._model)
-        with self._ema_weights(self._step + 1):  # called after the step's update
+        with self._ema_weights():
             if self.cfg.model.lora.enabled:
                 from diffusers import StableDiffusion3Pipeline
                 from peft.utils import get_peft_model_state_dict

@@ -68,14 +68,20 @@ def stochastic_steps(num_steps: int, window_size: int = 0, window_range: tuple[i
     return mask
 
 
-def trained_steps(n: int, stochastic: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
-    """``[N, T]`` sorted step indices trained per sample: a random subset of the stochastic steps of
-    size ``T = max(1, int(K * fraction))`` (FlowGRPO's ``timestep_fraction``; all K when it is 1)."""
+def trained_steps(n: int, stochastic: torch.Tensor, fraction: float, generator: torch.Generator,
+                  selection: str = "first") -> torch.Tensor:
+    """``[N, T]`` sorted step indices trained per sample, ``T = max(1, int(K * fraction))`` of the K
+    stochastic steps (FlowGRPO's ``timestep_fraction``; all K when it is 1).
+
+    ``selection="first"``: the first T stochastic steps in sampling order, for every sample, as
+    FlowGRPO's ``train_sd3.py`` trains them. ``"random"``: a random subset of T per sample."""
+    if selection not in ("first", "random"):
+        raise ValueError(f"selection must be 'first' or 'random', got {selection!r}")
     candidates = stochastic.nonzero().squeeze(-1)  # [K]
     k = len(candidates)
     t = max(1, int(k * fraction))
-    if t == k:
-        return candidates.expand(n, k).clone()
+    if t == k or selection == "first":
+        return candidates[:t].expand(n, t).clone()
     order = torch.stack([torch.randperm(k, generator=generator)[:t] for _ in range(n)])  # [N, T]
     return candidates[order].sort(dim=-1).values
 

@@ -25,6 +25,9 @@ runs from ``sigma = 1`` (noise) to ``sigma = 0`` (data); ``dt = sigma_next - sig
   ``1 / (2 std^2)`` factor (it does not cancel: a ratio ``exp(lp - lp_old)`` is the Gaussian ratio
   raised to the power ``2 std^2``, a per-step temperature). ``noise_level`` must lie in [0, 1].
 
+``step_kl`` is the KL penalty between the policy's and the reference's step (FlowGRPO's form by
+default, the exact Gaussian KL as an option).
+
 ``noise_level = 0`` is the deterministic Euler ODE step ``x + dt * v`` for both types (the same update
 as diffusers' ``FlowMatchEulerDiscreteScheduler.step``), with ``std = 0``; a point mass has no density,
 so ``log_prob`` is *defined* as 0 there (such steps are never trained).
@@ -42,6 +45,8 @@ from numbers import Real
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
+
+from unirl.core import gaussian_kl
 
 SDE_TYPES = ("flow", "cps")
 REDUCTIONS = ("mean", "sum")
@@ -103,16 +108,13 @@ def sde_step_with_logprob(
         return prev_sample, torch.zeros(n, device=sample.device), mean, std
 
     # 4. Mean and standard deviation of the Gaussian step.
+    s, std = sde_diffusion_coefficient(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)  # [N, 1, ..., 1]
     if sde_type == "flow":
-        # FlowGRPO eq. 9. At sigma == 1 the ratio sigma / (1 - sigma) is infinite; FlowGRPO uses the
-        # next sigma in the denominator there (``torch.where(sigma == 1, sigma_max, sigma)``).
-        s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma))) * noise_level
+        # FlowGRPO eq. 9 (s is sigma_t of the SDE, std = s sqrt(|dt|) the step's std).
         mean = sample * (1 + s**2 / (2 * sigma) * dt) + velocity * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
-        std = s * torch.sqrt(-dt)  # [N, 1, ..., 1]
     else:
         # Coefficient-preserving: the next latent is (1 - sigma_next) x0 + sigma_next * (unit noise),
         # split between the predicted noise x1 and fresh noise so their squared weights sum to sigma_next^2.
-        std = sigma_next * math.sin(noise_level * math.pi / 2)  # [N, 1, ..., 1]
         x0 = sample - sigma * velocity  # [N, ...]
         x1 = sample + velocity * (1 - sigma)  # [N, ...]
         mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
@@ -176,3 +178,76 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor of shape {tuple(value.shape)}"
     return repr(value)
+
+
+KL_FORMS = ("flowgrpo", "exact")
+
+
+def sde_diffusion_coefficient(
+    sigma: torch.Tensor | float, sigma_next: torch.Tensor | float, *, noise_level: float = 0.7, sde_type: str = "flow"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, step_std)`` of the step ``sigma -> sigma_next``, each ``[N]`` (or 0-d for float sigmas).
+
+    ``s`` is what FlowGRPO's ``sde_step_with_logprob`` returns as ``std_dev_t``: for ``"flow"`` the
+    SDE's diffusion coefficient ``noise_level * sqrt(sigma / (1 - sigma))`` (the next sigma in the
+    denominator at sigma == 1) *without* the ``sqrt(|dt|)`` of the step; for ``"cps"`` the step's
+    std ``sigma_next * sin(noise_level * pi / 2)`` itself. ``step_std`` is the std of the Gaussian step
+    (``s * sqrt(|dt|)`` for flow, ``s`` for cps), as ``sde_step_with_logprob`` returns it.
+    """
+    sigma = torch.as_tensor(sigma, dtype=torch.float32)
+    sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=sigma.device)
+    if sde_type == "flow":
+        # At sigma == 1 the ratio sigma / (1 - sigma) is infinite; FlowGRPO uses the next sigma in the
+        # denominator there (``torch.where(sigma == 1, sigma_max, sigma)``).
+        s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma))) * noise_level
+        return s, s * torch.sqrt(sigma - sigma_next)
+    if sde_type == "cps":
+        s = sigma_next * math.sin(noise_level * math.pi / 2)
+        return s, s
+    raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+
+
+def step_kl(
+    mean: torch.Tensor,
+    ref_mean: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    *,
+    noise_level: float = 0.7,
+    sde_type: str = "flow",
+    form: str = "flowgrpo",
+) -> torch.Tensor:
+    """KL penalty ``[N]`` between the policy's and the reference's Gaussian steps ``sigma -> sigma_next``.
+
+    Both steps share their std and differ in the mean, so every form is
+    ``mean over non-batch dims of (mean - ref_mean)^2 / (2 d^2)`` (through ``unirl.core.gaussian_kl``)
+    with a per-step ``d``:
+
+    * ``form="flowgrpo"``: FlowGRPO's ``train_sd3.py`` (``kl_loss = ((prev_sample_mean -
+      prev_sample_mean_ref)**2).mean(dim=(1, 2, 3)) / (2 * std_dev_t**2)``), ``d = std_dev_t``. For
+      ``sde_type="flow"`` that is the SDE's diffusion coefficient without the ``sqrt(|dt|)`` factor,
+      i.e. ``|dt|`` times the exact KL of the step (on SD3's shift-3 10-step schedule the exact KL is
+      3.7x to 112x larger, step by step). For ``"cps"`` ``std_dev_t`` is the step std, so this equals
+      ``"exact"``.
+    * ``form="exact"``: the KL between the two Gaussian steps, ``d`` = the step's std.
+
+    Args:
+        mean, ref_mean: ``[N, ...]`` means of the step under the policy and the reference.
+        sigma, sigma_next: ``[N]`` tensors or floats, ``0 <= sigma_next < sigma <= 1``.
+        noise_level, sde_type: as in ``sde_step_with_logprob``.
+        form: ``"flowgrpo"`` or ``"exact"``.
+
+    Returns:
+        ``[N]`` float32.
+    """
+    if form not in KL_FORMS:
+        raise ValueError(f"form must be one of {KL_FORMS}, got {form!r}")
+    if not isinstance(mean, torch.Tensor) or mean.ndim < 2:
+        raise ValueError(f"mean must be a tensor [N, ...] with at least 2 dimensions, got {_describe(mean)}")
+    n = mean.shape[0]
+    sigma = _per_sample_sigma(sigma, "sigma", n, mean).flatten()  # [N]
+    sigma_next = _per_sample_sigma(sigma_next, "sigma_next", n, mean).flatten()  # [N]
+    _check_sigmas(sigma, sigma_next)
+    s, step_std = sde_diffusion_coefficient(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)  # [N]
+    d = s if form == "flowgrpo" else step_std
+    return gaussian_kl(mean.float(), ref_mean.float(), d)  # [N]
