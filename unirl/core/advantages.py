@@ -16,9 +16,11 @@ others return [N] (the same advantage for every token of a sample). Estimators t
 
 Std convention: by default every std here is the *unbiased* one (Bessel's correction, ``torch.std``'s
 default), as GRPO implementations (verl, TRL) use; ``unbiased=False`` gives the biased one (numpy's
-``np.std``), which FlowGRPO's ``PerPromptStatTracker`` uses (with ``eps=1e-4``); a group of one sample has std 0 by definition (not NaN) and
-gets advantage 0 from ``grpo`` and ``rloo`` (verl gives a lone sample ``r / (1 + eps)``, its mean
-being set to 0 and its std to 1; a group of one carries no relative signal, so unirl keeps it out). For a group of G samples the two stds differ by the factor sqrt(G / (G - 1)).
+``np.std``), which FlowGRPO's ``PerPromptStatTracker`` uses (with ``eps=1e-4``); a group of one
+sample has std 0 by definition (not NaN) and gets advantage 0 from ``grpo`` and ``rloo`` (verl gives
+a lone sample ``r / (1 + eps)``, its mean being set to 0 and its std to 1; a group of one carries no
+relative signal, so unirl keeps it out). For a group of G samples the two stds differ by the factor
+sqrt(G / (G - 1)).
 """
 
 from __future__ import annotations

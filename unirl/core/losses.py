@@ -18,7 +18,9 @@ Loss aggregation (``aggregate``) uses verl's mode names. TRL's ``GRPOConfig.loss
   https://arxiv.org/abs/2503.20783). TRL divides by ``batch size x max_completion_length``: pass
   ``norm_length=max_completion_length`` (the text environment passes ``rollout.max_new_tokens``) so
   the normaliser does not change with the longest response of a step. Without it T =
-  ``mask.shape[-1]`` is used, which is that constant only when responses are padded to it.
+  ``mask.shape[-1]`` is used, which is that constant only when responses are padded to it. (verl's
+  ``agg_loss`` divides the token sums by T alone and scales per micro-batch; the normaliser here is
+  TRL's.)
 
 GSPO (``level="sequence"``) aggregates with ``seq-mean-token-mean`` only, as verl hard-codes for it;
 another mode would weight sequences by their length and is refused.
