@@ -274,6 +274,9 @@ def test_drop_zero_adv_keeps_what_flowgrpo_keeps(tmp_path, seed):
     flow_count = int(flow_mask.sum()) + (-int(flow_mask.sum())) % num_batches
     trainer = Trainer(None, algo=AlgoConfig(drop_zero_adv=True), optim=None, run_dir=tmp_path,
                       trainer=TrainerConfig(prompts_per_step=8, group_size=4, mini_batch_size=8, micro_batch_size=8))
+    from accelerate import Accelerator
+
+    trainer.accelerator = Accelerator(cpu=True)  # one process; setup() is not needed for this stage
     from unirl.env import Rollout
 
     rollout = Rollout(tensors={"advantages": adv, "row": torch.arange(n)}, group_ids=torch.arange(n) // 4,

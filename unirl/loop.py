@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import shutil
+import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,6 +28,17 @@ from unirl.core import aggregate, aggregate_denominator, clipped_policy_loss, co
 from unirl.env import Environment, Rollout
 from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
 
+#: Exit status of a run stopped by a signal after it saved its checkpoint (128 + the signal's number).
+_SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class Preempted(RuntimeError):
+    """The run stopped on SIGTERM/SIGINT after finishing a step and saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
 
 class Trainer:
     def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
@@ -36,6 +48,7 @@ class Trainer:
         self.config_dict = config_dict or {}
         self.step = 0
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
+        self._stop_signal: int | None = None  # set by SIGTERM/SIGINT: stop after the current step
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -44,7 +57,7 @@ class Trainer:
 
         cfg = self.cfg
         self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.log_with or None,
-                                       project_dir=str(self.run_dir))
+                                       project_dir=str(self.run_dir), cpu=_cpu_processes())
         set_seed(cfg.seed)
         self._guard_run_dir()
         self.env.setup(self.accelerator)
@@ -78,10 +91,15 @@ class Trainer:
 
     # ================================================================ train
     def train(self) -> list[dict[str, float]]:
-        """Run ``trainer.total_steps`` steps; returns the per-step metrics."""
+        """Run ``trainer.total_steps`` steps; returns the per-step metrics.
+
+        SIGTERM (what SLURM and spot instances send) or SIGINT lets the current step finish, saves a
+        checkpoint, closes the engines and raises ``Preempted`` (exit status 143 / 130 from the CLI).
+        A second SIGINT interrupts at once."""
         self.setup()
         history = []
         progress = _progress(self.cfg, self.step, self.accelerator.is_main_process)
+        previous = self._install_signal_handlers()
         try:
             if self.cfg.eval_every and self.step == 0:
                 self._log({"step": 0, **self.evaluate()}, history=None)
@@ -95,15 +113,50 @@ class Trainer:
                 last = self.step == self.cfg.total_steps
                 if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or last):
                     self._log({"step": self.step, **self.evaluate()}, history=None)
+                saved = None
                 if (self.cfg.save_every and self.step % self.cfg.save_every == 0) or last:
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
+                if not last and self._stop_requested():
+                    self._stop(saved or self.save_checkpoint())
         finally:
+            _restore_signal_handlers(previous)
             if progress is not None:
                 progress.close()
             if self.cfg.log_with:
                 self.accelerator.end_training()
             self.env.close()
         return history
+
+    # ========================================================== preemption
+    def _install_signal_handlers(self) -> dict:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # signal handlers can only be set from the main thread
+
+        def handler(signum, frame):
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self._stop_signal = signum
+
+        return {sig: signal.signal(sig, handler) for sig in _SIGNAL_EXIT}
+
+    def _stop_requested(self) -> bool:
+        """Whether any process got a stop signal; every process stops after the same step."""
+        flag = torch.tensor([0 if self._stop_signal is None else int(self._stop_signal)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        if int(flag) and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM  # another process was signalled
+        return bool(int(flag))
+
+    def _stop(self, checkpoint: Path) -> None:
+        name = signal.Signals(self._stop_signal).name
+        raise Preempted(
+            f"stopped by {name} after step {self.step}; checkpoint {checkpoint}; resume with the same command "
+            f"plus trainer.resume=true (--output-dir {self.run_dir})",
+            _SIGNAL_EXIT.get(self._stop_signal, 143),
+        )
 
     def train_step(self) -> dict[str, float]:
         times: dict[str, float] = {}
@@ -123,8 +176,8 @@ class Trainer:
         with _timer(times, "sync"):
             self.env.sync_weights()
         self.step += 1
-        metrics = {"step": self.step, "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
-                   **reward_metrics, **adv_metrics, **rollout_metrics, **update_metrics}
+        metrics = {"step": self.step, **self._global_reward_metrics(rewards, reward_metrics, rollout),
+                   **adv_metrics, **rollout_metrics, **update_metrics}
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = sum(times.values())
         return metrics
@@ -132,18 +185,29 @@ class Trainer:
     # ============================================================== stages
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
         """Advantages from rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
-        for estimators that work per token (``reinforce++-baseline`` whitens over tokens)."""
+        for estimators that work per token (``reinforce++-baseline`` whitens over tokens).
+
+        With several processes the rewards, group ids and masks of all of them are gathered and the
+        advantages (and their statistics: FlowGRPO's batch std, REINFORCE++'s whitening) computed over
+        the global batch; each process keeps its own rows."""
         algo = self.algo
         mask = self.env.loss_mask(rollout).bool()  # [N, T]
-        adv = compute_advantages(algo.adv_estimator, rewards, rollout.group_ids, mask=mask, scale=algo.adv_scale,
+        # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank.
+        local_ids = torch.unique(rollout.group_ids, return_inverse=True)[1]  # [N]
+        rank, n = self.accelerator.process_index, len(rollout)
+        all_rewards = self._gather_rows(rewards.float())  # [N_all]
+        all_ids = self._gather_rows(local_ids + rank * n)  # [N_all]
+        all_mask = self._gather_rows(mask)  # [N_all, T_max]
+        adv = compute_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, scale=algo.adv_scale,
                                  eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased")
         if algo.adv_clip is not None:
             adv = adv.clamp(-algo.adv_clip, algo.adv_clip)
-        rollout.tensors["advantages"] = adv
+        stats = group_stats(all_rewards, all_ids)
+        per_token = adv if adv.ndim == 2 else adv.unsqueeze(-1).expand(all_mask.shape)  # [N_all, T_max]
+        local = adv[rank * n:(rank + 1) * n]  # every process has N samples here (before any drop)
+        rollout.tensors["advantages"] = local[:, : mask.shape[1]] if local.ndim == 2 else local
         rollout.tensors["rewards"] = rewards
-        stats = group_stats(rewards, rollout.group_ids)
-        per_token = adv if adv.ndim == 2 else adv.unsqueeze(-1).expand(mask.shape)  # [N, T]
-        return {"adv/mean": per_token[mask].mean().item(), "adv/abs_mean": per_token[mask].abs().mean().item(),
+        return {"adv/mean": per_token[all_mask].mean().item(), "adv/abs_mean": per_token[all_mask].abs().mean().item(),
                 **{f"adv/{k}": v.item() for k, v in stats.items()}}
 
     def drop_zero_advantage(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
@@ -153,14 +217,17 @@ class Trainer:
         adv = rollout.tensors["advantages"]
         nonzero = adv.ne(0) if adv.ndim == 1 else adv.ne(0).any(dim=-1)  # [N]
         num_mini = self._num_mini_batches()
-        remainder = int(nonzero.sum()) % num_mini
-        if remainder:
+        count = int(nonzero.sum())
+        target = count + (-count % num_mini)
+        if target == 0 and self._sum_over_processes(count) > 0:
+            target = num_mini  # other processes train: this one must take part in every optimizer step
+        if target > count:
             dropped = (~nonzero).nonzero().squeeze(-1)
             generator = torch.Generator().manual_seed(self.cfg.seed * 6_151 + self.step)
-            top_up = dropped[torch.randperm(len(dropped), generator=generator)[: num_mini - remainder]]
-            nonzero[top_up] = True
+            nonzero[dropped[torch.randperm(len(dropped), generator=generator)[: target - count]]] = True
         kept = nonzero.nonzero().squeeze(-1)
-        metrics = {"adv/dropped_frac": 1.0 - len(kept) / len(rollout), "adv/kept": float(len(kept))}
+        total, kept_total = self._sum_over_processes(len(rollout)), self._sum_over_processes(len(kept))
+        metrics = {"adv/dropped_frac": 1.0 - kept_total / total, "adv/kept": float(kept_total)}
         return rollout.select(kept), metrics
 
     def _num_mini_batches(self) -> int:
@@ -177,7 +244,12 @@ class Trainer:
         if self.env.recompute_old_logprobs:
             old = self._evaluate_all(model, rollout)
             rollout.tensors["old_logp"] = old["logp"].detach().cpu()
-            metrics.update(self.env.rollout_metrics(rollout, old))
+            if self.accelerator.num_processes > 1:  # the statistics of the global batch
+                everyone = Rollout(tensors={k: self._gather_rows(v) for k, v in rollout.tensors.items()},
+                                   group_ids=self._gather_rows(rollout.group_ids), prompts=[], samples=[])
+                metrics.update(self.env.rollout_metrics(everyone, {"logp": everyone.tensors["old_logp"]}))
+            else:
+                metrics.update(self.env.rollout_metrics(rollout, old))
         if self.algo.kl_coef > 0:
             with self.env.reference_model() as ref:
                 ref_out = self._evaluate_all(ref, rollout)
@@ -194,7 +266,13 @@ class Trainer:
         return {k: torch.cat(v) for k, v in parts.items()}
 
     def update(self, rollout: Rollout) -> dict[str, float]:
-        """``ppo_epochs`` passes of mini-batch AdamW steps, micro-batches accumulating gradients."""
+        """``ppo_epochs`` passes of mini-batch AdamW steps, micro-batches accumulating gradients.
+
+        Each micro-batch's loss is its share of the *global* mini-batch loss (the normaliser is summed
+        over processes), so micro-batch and process shares add up to the loss of the whole global
+        mini-batch; DDP averages gradients over processes, so the backward pass scales by their
+        number. Logged ``loss/*`` are global mini-batch losses (mean over mini-batches), ``actor/*``
+        means over micro-batches and processes (``*_max``/``*_min``: over everything)."""
         acc, model = self.accelerator, self.env.model
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
@@ -208,28 +286,37 @@ class Trainer:
             order = torch.randperm(len(rollout), generator=generator)
             for mini_idx in order.split(mini_size):
                 micro_chunks = mini_idx.split(self.cfg.micro_batch_size)
-                denominator = None  # the mini-batch's normaliser, so micro losses add up to its loss
+                # The global mini-batch's normaliser, so micro and process shares add up to its loss.
+                denominator = self._mini_denominator(rollout.select(mini_idx))
+                mini_losses: dict[str, float] = defaultdict(float)
                 for k, micro_idx in enumerate(micro_chunks):
                     micro = rollout.select(micro_idx)
-                    if denominator is None:
-                        denominator = self._mini_denominator(rollout.select(mini_idx))
                     sync = k == len(micro_chunks) - 1
                     with contextlib.nullcontext() if sync else acc.no_sync(model):
                         loss, m = self._micro_loss(model, micro, denominator)
-                        acc.backward(loss)
+                        acc.backward(loss * acc.num_processes)  # DDP's gradient average divides by it again
                     for name, v in m.items():
-                        sums[name] += float(v)
-                        counts[name] += 1
+                        if name.startswith("loss/"):
+                            mini_losses[name] += float(v)  # shares of this mini-batch's loss
+                        else:
+                            sums[name] += float(v)
+                            counts[name] += 1
+                for name, v in mini_losses.items():
+                    sums[name] += v
+                    counts[name] += 1
                 grad_norm = self._optimizer_step()
                 sums["actor/grad_norm"] += grad_norm
                 counts["actor/grad_norm"] += 1
-        out = {k: sums[k] / counts[k] for k in sums}
+        out = self._reduce_update_metrics({k: sums[k] / counts[k] for k in sums})
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
     def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
-        return aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg,
-                                     norm_length=self.env.loss_norm_length)
+        local = aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg,
+                                      norm_length=self.env.loss_norm_length)
+        if self.accelerator.num_processes == 1:
+            return local
+        return self.accelerator.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
 
     def _micro_loss(self, model, micro: Rollout, denominator: torch.Tensor):
         algo, device = self.algo, self.accelerator.device
@@ -277,6 +364,77 @@ class Trainer:
         out = self.env.evaluation(self.step, self.run_dir)
         if out:
             out["time/eval"] = time.perf_counter() - start
+        return out
+
+    # ======================================================= several processes
+    def _gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-sample tensor ``[n, ...]`` of every process, concatenated in rank order (on CPU).
+
+        The row counts may differ between processes, and a second dim of different widths (text
+        responses) is right-padded with zeros. One process: ``t`` itself."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return t
+        dtype = t.dtype
+        x = t.to(acc.device, torch.long if dtype == torch.bool else dtype)
+        sizes = acc.gather(torch.tensor([x.shape[0]], device=acc.device)).tolist()  # [world]
+        if x.ndim >= 2:
+            x = acc.pad_across_processes(x, dim=1)
+        x = acc.pad_across_processes(x, dim=0)
+        full = acc.gather(x).cpu()
+        rows = full.shape[0] // acc.num_processes
+        return torch.cat([full[r * rows:r * rows + n] for r, n in enumerate(sizes)]).to(dtype)
+
+    def _sum_over_processes(self, value: float) -> float:
+        if self.accelerator.num_processes == 1:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.accelerator.device)
+        return float(self.accelerator.reduce(t, reduction="sum"))
+
+    def _global_reward_metrics(self, rewards: torch.Tensor, env_metrics: dict[str, float], rollout: Rollout) -> dict:
+        """``reward/mean``, ``reward/std`` and the per-reward ``reward/<name>`` over the global batch.
+
+        One process: the environment's figures. Several: the rewards are gathered, and each reward's
+        per-sample scores when the environment left them in ``rollout.tensors["score/<name>"]`` (NaN
+        where it does not apply); a figure it did not leave is averaged over processes."""
+        everyone = self._gather_rows(rewards.float())
+        out = {"reward/mean": everyone.mean().item(), "reward/std": everyone.std().item()}
+        if self.accelerator.num_processes == 1:
+            return {**out, **env_metrics}
+        for key, value in env_metrics.items():
+            scores = rollout.tensors.get("score/" + key.removeprefix("reward/"))
+            if scores is not None:
+                out[key] = self._gather_rows(scores.float()).nanmean().item()
+            else:
+                out[key] = self._sum_over_processes(value) / self.accelerator.num_processes
+        return out
+
+    def _reduce_update_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Global update figures: ``loss/*`` summed over processes (each holds its share of the global
+        loss), ``*_max`` / ``*_min`` the extremes, the rest averaged (grad norm and lr are the same
+        on every process)."""
+        if self.accelerator.num_processes == 1 or not metrics:
+            return metrics
+        import torch.distributed as dist
+
+        keys = sorted(metrics)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        groups = {"sum": [k.startswith("loss/") for k in keys], "max": [k.endswith("_max") for k in keys],
+                  "min": [k.endswith("_min") for k in keys]}
+        summed, high, low = values.clone(), values.clone(), values.clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        out = {}
+        for i, k in enumerate(keys):
+            if groups["sum"][i]:
+                out[k] = float(summed[i])
+            elif groups["max"][i]:
+                out[k] = float(high[i])
+            elif groups["min"][i]:
+                out[k] = float(low[i])
+            else:
+                out[k] = float(summed[i]) / self.accelerator.num_processes
         return out
 
     # ============================================================ logging
@@ -328,10 +486,51 @@ class Trainer:
         self.accelerator.load_state(str(latest / "trainer_state"))
         state = json.loads((latest / "trainer_state" / "loop.json").read_text())
         self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
+        if self.accelerator.is_main_process:
+            for name in ("metrics.jsonl", "eval_samples.jsonl"):
+                _drop_rows_after(self.run_dir / name, self.step)
+        self.accelerator.wait_for_everyone()
         self.accelerator.print(f"resumed from {latest} (step {self.step})")
 
 
 # ================================================================ helpers
+def _cpu_processes() -> bool:
+    """Whether to run as CPU processes over gloo: asked for (``ACCELERATE_USE_CPU``), or several
+    processes were launched (``torchrun``/``accelerate launch --multi_gpu``) on a machine without
+    CUDA, where Accelerate would otherwise leave each process alone in a world of one."""
+    import os
+
+    from accelerate.utils import str_to_bool
+
+    asked = str_to_bool(os.environ.get("ACCELERATE_USE_CPU", "false"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if asked and world == 1 and "MASTER_PORT" in os.environ and "RANK" not in os.environ:
+        # `accelerate launch --cpu --num_processes N` without MPI starts a single process.
+        raise RuntimeError(
+            "accelerate launch --cpu started one process (several CPU processes need mpirun there); "
+            "launch N CPU processes with `torchrun --nproc_per_node N -m unirl.cli train ...` instead"
+        )
+    return asked or (world > 1 and not torch.cuda.is_available())
+
+
+def _restore_signal_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite a JSONL log without the rows of steps after ``step`` (logged after the checkpoint a
+    run resumes from), so that every step appears once. Written to a temporary file and renamed."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
 @contextlib.contextmanager
 def _timer(times: dict[str, float], name: str):
     start = time.perf_counter()

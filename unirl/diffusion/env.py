@@ -282,6 +282,7 @@ class DiffusionEnvironment(Environment):
             self._pending = None
         else:  # a rollout not made by the last ``rollout`` call: score it inline
             components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
+        rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
         return self.rewards.combine(components, rollout.group_ids)
 
     # ------------------------------------------------------------- log-probs
@@ -323,11 +324,18 @@ class DiffusionEnvironment(Environment):
             yield
 
     @torch.no_grad()
-    def sample_deterministic(self, prompts: list[str]) -> list:
-        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds."""
+    def sample_deterministic(self, prompts: list[str], positions: list[int] | None = None) -> list:
+        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds.
+
+        ``positions`` [n]: where each prompt sits in the whole evaluation set (default 0..n-1); the
+        initial noise depends on the position only, so a process sampling a share of the prompts
+        draws the same images as one process sampling them all."""
         s, device = self.cfg.sampling, self.accelerator.device
+        positions = list(range(len(prompts))) if positions is None else positions
+        if not prompts:
+            return []
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12_345)
-        noise = torch.randn((len(prompts), *self.latent_shape), generator=generator)
+        noise = torch.randn((max(positions) + 1, *self.latent_shape), generator=generator)[positions]
         stochastic = torch.zeros(s.eval_num_steps, dtype=torch.bool)
         images = []
         for lo in range(0, len(prompts), s.chunk_size):
@@ -340,23 +348,36 @@ class DiffusionEnvironment(Environment):
         return images
 
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
+        """Deterministic (ODE) images of the held-out prompts with the EMA weights, scored by the
+        config's rewards. With several processes each samples every world-th prompt and the scores
+        (and the grid's images) are gathered; the main process writes ``eval/step_N.png``."""
         if not self.test_rows:
             return {}
-        prompts = [row["prompt"] for row in self.test_rows]
+        from accelerate.utils import gather_object
+
+        acc, k = self.accelerator, self.cfg.data.grid_size
+        mine = list(range(acc.process_index, len(self.test_rows), acc.num_processes))
+        rows = [self.test_rows[i] for i in mine]
         with self._ema_weights():
-            images = self.sample_deterministic(prompts)
-        columns = {k: [row.get(k) for row in self.test_rows] for k in self.test_rows[0] if k != "prompt"}
-        comps = self.rewards.components(images, prompts=prompts, columns=columns)
-        total, _ = self.rewards.combine(comps, torch.arange(len(prompts)))
-        out = {f"eval/reward/{k}": v.nanmean().item() for k, v in comps.items()}
+            images = self.sample_deterministic([row["prompt"] for row in rows], mine)
+        comps = {}
+        if rows:
+            columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}
+            comps = self.rewards.components(images, prompts=[row["prompt"] for row in rows], columns=columns)
+        local = [(i, {name: float(v[j]) for name, v in comps.items()}, images[j] if i < k else None)
+                 for j, i in enumerate(mine)]
+        results = sorted(gather_object(local) if acc.num_processes > 1 else local, key=lambda res: res[0])
+        comps = {name: torch.tensor([res[1][name] for res in results]) for name in self.rewards.names}
+        total, _ = self.rewards.combine(comps, torch.arange(len(results)))
+        out = {f"eval/reward/{name}": v.nanmean().item() for name, v in comps.items()}
         out["eval/reward"] = total.mean().item()
-        if self.accelerator.is_main_process:
-            k = self.cfg.data.grid_size
-            captions = [f"{p}\n" + " ".join(f"{name}={v[i].item():.3f}" for name, v in comps.items())
-                        for i, p in enumerate(prompts[:k])]
+        if acc.is_main_process:
+            shown = results[:k]
+            captions = [f"{self.test_rows[i]['prompt']}\n" + " ".join(f"{name}={v:.3f}" for name, v in scores.items())
+                        for i, scores, _ in shown]
             path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
-            image_grid(images[:k], captions).save(path)
+            image_grid([image for _, _, image in shown], captions).save(path)
         return out
 
     # ----------------------------------------------------------- checkpoints

@@ -155,7 +155,9 @@ class TextEnvironment(Environment):
         )
 
     def score(self, rollout: Rollout):
-        return self.rewards(rollout.samples, prompts=rollout.prompts, columns=rollout.columns, group_ids=rollout.group_ids)
+        components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
+        rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
+        return self.rewards.combine(components, rollout.group_ids)
 
     # ------------------------------------------------------------- log-probs
     def evaluate(self, model, batch: Rollout) -> dict[str, torch.Tensor]:
@@ -210,22 +212,39 @@ class TextEnvironment(Environment):
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
+        """Greedy answers to the held-out prompts, scored by the config's rewards. With several
+        processes each answers every world-th prompt and the scores are gathered; the main process
+        writes the first 16 answers to ``eval_samples.jsonl``."""
         if not self.test_rows:
             return {}
-        r = self.cfg.rollout
-        prompt_ids = [self.encode_prompt(row, i) for i, row in enumerate(self.test_rows)]
-        gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
-                                    max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
-        texts = [g[0].text for g in gens]
-        columns = {k: [row.get(k) for row in self.test_rows] for k in self.test_rows[0] if k != "prompt"}
-        comps = self.rewards.components(texts, prompts=[row["prompt"] for row in self.test_rows], columns=columns)
+        from accelerate.utils import gather_object
+
+        r, acc = self.cfg.rollout, self.accelerator
+        mine = list(range(acc.process_index, len(self.test_rows), acc.num_processes))
+        rows = [self.test_rows[i] for i in mine]
+        texts = []
+        if rows:
+            prompt_ids = [self.encode_prompt(row, i) for i, row in zip(mine, rows)]
+            gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
+                                        max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+            texts = [g[0].text for g in gens]
+        comps = {}
+        if rows:
+            columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
+            comps = self.rewards.components(texts, prompts=[row["prompt"] for row in rows], columns=columns)
+        local = [(i, text, {k: float(v[j]) for k, v in comps.items()}) for j, (i, text) in enumerate(zip(mine, texts))]
+        results = sorted(gather_object(local) if acc.num_processes > 1 else local)  # every prompt, in order
+        names = list(self.rewards.names)
+        scores = {k: torch.tensor([res[2][k] for res in results]) for k in names}
         # Accuracy: the share of answers that get the first reward's full score (1 for gsm8k).
-        first = next(iter(comps.values()))
-        with open(run_dir / "eval_samples.jsonl", "a") as f:
-            for row, text, s in list(zip(self.test_rows, texts, first.tolist()))[:16]:
-                f.write(json.dumps({"step": step, "prompt": row["prompt"], "response": text, "score": s}) + "\n")
+        first = scores[names[0]]
+        if acc.is_main_process:
+            with open(run_dir / "eval_samples.jsonl", "a") as f:
+                for i, text, s in results[:16]:
+                    f.write(json.dumps({"step": step, "prompt": self.test_rows[i]["prompt"], "response": text,
+                                        "score": s[names[0]]}) + "\n")
         out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
-        out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in comps.items()})
+        out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in scores.items()})
         return out
 
     # ----------------------------------------------------------- checkpoints
