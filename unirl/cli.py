@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"unirl: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a signal-stopped run: one line saying where its checkpoint is
+        if type(e).__name__ != "Preempted":
+            raise
+        print(f"unirl: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 
