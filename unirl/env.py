@@ -95,8 +95,17 @@ class Environment(ABC):
         """Rewards [N] (float32) and per-component metrics (``reward/<name>``)."""
 
     @abstractmethod
-    def evaluate(self, model: torch.nn.Module, batch: Rollout) -> dict[str, torch.Tensor]:
-        """Re-evaluate the stored actions under ``model``: ``logp`` [n, T], ``mask`` [n, T], extras."""
+    def evaluate(self, model: torch.nn.Module, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """Re-evaluate the stored actions under ``model``: ``logp`` [n, T], ``mask`` [n, T], extras.
+
+        ``columns``: only these of the T columns (one of ``column_slices``); outputs are [n, T'] then."""
+
+    def column_slices(self, batch: Rollout) -> list[slice]:
+        """The pieces of the T columns the update may evaluate and backpropagate one after another,
+        so that only one piece's autograd graph is alive at a time. Default: all T at once (text: a
+        sequence is one forward). Diffusion: one denoising step a piece, FlowGRPO's order, so memory
+        does not grow with the number of trained steps."""
+        return [slice(None)]
 
     @abstractmethod
     def loss_mask(self, batch: Rollout) -> torch.Tensor:

@@ -271,11 +271,11 @@ class Trainer:
         Each micro-batch's loss is its share of the *global* mini-batch loss (the normaliser is summed
         over processes), so micro-batch and process shares add up to the loss of the whole global
         mini-batch; DDP averages gradients over processes, so the backward pass scales by their
-        number. Logged ``loss/*`` are global mini-batch losses (mean over mini-batches), ``actor/*``
-        means over micro-batches and processes (``*_max``/``*_min``: over everything)."""
+        number. Logged ``loss/*`` (and ``actor/entropy``) are global mini-batch values (mean over
+        mini-batches), other ``actor/*`` means over micro-batches and processes (``*_max`` /
+        ``*_min``: the extremes)."""
         acc, model = self.accelerator, self.env.model
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
+        log = _MetricLog()
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
         if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv): nothing to learn from
             return {}
@@ -288,28 +288,34 @@ class Trainer:
                 micro_chunks = mini_idx.split(self.cfg.micro_batch_size)
                 # The global mini-batch's normaliser, so micro and process shares add up to its loss.
                 denominator = self._mini_denominator(rollout.select(mini_idx))
-                mini_losses: dict[str, float] = defaultdict(float)
+                mini = _MetricLog()
                 for k, micro_idx in enumerate(micro_chunks):
-                    micro = rollout.select(micro_idx)
-                    sync = k == len(micro_chunks) - 1
-                    with contextlib.nullcontext() if sync else acc.no_sync(model):
-                        loss, m = self._micro_loss(model, micro, denominator)
-                        acc.backward(loss * acc.num_processes)  # DDP's gradient average divides by it again
-                    for name, v in m.items():
-                        if name.startswith("loss/"):
-                            mini_losses[name] += float(v)  # shares of this mini-batch's loss
-                        else:
-                            sums[name] += float(v)
-                            counts[name] += 1
-                for name, v in mini_losses.items():
-                    sums[name] += v
-                    counts[name] += 1
-                grad_norm = self._optimizer_step()
-                sums["actor/grad_norm"] += grad_norm
-                counts["actor/grad_norm"] += 1
-        out = self._reduce_update_metrics({k: sums[k] / counts[k] for k in sums})
+                    mini.add(self._micro_backward(model, rollout.select(micro_idx), denominator,
+                                                  sync=k == len(micro_chunks) - 1))
+                log.add(mini.result(sum_shares=True))
+                log.add({"actor/grad_norm": self._optimizer_step()})
+        out = self._reduce_update_metrics(log.result(sum_shares=False))
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+    def _micro_backward(self, model, micro: Rollout, denominator: torch.Tensor, sync: bool) -> dict[str, float]:
+        """Forward and backward of one micro-batch, piece by piece over the environment's column
+        slices (diffusion: one trained step at a time, as FlowGRPO runs backward per step), so only
+        one piece's graph is alive at a time; the pieces' losses add up to the micro-batch's. DDP
+        synchronises gradients in the last backward of the mini-batch (``sync``)."""
+        acc = self.accelerator
+        pieces = [slice(None)] if self.algo.level == "sequence" else self.env.column_slices(micro)
+        seq_lengths = None
+        if len(pieces) > 1:  # seq-mean-token-mean divides by each whole sequence's length
+            seq_lengths = self.env.loss_mask(micro).to(acc.device).sum(dim=-1)
+        log = _MetricLog()
+        for k, columns in enumerate(pieces):
+            last = sync and k == len(pieces) - 1
+            with contextlib.nullcontext() if last else acc.no_sync(model):
+                loss, m = self._micro_loss(model, micro, denominator, columns, seq_lengths)
+                acc.backward(loss * acc.num_processes)  # DDP's gradient average divides by it again
+            log.add({name: float(v) for name, v in m.items()})
+        return log.result(sum_shares=True)
 
     def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
         local = aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg,
@@ -318,27 +324,32 @@ class Trainer:
             return local
         return self.accelerator.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
 
-    def _micro_loss(self, model, micro: Rollout, denominator: torch.Tensor):
+    def _micro_loss(self, model, micro: Rollout, denominator: torch.Tensor, columns: slice = slice(None),
+                    seq_lengths: torch.Tensor | None = None):
+        """The loss share of one micro-batch (or of the columns ``columns`` of it) and its metrics."""
         algo, device = self.algo, self.accelerator.device
-        cur = self.env.evaluate(model, micro)
-        mask = cur["mask"]
-        old_logp = micro.tensors["old_logp"].to(device)
+        cur = self.env.evaluate(model, micro, columns)
+        mask = cur["mask"]  # [n, T']
+        old_logp = micro.tensors["old_logp"][:, columns].to(device)
+        advantages = micro.tensors["advantages"]
+        advantages = (advantages[:, columns] if advantages.ndim == 2 else advantages).to(device)  # [n] or [n, T']
         weights = None
         if algo.tis_cap is not None and "engine_logp" in micro.tensors:
-            weights = truncated_importance_weights(old_logp, micro.tensors["engine_logp"].to(device), cap=algo.tis_cap)
+            engine_logp = micro.tensors["engine_logp"][:, columns].to(device)
+            weights = truncated_importance_weights(old_logp, engine_logp, cap=algo.tis_cap)
+        agg = dict(denominator=denominator, seq_lengths=seq_lengths)
         loss, m = clipped_policy_loss(
-            cur["logp"], old_logp, micro.tensors["advantages"].to(device), mask,
-            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, level=algo.level,
-            agg=algo.loss_agg, weights=weights, denominator=denominator,
+            cur["logp"], old_logp, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip, level=algo.level, agg=algo.loss_agg, weights=weights, **agg,
         )
         metrics = {"loss/policy": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
         if algo.kl_coef > 0:
-            ref = {k[len("ref/"):]: v.to(device) for k, v in micro.tensors.items() if k.startswith("ref/")}
-            kl = aggregate(self.env.kl(cur, ref), mask, algo.loss_agg, denominator=denominator)
+            ref = {k[len("ref/"):]: v[:, columns].to(device) for k, v in micro.tensors.items() if k.startswith("ref/")}
+            kl = aggregate(self.env.kl(cur, ref), mask, algo.loss_agg, **agg)
             loss = loss + algo.kl_coef * kl
             metrics["loss/kl"] = kl.detach()
         if algo.entropy_coef > 0 and "entropy" in cur:
-            entropy = aggregate(cur["entropy"], mask, algo.loss_agg, denominator=denominator)
+            entropy = aggregate(cur["entropy"], mask, algo.loss_agg, **agg)
             loss = loss - algo.entropy_coef * entropy
             metrics["actor/entropy"] = entropy.detach()
         metrics["loss/total"] = loss.detach()
@@ -419,7 +430,7 @@ class Trainer:
 
         keys = sorted(metrics)
         values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        groups = {"sum": [k.startswith("loss/") for k in keys], "max": [k.endswith("_max") for k in keys],
+        groups = {"sum": [_is_share(k) for k in keys], "max": [k.endswith("_max") for k in keys],
                   "min": [k.endswith("_min") for k in keys]}
         summed, high, low = values.clone(), values.clone(), values.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
@@ -494,6 +505,36 @@ class Trainer:
 
 
 # ================================================================ helpers
+def _is_share(name: str) -> bool:
+    """Metrics that are a share of a loss-like total (micro-batches, pieces and processes add up)."""
+    return name.startswith("loss/") or name == "actor/entropy"
+
+
+class _MetricLog:
+    """Collects metric values; ``result`` reduces them: shares summed (``sum_shares``) or averaged,
+    ``*_max`` / ``*_min`` the extremes, the rest averaged."""
+
+    def __init__(self):
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.values[name].append(float(value))
+
+    def result(self, *, sum_shares: bool) -> dict[str, float]:
+        out = {}
+        for name, vs in self.values.items():
+            if name.endswith("_max"):
+                out[name] = max(vs)
+            elif name.endswith("_min"):
+                out[name] = min(vs)
+            elif sum_shares and _is_share(name):
+                out[name] = sum(vs)
+            else:
+                out[name] = sum(vs) / len(vs)
+        return out
+
+
 def _cpu_processes() -> bool:
     """Whether to run as CPU processes over gloo: asked for (``ACCELERATE_USE_CPU``), or several
     processes were launched (``torchrun``/``accelerate launch --multi_gpu``) on a machine without

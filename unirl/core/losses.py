@@ -106,6 +106,7 @@ def aggregate(
     *,
     denominator: torch.Tensor | float | None = None,
     norm_length: int | None = None,
+    seq_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss [N, T] to a scalar (verl's ``agg_loss`` modes).
 
@@ -121,7 +122,10 @@ def aggregate(
 
     Gradient accumulation: when ``values`` is one micro-batch of a larger mini-batch, pass
     ``denominator=aggregate_denominator(mini_batch_mask, mode)``; the micro-batch losses then sum to
-    exactly the mini-batch's ``aggregate`` (and their gradients to its gradient).
+    exactly the mini-batch's ``aggregate`` (and their gradients to its gradient). When ``values`` is a
+    slice of the columns (e.g. one denoising step at a time), also pass ``seq_lengths``, each
+    whole sequence's masked-in count, so ``seq-mean-token-mean`` divides by it: the slices' losses
+    then add up to the whole's too.
 
     Args:
         values: [N, T] per-token values.
@@ -129,6 +133,8 @@ def aggregate(
         mode: one of ``AGG_MODES``.
         denominator: normaliser of the full mini-batch; default this batch's own.
         norm_length: see ``aggregate_denominator`` (used only when ``denominator`` is None).
+        seq_lengths: [N] masked-in tokens of each whole sequence (column slices); default the row
+            sums of ``mask``.
 
     Returns:
         0-dim tensor.
@@ -146,7 +152,8 @@ def aggregate(
         return masked.sum() / denominator
     seq_sums = masked.sum(dim=-1)  # [N]
     if mode == "seq-mean-token-mean":
-        return (seq_sums / mask.sum(dim=-1).clamp_min(1)).sum() / denominator
+        lengths = mask.sum(dim=-1) if seq_lengths is None else seq_lengths.to(seq_sums.device)  # [N]
+        return (seq_sums / lengths.clamp_min(1)).sum() / denominator
     return seq_sums.sum() / denominator
 
 
@@ -163,6 +170,7 @@ def clipped_policy_loss(
     agg: str = "token-mean",
     weights: torch.Tensor | None = None,
     denominator: torch.Tensor | float | None = None,
+    seq_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (https://arxiv.org/abs/1707.06347) with its LLM-era variants.
 
@@ -197,6 +205,8 @@ def clipped_policy_loss(
         agg: aggregation mode, see ``aggregate``.
         weights: optional [N, T] per-token weights.
         denominator: mini-batch normaliser for gradient accumulation, see ``aggregate``.
+        seq_lengths: [N] whole-sequence lengths when the inputs are a column slice (token level
+            only), see ``aggregate``.
 
     Returns:
         ``(loss, metrics)``; metrics are detached 0-dim tensors averaged over masked-in tokens:
@@ -228,6 +238,8 @@ def clipped_policy_loss(
         raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {', '.join(map(repr, AGG_MODES))}, got {agg!r}")
+    if level == "sequence" and seq_lengths is not None:
+        raise ValueError("level='sequence' (GSPO) needs whole sequences: seq_lengths (a column slice) is not allowed")
     if level == "sequence" and agg != "seq-mean-token-mean":
         raise ValueError(
             f"level='sequence' (GSPO) aggregates with agg='seq-mean-token-mean' (as verl does), got agg={agg!r}"
@@ -256,7 +268,7 @@ def clipped_policy_loss(
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)  # [N, T]
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = aggregate(per_token, mask, agg, denominator=denominator)
+    loss = aggregate(per_token, mask, agg, denominator=denominator, seq_lengths=seq_lengths)
 
     # 4. Metrics (detached, over masked-in tokens).
     with torch.no_grad():

@@ -286,11 +286,12 @@ class DiffusionEnvironment(Environment):
         return self.rewards.combine(components, rollout.group_ids)
 
     # ------------------------------------------------------------- log-probs
-    def evaluate(self, model, batch: Rollout) -> dict[str, torch.Tensor]:
-        """Re-score each trained step with the stored next latent as the action (gradients flow)."""
+    def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """Re-score the trained steps ``columns`` with the stored next latent as the action (gradients flow)."""
         s, device = self.cfg.sampling, self.accelerator.device
-        t = {k: batch.tensors[k].to(device) for k in
-             ("latents", "next_latents", "sigma", "sigma_next", "timestep", "prompt_embeds", "pooled")}
+        t = {k: batch.tensors[k][:, columns].to(device) for k in
+             ("latents", "next_latents", "sigma", "sigma_next", "timestep")}  # [n, T', ...]
+        t.update({k: batch.tensors[k].to(device) for k in ("prompt_embeds", "pooled")})
         cond = self._cond(t["prompt_embeds"], t["pooled"], self.train_guidance)
         out = rescore_steps(model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"], t["timestep"], cond,
                             guidance_scale=self.train_guidance, noise_level=s.noise_level, sde_type=s.sde_type)
@@ -300,6 +301,11 @@ class DiffusionEnvironment(Environment):
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.tensors["old_logp"])  # [n, T]
+
+    def column_slices(self, batch: Rollout) -> list[slice]:
+        # One trained step at a time, backward after each (FlowGRPO's order): peak memory holds the
+        # graph of one transformer forward, whatever the number of trained steps.
+        return [slice(j, j + 1) for j in range(batch.tensors["old_logp"].shape[1])]
 
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
         """[n, T] KL penalty between the policy's and the reference's Gaussian steps (``kl_form``)."""

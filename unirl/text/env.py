@@ -160,8 +160,10 @@ class TextEnvironment(Environment):
         return self.rewards.combine(components, rollout.group_ids)
 
     # ------------------------------------------------------------- log-probs
-    def evaluate(self, model, batch: Rollout) -> dict[str, torch.Tensor]:
+    def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling)."""
+        if columns != slice(None):
+            raise ValueError("the text environment evaluates whole responses (column_slices is one piece)")
         device = self.accelerator.device
         t = {k: v.to(device) for k, v in batch.tensors.items()}
         P = t["prompt_ids"].shape[1]
