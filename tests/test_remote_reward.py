@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from rewards.registry import RewardError, load_reward, score_batch
+from rewards.loading import load_reward
+from rewards.registry import RewardError
+from rewards.scoring import score_batch
 from rewards.remote import RemoteReward, make_server
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet

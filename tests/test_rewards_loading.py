@@ -9,7 +9,9 @@ import textwrap
 import pytest
 
 from rewards import registry
-from rewards.registry import RewardError, list_rewards, load_reward, reward_info, score_batch
+from rewards.loading import list_rewards, load_reward, reward_info
+from rewards.registry import RewardError
+from rewards.scoring import score_batch
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet
 

@@ -30,7 +30,7 @@ def add_subcommands(subparsers) -> None:
 
 def list_command(args: argparse.Namespace) -> int:
     """Print a table of the registered rewards, then those that could not be loaded and why."""
-    from rewards.registry import list_rewards, unavailable_builtins
+    from rewards.loading import list_rewards, unavailable_builtins
 
     rows = [(i.name, i.modality, i.source, i.description) for i in list_rewards()]
     header = ("NAME", "MODALITY", "SOURCE", "DESCRIPTION")

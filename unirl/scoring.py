@@ -37,7 +37,7 @@ class RewardSet:
     """
 
     def __init__(self, configs: Sequence[RewardConfig], *, aggregation: str = "sum_then_normalize", workers: int = 0):
-        from rewards.registry import load_reward
+        from rewards.loading import load_reward
 
         if not configs:
             raise ValueError("rewards: the list is empty; name at least one reward")
@@ -62,7 +62,7 @@ class RewardSet:
         Raises ``RewardError`` (naming the reward, and the sample and its prompt when known) when a
         reward raises or returns a wrong number of scores, NaN or infinity.
         """
-        from rewards.registry import score_batch
+        from rewards.scoring import score_batch
 
         if len(prompts) != len(samples):
             raise ValueError(f"{len(samples)} samples but {len(prompts)} prompts")
