@@ -47,29 +47,43 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
         ("", None, None),
     ],
 )
-def test_extract_answer(text, strict, flexible):
-    assert extract_answer(text, "strict") == strict
-    assert extract_answer(text, "flexible") == flexible
+def test_extract_answer_normalized(text, strict, flexible):
+    """unirl's normalising extraction (verl's own strict/flexible: tests/test_gsm8k_verl.py)."""
+    assert extract_answer(text, "strict_normalized") == strict
+    assert extract_answer(text, "flexible_normalized") == flexible
 
 
 def test_extract_answer_rejects_unknown_method():
-    with pytest.raises(ValueError, match="strict' or 'flexible"):
+    with pytest.raises(ValueError, match="one of strict, flexible, strict_normalized, flexible_normalized; got 'loose'"):
         extract_answer("#### 1", "loose")
 
 
 def test_gold_answer():
-    assert gold_answer("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 eggs.\n#### 1,800") == "1800"
-    assert gold_answer("72") == gold_answer(72) == gold_answer("72.0") == "72"
+    gold = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 eggs.\n#### 1,800"
+    # verl's methods: the string its preprocessing stores.
+    assert gold_answer(gold) == gold_answer(gold, "flexible") == "1800"
+    assert gold_answer(" 72 ") == gold_answer(72) == "72" and gold_answer("72.0") == "72.0"
+    assert gold_answer("seventy-two") == "seventy-two"  # never equal to an extracted number, as in verl
+    with pytest.raises(ValueError, match="must have '#### N'"):
+        gold_answer("so ####72")
+    # The normalising methods normalise the gold too.
+    assert gold_answer(gold, "strict_normalized") == "1800"
+    assert gold_answer("72", "flexible_normalized") == gold_answer(72, "strict_normalized") == "72"
+    assert gold_answer("72.0", "strict_normalized") == "72"
     with pytest.raises(ValueError, match="must be a number or end in '#### N'"):
-        gold_answer("seventy-two")
+        gold_answer("seventy-two", "strict_normalized")
 
 
-def test_gsm8k_reward_semantics():
+def test_gsm8k_reward_semantics_normalized():
     samples = ["#### 72", "#### 71", "the answer is 72", "#### $72.00", "no idea"]
     gold = ["Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"] * 4 + ["72"]
-    assert gsm8k(samples, answer=gold) == [1.0, 0.0, 0.0, 1.0, 0.0]
-    assert gsm8k(samples, answer=gold, method="flexible", format_score=0.1, correct_score=2.0, prompts=["q"] * 5) == [
-        2.0, 0.1, 2.0, 2.0, 0.0
+    assert gsm8k(samples, answer=gold, method="strict_normalized") == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert gsm8k(samples, answer=gold, method="flexible_normalized", format_score=0.1, correct_score=2.0,
+                 prompts=["q"] * 5) == [2.0, 0.1, 2.0, 2.0, 0.0]
+    # verl's methods on the same samples: "#### $72.00" has no strict answer and a flexible "72.00" != "72".
+    assert gsm8k(samples, answer=gold) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert gsm8k(samples, answer=gold, method="flexible", format_score=0.1, correct_score=2.0) == [
+        2.0, 0.1, 2.0, 0.1, 0.0
     ]
     with pytest.raises(ValueError, match="2 samples but 1 gold"):
         gsm8k(["#### 1", "#### 2"], answer=["1"])
@@ -254,7 +268,7 @@ def test_reference_solutions_score_one():
     assert [i for i, s in enumerate(scores) if s != 1.0] == []
 
 
-def test_flexible_extraction_agrees_with_labels():
+def test_flexible_normalized_extraction_agrees_with_labels():
     rows = read_jsonl("example_model_solutions.jsonl")
     models = sorted(key for key, value in rows[0].items() if isinstance(value, dict) and "is_correct" in value)
     assert models == ["175b_finetuning", "175b_verification", "6b_finetuning", "6b_verification"]
@@ -262,12 +276,12 @@ def test_flexible_extraction_agrees_with_labels():
     for row in rows:
         last_line = row["ground_truth"].strip().splitlines()[-1]
         assert last_line.startswith("A: ")
-        gold = extract_answer(last_line, "flexible")
+        gold = extract_answer(last_line, "flexible_normalized")
         for model in models:
-            predicted = extract_answer(row[model]["solution"], "flexible")
+            predicted = extract_answer(row[model]["solution"], "flexible_normalized")
             agree += (predicted == gold) == row[model]["is_correct"]
             total += 1
     rate = agree / total
-    print(f"flexible extraction agrees with is_correct on {agree}/{total} = {rate:.4f} of GSM8K model solutions")
+    print(f"flexible_normalized extraction agrees with is_correct on {agree}/{total} = {rate:.4f} of GSM8K model solutions")
     assert total == 4 * 1319
     assert rate >= 0.99
