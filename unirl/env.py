@@ -138,7 +138,10 @@ class Environment(ABC):
 
     @abstractmethod
     def save_pretrained(self, directory: Path) -> None:
-        """Save the policy so the upstream library loads it as is (HF ``save_pretrained``, LoRA ...)."""
+        """Save the policy so the upstream library loads it as is (HF ``save_pretrained``, LoRA ...).
+
+        Called on every process (gathering a sharded model's state dict is collective); only the main
+        process writes."""
 
     def checkpoint_objects(self) -> list[Any]:
         """Extra stateful objects (``state_dict``/``load_state_dict``) saved with checkpoints, e.g. an EMA."""

@@ -470,7 +470,7 @@ class Trainer:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            self.env.save_pretrained(tmp)
+        self.env.save_pretrained(tmp)  # every process: FSDP gathers the full weights collectively
         acc.save_state(str(tmp / "trainer_state"))
         if acc.is_main_process:
             (tmp / "trainer_state" / "loop.json").write_text(

@@ -390,23 +390,28 @@ class DiffusionEnvironment(Environment):
     def save_pretrained(self, directory: Path) -> None:
         """LoRA: diffusers' format (``StableDiffusion3Pipeline.load_lora_weights(directory)`` loads it);
         full fine-tuning: the transformer's ``save_pretrained`` in ``directory/transformer``. EMA weights
-        when the EMA is on."""
+        when the EMA is on. Called on every process: the full state dict is gathered from all of them
+        (FSDP shards it); the main process writes."""
+        acc = self.accelerator
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        model = self.accelerator.unwrap_model(self._model)
+        model = acc.unwrap_model(self._model)
         with self._ema_weights():
-            if self.cfg.model.lora.enabled:
-                from diffusers import StableDiffusion3Pipeline
-                from peft.utils import get_peft_model_state_dict
+            full = acc.get_state_dict(self._model)  # collective under FSDP
+        if not acc.is_main_process:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.cfg.model.lora.enabled:
+            from diffusers import StableDiffusion3Pipeline
+            from peft.utils import get_peft_model_state_dict
 
-                prefix = "base_model.model."
-                state = {k.removeprefix(prefix): v.detach().cpu().contiguous()
-                         for k, v in get_peft_model_state_dict(model).items()}
-                StableDiffusion3Pipeline.save_lora_weights(
-                    directory, transformer_lora_layers=state,
-                    transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
-            else:
-                model.save_pretrained(directory / "transformer")
+            prefix = "base_model.model."
+            state = {k.removeprefix(prefix): v.detach().cpu().contiguous()
+                     for k, v in get_peft_model_state_dict(model, state_dict=full).items()}
+            StableDiffusion3Pipeline.save_lora_weights(
+                directory, transformer_lora_layers=state,
+                transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
+        else:
+            model.save_pretrained(directory / "transformer", state_dict=full)
 
     def checkpoint_objects(self) -> list:
         return [self.ema] if self.ema is not None else []

@@ -251,14 +251,21 @@ class TextEnvironment(Environment):
 
     # ----------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: Path) -> None:
-        model = self.accelerator.unwrap_model(self._model)
+        """``save_pretrained`` of the policy (with LoRA: the adapter in ``adapter/`` and the merged
+        model beside it) and the tokenizer. Called on every process: the full state dict is gathered
+        from all of them (FSDP shards it); the main process writes."""
+        acc = self.accelerator
+        state = acc.get_state_dict(self._model)  # collective under FSDP
+        if not acc.is_main_process:
+            return
+        model = acc.unwrap_model(self._model)
         directory.mkdir(parents=True, exist_ok=True)
         if self.cfg.model.lora.enabled:
-            model.save_pretrained(directory / "adapter")
+            model.save_pretrained(directory / "adapter", state_dict=state)
             merged = copy.deepcopy(model).merge_and_unload()
             merged.save_pretrained(directory, safe_serialization=True)
         else:
-            model.save_pretrained(directory, safe_serialization=True)
+            model.save_pretrained(directory, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)
 
     def close(self) -> None:
