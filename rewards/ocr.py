@@ -1,7 +1,8 @@
 """OCR reward for text rendering (FlowGRPO's ``ocr_score``, https://arxiv.org/abs/2505.05470).
 
-The target is the text between the first pair of double quotes in the prompt (FlowGRPO's OCR
-prompts read ``... a sign that says "Open 24 Hours" ...``). The image is read with RapidOCR
+The target is FlowGRPO's ``prompt.split('"')[1]`` (``flow_grpo/ocr.py``): the text between the
+first and second double quote (its OCR prompts read ``... a sign that says "Open 24 Hours" ...``),
+or everything after the quote when there is only one. The image is read with RapidOCR
 (PP-OCR models in ONNX, shipped inside the ``rapidocr`` wheel, so it runs offline), and with
 ``target`` and ``recognised`` lowercased and stripped of spaces the score is
 
@@ -9,32 +10,34 @@ prompts read ``... a sign that says "Open 24 Hours" ...``). The image is read wi
 * 0 if nothing was recognised,
 * ``1 - min(edit_distance, len(target)) / len(target)`` otherwise (Levenshtein distance).
 
-A prompt without quoted text gives None (the reward does not apply).
+Two deliberate differences from FlowGRPO, where these cases raise: a prompt with no double quote
+gives None (the reward does not apply; FlowGRPO's ``split('"')[1]`` raises IndexError), and an
+empty target (``""``, or a prompt ending in its only quote) scores 1 if anything was recognised
+and 0 if nothing was (FlowGRPO divides by ``len(target) == 0``).
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any, Sequence
 
 from rewards.registry import register_reward
 
-_QUOTED = re.compile(r'"([^"]*)"')
 _ENGINE = None
 _ENGINE_LOCK = threading.Lock()
 
 
 def quoted_text(prompt: str) -> str | None:
-    """The text inside the first pair of double quotes, or None.
+    """FlowGRPO's target ``prompt.split('"')[1]``, or None when the prompt has no double quote.
 
     >>> quoted_text('A shop sign reading "Open 24 Hours" at night, "Closed" below')
     'Open 24 Hours'
+    >>> quoted_text('A sign reading "Open 24 Hours at night'), quoted_text('A sign reading ""')
+    ('Open 24 Hours at night', '')
     >>> quoted_text("no quotes") is None
     True
     """
-    match = _QUOTED.search(prompt)
-    return match.group(1) if match else None
+    return prompt.split('"')[1] if '"' in prompt else None
 
 
 def edit_distance(a: str, b: str) -> int:
