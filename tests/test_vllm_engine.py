@@ -84,3 +84,29 @@ def test_lora_merged_weights_sync(env):
     assert _max_gap(env, rollout, peft_model) < 1e-4
     assert _max_gap(env, rollout, env.model) > 1e-3
     env.sync_weights()  # back to the plain policy for any later test
+
+
+def test_weight_sync_logs_no_rotary_warning_but_other_failures_get_through(env):
+    import logging
+
+    from unirl.logs import RotaryReloadFilter
+    from unirl.text.engines import hf_checkpoint_weights
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    handler = Keep(level=logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        env.engine.load_weights(hf_checkpoint_weights(env.accelerator.unwrap_model(env.model)))
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "Failed to load weights" in r.getMessage()]
+    # The filter drops exactly that message for RotaryEmbedding; the same failure elsewhere is kept.
+    make = lambda layer: logging.LogRecord("x", logging.WARNING, "f", 1, "%s: Failed to load weights", (layer,), None)
+    assert not RotaryReloadFilter().filter(make("RotaryEmbedding"))
+    assert RotaryReloadFilter().filter(make("QKVParallelLinear"))

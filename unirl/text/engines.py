@@ -59,6 +59,9 @@ class VLLMEngine:
             enable_prefix_caching=True,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        from unirl.logs import silence_rotary_reload_warning
+
+        silence_rotary_reload_warning()  # harmless and logged at every sync: see unirl/logs.py
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False) -> list[list[Generation]]:
