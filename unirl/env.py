@@ -151,6 +151,17 @@ class Environment(ABC):
         """Release engines and worker pools."""
 
 
+def sharded_state_dict(accelerator, model: torch.nn.Module) -> dict | None:
+    """The full state dict of an FSDP-sharded ``model``, gathered from every process (a collective:
+    call it on all of them; the main process gets the tensors), or None when the model is whole on
+    each process (single process, DDP), where ``save_pretrained`` reads the module itself."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    return accelerator.get_state_dict(model)
+
+
 @contextlib.contextmanager
 def lora_or_frozen_reference(accelerator, model: torch.nn.Module, frozen: torch.nn.Module | None,
                              lora: bool) -> Iterator[torch.nn.Module]:

@@ -38,7 +38,7 @@ from unirl.diffusion.sampling import (
     to_pil, trained_steps,
 )
 from unirl.diffusion.sde import step_kl
-from unirl.env import Environment, Rollout, lora_or_frozen_reference
+from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -395,23 +395,23 @@ class DiffusionEnvironment(Environment):
         acc = self.accelerator
         directory = Path(directory)
         model = acc.unwrap_model(self._model)
-        with self._ema_weights():
-            full = acc.get_state_dict(self._model)  # collective under FSDP
-        if not acc.is_main_process:
-            return
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.cfg.model.lora.enabled:
-            from diffusers import StableDiffusion3Pipeline
-            from peft.utils import get_peft_model_state_dict
+        with self._ema_weights():  # written while the EMA weights are swapped in
+            full = sharded_state_dict(acc, self._model)  # collective under FSDP, None otherwise
+            if not acc.is_main_process:
+                return
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.cfg.model.lora.enabled:
+                from diffusers import StableDiffusion3Pipeline
+                from peft.utils import get_peft_model_state_dict
 
-            prefix = "base_model.model."
-            state = {k.removeprefix(prefix): v.detach().cpu().contiguous()
-                     for k, v in get_peft_model_state_dict(model, state_dict=full).items()}
-            StableDiffusion3Pipeline.save_lora_weights(
-                directory, transformer_lora_layers=state,
-                transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
-        else:
-            model.save_pretrained(directory / "transformer", state_dict=full)
+                prefix = "base_model.model."
+                state = {k.removeprefix(prefix): v.detach().cpu().contiguous()
+                         for k, v in get_peft_model_state_dict(model, state_dict=full).items()}
+                StableDiffusion3Pipeline.save_lora_weights(
+                    directory, transformer_lora_layers=state,
+                    transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
+            else:
+                model.save_pretrained(directory / "transformer", state_dict=full)
 
     def checkpoint_objects(self) -> list:
         return [self.ema] if self.ema is not None else []

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from unirl.core import kl_divergence
-from unirl.env import Environment, Rollout, lora_or_frozen_reference
+from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet
 from unirl.text.config import TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
@@ -255,7 +255,7 @@ class TextEnvironment(Environment):
         model beside it) and the tokenizer. Called on every process: the full state dict is gathered
         from all of them (FSDP shards it); the main process writes."""
         acc = self.accelerator
-        state = acc.get_state_dict(self._model)  # collective under FSDP
+        state = sharded_state_dict(acc, self._model)  # collective under FSDP, None otherwise
         if not acc.is_main_process:
             return
         model = acc.unwrap_model(self._model)
