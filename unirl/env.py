@@ -136,6 +136,11 @@ class Environment(ABC):
         """Held-out evaluation (greedy for text, deterministic ODE for diffusion); ``eval/*`` metrics."""
         return {}
 
+    def evaluation_media(self) -> dict:
+        """What the last ``evaluation`` showed, for the trackers: ``{"images": {key: PIL image},
+        "tables": {key: (columns, rows)}}`` (main process)."""
+        return getattr(self, "_evaluation_media", {})
+
     @abstractmethod
     def save_pretrained(self, directory: Path) -> None:
         """Save the policy so the upstream library loads it as is (HF ``save_pretrained``, LoRA ...).

@@ -77,7 +77,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             _write_yaml(self.run_dir / "config.yaml", self.config_dict)
             if cfg.log_with:
-                self.accelerator.init_trackers(cfg.project, config=_flatten(self.config_dict))
+                # Every tracker writes under the run directory (tensorboard: <run>/<project>/).
+                self.accelerator.init_trackers(cfg.project, config=_flatten(self.config_dict), init_kwargs={
+                    "wandb": {"dir": str(self.run_dir), "name": self.run_dir.name}})
         if cfg.resume:
             self._resume()
         self.env.sync_weights()
@@ -375,7 +377,29 @@ class Trainer:
         out = self.env.evaluation(self.step, self.run_dir)
         if out:
             out["time/eval"] = time.perf_counter() - start
+        if self.cfg.log_with and self.accelerator.is_main_process:
+            self._log_media(self.env.evaluation_media())
         return out
+
+    def _log_media(self, media: dict) -> None:
+        """The evaluation's images and tables to the trackers (metrics.jsonl keeps only numbers)."""
+        import numpy as np
+
+        for tracker in self.accelerator.trackers:
+            for key, image in media.get("images", {}).items():
+                if tracker.name == "tensorboard":  # add_images takes a batch: [1, H, W, 3]
+                    tracker.log_images({key: np.asarray(image.convert("RGB"))[None]}, step=self.step,
+                                       dataformats="NHWC")
+                else:
+                    tracker.log_images({key: [image]}, step=self.step)
+            for key, (columns, rows) in media.get("tables", {}).items():
+                if tracker.name == "wandb":
+                    tracker.log_table(key, columns=columns, data=rows, step=self.step)
+                elif tracker.name == "tensorboard":  # no tables there: one markdown table as text
+                    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                    lines += ["| " + " | ".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + " |"
+                              for row in rows]
+                    tracker.writer.add_text(key, "\n".join(lines), global_step=self.step)
 
     # ======================================================= several processes
     def _gather_rows(self, t: torch.Tensor) -> torch.Tensor:

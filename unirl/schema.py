@@ -7,8 +7,14 @@ types fail with the dotted path of the bad key. Environment configs (``unirl/tex
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
+
+from unirl.config import FILE_SPEC
+
+#: Trackers ``trainer.log_with`` accepts: the module that must import, and the package to install.
+TRACKERS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
 
 
 @dataclass
@@ -103,7 +109,7 @@ class OptimConfig:
 class RewardConfig:
     """One reward: a registered name, ``path/file.py:function`` or ``package.module:function``."""
 
-    name: str = "gsm8k"
+    name: str = field(default="gsm8k", metadata=FILE_SPEC)
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -134,7 +140,9 @@ class TrainerConfig:
     resume: bool = False
     #: Accelerate's mixed precision: no, fp16, bf16.
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    #: Extra trackers besides metrics.jsonl: wandb, tensorboard.
+    #: Extra trackers besides metrics.jsonl: wandb, tensorboard. They write under the run directory
+    #: (wandb offline with ``WANDB_MODE=offline``) and get the same keys as metrics.jsonl, plus the
+    #: evaluation's images (diffusion grids) and answers (text, as a table).
     log_with: list[str] = field(default_factory=list)
     project: str = "unirl"
     #: Show a progress bar.
@@ -159,3 +167,9 @@ class TrainerConfig:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
+        for tracker in self.log_with:
+            if tracker not in TRACKERS:
+                raise ValueError(f"log_with: unknown tracker {tracker!r}; choose from {', '.join(TRACKERS)}")
+            module, package = TRACKERS[tracker]
+            if importlib.util.find_spec(module) is None:
+                raise ValueError(f"log_with: {tracker} is not installed; run `pip install {package}` (or drop it from log_with)")

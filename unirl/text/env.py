@@ -245,6 +245,8 @@ class TextEnvironment(Environment):
                 for i, text, s in results[:16]:
                     f.write(json.dumps({"step": step, "prompt": self.test_rows[i]["prompt"], "response": text,
                                         "score": s[names[0]]}) + "\n")
+        self._evaluation_media = {"tables": {"eval/samples": (
+            ["prompt", "response", names[0]], [[self.test_rows[i]["prompt"], text, s[names[0]]] for i, text, s in results[:16]])}}
         out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
         out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in scores.items()})
         return out
