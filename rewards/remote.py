@@ -1,35 +1,57 @@
 """Rewards over HTTP, the server half: ``unirl serve-reward NAME`` hosts a reward that runs use as
 ``http://host:port``. The protocol and the client are in ``rewards/remote_client.py`` (re-exported
 here).
+
+The server is an ASGI app (FastAPI) run by uvicorn. Every ``POST /score`` goes through one
+``BatchQueue`` (``rewards/batching.py``): concurrent requests are joined into one reward call of at
+most ``max_batch`` samples, taken when full or when the oldest request has waited ``max_wait_ms``;
+one worker thread makes the calls, so a model reward never runs in two threads at once. When
+``max_queue`` requests are waiting, one more is answered 503 (the client retries 502/503/504 with
+backoff). Each request gets what scoring it alone gives (``score_requests``), errors included:
+
+- ``GET /info`` -> ``{"name", "modality", "description"}``; ``GET /health`` -> ``{"status": "ok",
+  "queued", "scoring", "batches", "answered", "max_batch", "max_wait_ms", "max_queue"}``.
+- ``POST /score``: 200 ``{"scores": [...]}``; 400 for a malformed request; 500 with the
+  ``RewardError`` message (reward, sample, prompt) when the reward raises or returns bad scores;
+  503 when the queue is full. Every error body is ``{"error": "..."}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import threading
+from contextlib import asynccontextmanager
 
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from rewards.batching import BatchQueue, QueueFull
 from rewards.loading import load_reward, reward_info
 from rewards.models import ModelReward
 from rewards.registry import RewardError
 from rewards.remote_client import RemoteReward, decode_sample, encode_sample
-from rewards.scoring import score_batch
+from rewards.scoring import score_requests
 
-__all__ = ["RemoteReward", "decode_sample", "encode_sample", "make_server"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Server
-# ----------------------------------------------------------------------------------------------
+__all__ = ["RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
 
 
-def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None) -> ThreadingHTTPServer:
-    """An HTTP server (not yet serving) for the reward ``spec`` with ``kwargs`` bound.
+def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None, *,
+                max_batch: int = 256, max_wait_ms: float = 2.0, max_queue: int = 1024) -> RewardServer:
+    """A server (bound, not yet serving) for the reward ``spec`` with ``kwargs`` bound.
 
     ``spec`` is anything ``load_reward`` takes. A model reward loads its model here, before the
     port opens, so the first request does not time out on a download. ``port=0`` picks a free port
-    (``server.server_address[1]``).
+    (``server.server_address[1]``). ``max_batch`` (samples per reward call; 1 never joins
+    requests), ``max_wait_ms`` and ``max_queue`` (requests waiting) set the batching.
     """
+    # First, so that bad settings fail before a model loads; ``fn`` is bound below, before any call.
+    queue = BatchQueue(lambda requests: score_requests(fn, requests, name=spec), size=lambda request: len(request[0]),
+                       max_batch=max_batch, max_wait=max_wait_ms / 1000, max_queue=max_queue)
     fn = load_reward(spec, **(kwargs or {}))
     if isinstance(fn, ModelReward):
         fn.ensure_loaded()
@@ -38,48 +60,127 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: di
         meta = {"name": info.name, "modality": info.modality, "description": info.description}
     except RewardError:  # a file or module spec: not registered under a name
         meta = {"name": spec, "modality": getattr(fn, "modality", None), "description": ""}
+    return RewardServer(make_app(spec, meta, queue), host, port)
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
 
-        def do_GET(self):  # noqa: N802 (http.server's naming)
-            if self.path.rstrip("/") == "/info":
-                self._send(200, meta)
-            else:
-                self._send(404, {"error": f"no such path {self.path!r}; use GET /info or POST /score"})
+def make_app(spec: str, meta: dict, queue: BatchQueue) -> FastAPI:
+    """The ASGI app: ``/info``, ``/health`` and ``/score`` over ``queue``, which it starts and stops."""
 
-        def do_POST(self):  # noqa: N802
-            if self.path.rstrip("/") != "/score":
-                self._send(404, {"error": f"no such path {self.path!r}; use POST /score"})
-                return
-            try:
-                length = int(self.headers.get("Content-Length", 0))
-                request = json.loads(self.rfile.read(length))
-                samples = [decode_sample(s) for s in request["samples"]]
-                columns = dict(request.get("columns") or {})
-                if request.get("prompts") is not None:
-                    columns["prompts"] = request["prompts"]
-            except Exception as err:
-                self._send(400, {"error": f"malformed request: {type(err).__name__}: {err}"})
-                return
-            try:
-                scores = score_batch(fn, samples, name=spec, **columns)
-            except RewardError as err:
-                self._send(500, {"error": str(err)})
-                return
-            self._send(200, {"scores": scores})
+    @asynccontextmanager
+    async def lifespan(app):
+        queue.start()
+        yield
+        await queue.stop()
 
-        def _send(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    app = FastAPI(title=f"serve-reward {spec}", lifespan=lifespan, redirect_slashes=False,
+                  docs_url=None, redoc_url=None, openapi_url=None)
 
-        def log_message(self, format, *args):  # one short line per request, on stderr
-            sys.stderr.write(f"serve-reward {spec}: {self.address_string()} {format % args}\n")
+    def answer(request: Request, status: int, body: dict) -> JSONResponse:
+        if status != 200:  # one line on stderr for each request that failed
+            client = request.client.host if request.client else "?"
+            first = body["error"].splitlines()[0][:300] if body.get("error") else ""
+            sys.stderr.write(f"serve-reward {spec}: {client} {request.method} {request.url.path} {status}: {first}\n")
+        return JSONResponse(body, status_code=status)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    @app.get("/info")
+    @app.get("/info/")
+    async def info(request: Request):
+        return answer(request, 200, meta)
+
+    @app.get("/health")
+    @app.get("/health/")
+    async def health(request: Request):
+        return answer(request, 200, {"status": "ok", **queue.stats(), "max_batch": queue.max_batch,
+                                     "max_wait_ms": queue.max_wait * 1000, "max_queue": queue.max_queue})
+
+    @app.post("/score")
+    @app.post("/score/")
+    async def score(request: Request):
+        try:
+            item = await _parse(await request.body())
+        except Exception as err:
+            return answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
+        try:
+            scores = await queue.submit(item)
+        except QueueFull as err:
+            return answer(request, 503, {"error": f"reward server busy: {err}; try again later "
+                                                  f"(or serve with a larger --max-queue)"})
+        except RewardError as err:
+            return answer(request, 500, {"error": str(err)})
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # not a RewardError: a bug of the server, or the reward called sys.exit
+            return answer(request, 500, {"error": f"reward {spec!r}: the server failed: {type(err).__name__}: {err}"})
+        return answer(request, 200, {"scores": scores})
+
+    @app.exception_handler(HTTPException)
+    async def no_such_path(request: Request, exc: HTTPException):
+        if exc.status_code not in (404, 405):
+            return answer(request, exc.status_code, {"error": str(exc.detail)})
+        use = "POST /score" if request.method == "POST" else "GET /info, GET /health or POST /score"
+        return answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
+
+    return app
+
+
+async def _parse(body: bytes) -> tuple[list, dict]:
+    """``(samples, columns)`` of a ``POST /score`` body; images are decoded in a thread."""
+    request = json.loads(body)
+    raw = request["samples"]
+    if all(isinstance(s, str) for s in raw):
+        samples = list(raw)
+    else:  # PNG decoding takes a while: off the event loop
+        samples = await asyncio.to_thread(lambda: [decode_sample(s) for s in raw])
+    columns = dict(request.get("columns") or {})
+    if request.get("prompts") is not None:
+        columns["prompts"] = request["prompts"]
+    return samples, columns
+
+
+class RewardServer:
+    """uvicorn serving an app on a socket bound at once, with the methods of the standard library's
+    servers (``server_address``, ``serve_forever``, ``shutdown``, ``server_close``), so a caller
+    may serve in a thread and stop it from another.
+
+    In the main thread, SIGINT and SIGTERM stop it gracefully (the requests in flight are answered),
+    then act as usual (``KeyboardInterrupt``; termination).
+    """
+
+    def __init__(self, app, host: str, port: int):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind((host, port))
+            self.socket.listen(2048)  # connections wait here, not dropped, while the server starts
+        except OSError:
+            self.socket.close()
+            raise
+        self.server_address = self.socket.getsockname()[:2]
+        # log_config=None: leave the process's logging alone; uvicorn's warnings still reach stderr.
+        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=30)
+        self._server = uvicorn.Server(config)
+        self._stop_requested = False
+        self._stopped = threading.Event()
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve until ``shutdown()``. ``poll_interval`` is accepted for the standard library's
+        signature; uvicorn looks for a shutdown every 0.1 s."""
+        self._stopped.clear()
+        try:
+            if not self._stop_requested:
+                self._server.run(sockets=[self.socket])
+                if not self._server.started and not self._stop_requested:
+                    raise RuntimeError("serve-reward could not start serving; see the errors above")
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` (running in another thread) and wait until it has returned."""
+        self._stop_requested = True
+        self._server.should_exit = True
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()

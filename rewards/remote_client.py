@@ -2,19 +2,22 @@
 ``http://host:port`` loads. The server half (``unirl serve-reward NAME``) is ``rewards/remote.py``.
 
 Why: a reward model may need its own environment (conflicting dependency pins, another GPU, another
-machine), as FlowGRPO's reward servers do. The protocol is small, JSON over HTTP (stdlib only):
+machine), as FlowGRPO's reward servers do. The protocol is small, JSON over HTTP (the client is
+stdlib only):
 
-- ``GET /info`` -> ``{"name", "modality", "description"}``.
+- ``GET /info`` -> ``{"name", "modality", "description"}``; ``GET /health`` -> ``{"status": "ok", ...}``.
 - ``POST /score`` with ``{"samples": [...], "prompts": [...], "columns": {name: [...]}}`` ->
   ``{"scores": [float or null, ...]}``. A text sample is a JSON string; an image is
   ``{"png_base64": "..."}`` (PNG is lossless, so the server scores the very pixels the run made).
   A reward that raises or returns bad scores answers 500 with ``{"error": "..."}`` (the server's
-  ``RewardError`` message: reward, sample, prompt); a malformed request answers 400.
+  ``RewardError`` message: reward, sample, prompt); a malformed request answers 400; a server
+  whose queue is full answers 503.
 
 The reward's settings are the server's (``serve-reward gsm8k --kwargs '{"method": "flexible"}'``);
 a run's ``kwargs`` for an ``http://`` spec set the client: ``timeout`` (seconds per attempt) and
 ``retries``. Connection failures and timeouts are retried (``retries`` times, with a short
-backoff); then, or at once for an answer that is not the protocol, a ``RewardError`` says which.
+backoff), and so are 502/503/504 answers (a server whose queue is full answers 503); then, or at
+once for an answer that is not the protocol, a ``RewardError`` says which.
 Errors the reward itself raised are not retried: they would recur.
 """
 
@@ -124,7 +127,7 @@ class RemoteReward:
 
     def _request(self, method: str, path: str, body: bytes | None) -> dict:
         attempts = self.retries + 1
-        last = ""
+        last, answered = "", False
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
@@ -135,17 +138,18 @@ class RemoteReward:
                     raw = response.read()
             except urllib.error.HTTPError as err:
                 text = err.read().decode("utf-8", "replace")
-                if err.code in _RETRY_STATUSES:
-                    last = f"HTTP {err.code}"
-                    continue
                 try:
                     message = json.loads(text)["error"]
                 except (ValueError, KeyError, TypeError):
                     message = text[:300]
+                if err.code in _RETRY_STATUSES:  # busy (its queue is full) or not ready: try again
+                    last, answered = f"HTTP {err.code}: {message}", True
+                    continue
                 raise RewardError(f"reward server {self.url} answered HTTP {err.code}: {message}") from None
             except (urllib.error.URLError, TimeoutError, socket.timeout, ConnectionError, OSError) as err:
                 reason = getattr(err, "reason", err)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
+                answered = False
                 continue
             try:
                 answer = json.loads(raw)
@@ -154,6 +158,9 @@ class RemoteReward:
             if not isinstance(answer, dict):
                 raise RewardError(f"reward server {self.url} answered garbage: expected a JSON object, got {raw[:200]!r}")
             return answer
+        if answered:
+            raise RewardError(f"reward server {self.url} did not score the batch in {attempts} attempt(s); "
+                              f"the last was answered {last}")
         raise RewardError(
             f"reward server {self.url} is unreachable: {attempts} attempt(s) with a {self.timeout:g}s timeout "
             f"failed, the last with {last}. Is `unirl serve-reward` running there?"

@@ -1,5 +1,6 @@
 """Calling a reward over a batch: ``score_batch`` checks that it gave one finite float (or None) per
-sample, and when the reward raises, names the first sample that fails on its own.
+sample, and when the reward raises, names the first sample that fails on its own. ``score_requests``
+scores several requests in one call where it can (what ``serve-reward`` does with concurrent ones).
 
 Every failure is a ``RewardError`` naming the reward, and the sample with its prompt when known.
 """
@@ -40,7 +41,59 @@ def score_batch(reward_fn: RewardFn, samples: Sequence[Any], *, name: str, **col
         raise
     except Exception as err:
         raise _locate_failure(reward_fn, samples, columns, name, err) from err
+    return _checked(scores, n, name, prompts)
 
+
+def score_requests(reward_fn: RewardFn, requests: Sequence[tuple[Sequence[Any], dict[str, Any]]], *,
+                   name: str) -> list[list[float | None] | RewardError]:
+    """Score several requests ``(samples, columns)`` with as few calls as possible: for each, what
+    ``score_batch(reward_fn, samples, name=name, **columns)`` gives, or the ``RewardError`` it raises.
+
+    Requests with the same column names, each column a list of one value per sample, are joined
+    into one call. When that call raises or returns anything but one valid score per sample, each
+    of its requests is scored alone, so an error names the sample and prompt within its own request
+    and the other requests still get their scores. Joining gives every request the scores it gets
+    alone when a sample's score does not depend on the other samples of the call (``serve-reward
+    --max-batch 1`` never joins, for a reward where it does).
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, (samples, columns) in enumerate(requests):
+        joinable = all(isinstance(v, list) and len(v) == len(samples) for v in columns.values())
+        groups.setdefault(tuple(sorted(columns)) if joinable else ("alone", i), []).append(i)
+    outcomes: list[Any] = [None] * len(requests)
+    for members in groups.values():
+        joined = _score_joined(reward_fn, [requests[i] for i in members], name) if len(members) > 1 else None
+        if joined is not None:
+            for i, scores in zip(members, joined):
+                outcomes[i] = scores
+            continue
+        for i in members:
+            samples, columns = requests[i]
+            try:
+                outcomes[i] = score_batch(reward_fn, samples, name=name, **columns)
+            except RewardError as err:
+                outcomes[i] = err
+    return outcomes
+
+
+def _score_joined(reward_fn: RewardFn, requests: list[tuple[Sequence[Any], dict[str, Any]]],
+                  name: str) -> list[list[float | None]] | None:
+    """Each request's scores from one call over all their samples; None if that call failed."""
+    samples = [s for request_samples, _ in requests for s in request_samples]
+    columns = {key: [v for _, request_columns in requests for v in request_columns[key]] for key in requests[0][1]}
+    try:
+        scores = _checked(call_reward(reward_fn, samples, columns), len(samples), name, columns.get("prompts"))
+    except Exception:  # scored again one request at a time, which names the sample
+        return None
+    out, start = [], 0
+    for request_samples, _ in requests:
+        out.append(scores[start:start + len(request_samples)])
+        start += len(request_samples)
+    return out
+
+
+def _checked(scores: Any, n: int, name: str, prompts: Any) -> list[float | None]:
+    """``scores`` as a list of ``n`` finite floats or Nones; a ``RewardError`` says what is wrong otherwise."""
     if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):  # numpy array, torch tensor
         if getattr(scores, "ndim", 1) != 1:
             raise RewardError(f"reward {name!r} returned an array of shape {tuple(scores.shape)}, expected ({n},)")

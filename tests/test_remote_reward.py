@@ -1,6 +1,7 @@
 """Remote rewards end to end on 127.0.0.1: ``serve-reward`` in a subprocess (the real command) and in
-a thread, scores equal to local scoring for a text and an image reward, and the clear errors for a
-stopped server, a server that never answers, and one that answers garbage."""
+a thread, scores equal to local scoring for a text and an image reward, the health endpoint, and
+the clear errors for a stopped server, a server that never answers, and one that answers garbage.
+(Load, batching and the full queue: test_reward_server_load.py.)"""
 
 from __future__ import annotations
 
@@ -188,9 +189,29 @@ def test_bad_requests_and_settings(served):
         load_reward(url, timeout=0)
 
 
+def test_health_and_unknown_paths(served):
+    url, _ = served("gsm8k")
+    client = RemoteReward(url)
+    assert client._request("GET", "/health", None) == {
+        "status": "ok", "queued": 0, "scoring": 0, "batches": 0, "answered": 0,
+        "max_batch": 256, "max_wait_ms": 2.0, "max_queue": 1024}
+    assert client(["#### 3", "#### 4"], prompts=["q", "q"], answer=["3", "3"]) == [1.0, 0.0]
+    health = client._request("GET", "/health/", None)
+    assert (health["batches"], health["answered"]) == (1, 1)
+    assert client._request("GET", "/info/", None)["name"] == "gsm8k"
+    with pytest.raises(RewardError, match=r"answered HTTP 404: no such path '/nope'; use GET /info, GET /health or POST /score"):
+        client._request("GET", "/nope", None)
+    with pytest.raises(RewardError, match=r"answered HTTP 404: no such path '/info'; use POST /score"):
+        client._request("POST", "/info", b"{}")
+    with pytest.raises(RewardError, match=r"answered HTTP 400: malformed request: JSONDecodeError"):
+        client._request("POST", "/score", b"{not json")
+
+
 def test_serve_command_reports_bad_names(capsys):
     from unirl.reward_commands import main
 
     assert main(["serve-reward", "gsm9k", "--port", "0"]) == 1
     assert "unknown reward 'gsm9k'. Did you mean 'gsm8k'?" in capsys.readouterr().err
     assert main(["serve-reward", "gsm8k", "--kwargs", "[1]"]) == 2
+    assert main(["serve-reward", "gsm8k", "--port", "0", "--max-batch", "0"]) == 1
+    assert "max_batch and max_queue must be >= 1" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""The rewards package imports one way: registry <- remote_client <- loading, scoring <- models <- remote.
+"""The rewards package imports one way: registry <- remote_client <- loading, scoring <- models <- remote
+(with batching, which imports nothing of the package, under remote).
 Each module, imported fresh (without the package's ``__init__``, which imports them all), pulls in
 only the modules below it; and the names that left registry.py are still importable from it."""
 
@@ -18,6 +19,7 @@ BELOW = {
     "loading": {"registry", "remote_client"},
     "scoring": {"registry"},
     "models": {"registry"},
+    "batching": set(),
     "remote": {"registry", "remote_client", "loading", "scoring", "models", "batching"},
 }
 

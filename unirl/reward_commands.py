@@ -25,6 +25,13 @@ def add_subcommands(subparsers) -> None:
     p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p_serve.add_argument("--kwargs", default="{}", metavar="JSON",
                          help='settings for the reward, as in a config\'s kwargs: \'{"method": "flexible"}\'')
+    p_serve.add_argument("--max-batch", type=int, default=256, metavar="N",
+                         help="the most samples one reward call joins from concurrent requests (default 256; "
+                              "1: never join, for a reward whose scores depend on the rest of the batch)")
+    p_serve.add_argument("--max-wait-ms", type=float, default=2.0, metavar="MS",
+                         help="how long a request may wait for others to join its call (default 2)")
+    p_serve.add_argument("--max-queue", type=int, default=1024, metavar="N",
+                         help="requests waiting before more are answered 503, which clients retry (default 1024)")
     p_serve.set_defaults(func=serve_command)
 
 
@@ -59,8 +66,9 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"unirl serve-reward: --kwargs must be a JSON object ({err}): {args.kwargs!r}", file=sys.stderr)
         return 2
     try:
-        server = make_server(args.name, args.host, args.port, kwargs)
-    except (RewardError, OSError) as err:
+        server = make_server(args.name, args.host, args.port, kwargs, max_batch=args.max_batch,
+                             max_wait_ms=args.max_wait_ms, max_queue=args.max_queue)
+    except (RewardError, ValueError, OSError) as err:
         print(f"unirl serve-reward: {err}", file=sys.stderr)
         return 1
     host, port = server.server_address[:2]
