@@ -111,7 +111,7 @@ class Trainer:
                 self._log(metrics, history)
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                    progress.set_postfix(_progress_fields(metrics), refresh=False)
                 last = self.step == self.cfg.total_steps
                 if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or last):
                     self._log({"step": self.step, **self.evaluate()}, history=None)
@@ -604,11 +604,19 @@ def _timer(times: dict[str, float], name: str):
 
 
 def _progress(cfg: TrainerConfig, start: int, main: bool):
+    """One line: steps done, elapsed and time left (tqdm's estimate), reward, KL when it is on."""
     if not (cfg.progress and main):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, leave=True)
+
+
+def _progress_fields(metrics: dict[str, float]) -> dict[str, str]:
+    fields = {"reward": f"{metrics['reward/mean']:.3f}"}
+    if "loss/kl" in metrics:
+        fields["kl"] = f"{metrics['loss/kl']:.2e}"
+    return fields
 
 
 def _write_yaml(path: Path, data: dict) -> None:
