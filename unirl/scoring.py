@@ -15,6 +15,7 @@ work (a forward pass, an HTTP request) releases the GIL.
 from __future__ import annotations
 
 import math
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -54,7 +55,8 @@ class RewardSet:
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"rewards: the same reward is listed twice ({self.names}); merge them or rename one")
         self.fns = [load_reward(c.name, **c.kwargs) for c in self.configs]
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="unirl-reward") if workers > 0 else None
+        self._pool = (ThreadPoolExecutor(workers, thread_name_prefix="unirl-reward", initializer=one_openmp_thread)
+                      if workers > 0 else None)
 
     def components(self, samples: list[Any], *, prompts: list[str], columns: dict[str, list]) -> dict[str, torch.Tensor]:
         """Each reward's scores [n] by metric name; NaN where a reward returned None (does not apply).
@@ -123,6 +125,36 @@ class RewardSet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: A loaded OpenMP runtime in /proc/self/maps: GNU libgomp, Intel libiomp5, LLVM libomp.
+_OPENMP_LIBRARY = re.compile(r"/\S*/lib(?:g|i)?omp\d*\.so[.\d]*$")
+
+
+def one_openmp_thread() -> None:
+    """Let torch work in the calling thread run on one OpenMP thread, leaving the process's others alone.
+
+    A torch operation in a new thread makes that thread the master of a second OpenMP team (GNU
+    libgomp). With more OpenMP threads than cores, libgomp's idle threads stop spinning and sleep
+    after each parallel region, so every later operation of the trainer's own team waits to wake
+    them: on 2 cores a forward went from 14 ms to 47 ms after one torch reward call in a worker.
+    ``torch.set_num_threads(1)`` here would be global (the trainer's threads too, and vLLM's CPU
+    worker replaces it by a no-op); ``omp_set_num_threads`` sets this thread's own count (the
+    OpenMP spec's per-thread ``nthreads-var``), so no team is started here. Called as the reward
+    pool's thread initializer. A no-op where no OpenMP library is loaded or /proc is absent."""
+    import ctypes
+
+    torch.get_num_threads()  # torch's lazy per-thread init would set the global count later
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {m.group(0) for line in maps if (m := _OPENMP_LIBRARY.search(line))}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            ctypes.CDLL(path).omp_set_num_threads(1)
+        except (OSError, AttributeError):  # not a loadable library, or no OpenMP entry point
+            continue
 
 
 def concat_components(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
