@@ -23,6 +23,28 @@ from rewards.registry import register_reward
 CHECKPOINTS = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
 
 
+def load_checkpoint(path) -> dict:
+    """The tensors of an HPSv2 checkpoint: a ``.safetensors`` file, or a torch file read with
+    ``weights_only=True``, which refuses pickled objects (a downloaded file's pickle could run any code;
+    the published ``{"state_dict": ...}`` checkpoints hold only tensors and plain values)."""
+    import pickle
+
+    import torch
+
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"hpsv2: {path} holds pickled objects besides tensors; refused (torch.load with "
+                         f"weights_only=True): {str(err).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"hpsv2: {path} holds a {type(state).__name__}, expected a state dict")
+    return state
+
+
 @register_reward("hpsv2", modality="image")
 class HPSv2(ModelReward):
     """HPSv2.1 human-preference score: cosine of OpenCLIP ViT-H-14 image and prompt embeddings (about 0.2-0.35)."""
@@ -43,8 +65,8 @@ class HPSv2(ModelReward):
             from huggingface_hub import hf_hub_download
 
             path = hf_hub_download(self.hub_repo, CHECKPOINTS[self.version])
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict) else state)
+        state = load_checkpoint(path)
+        model.load_state_dict(state.get("state_dict", state))
         self.model = model.to(self.device, self.torch_dtype).eval().requires_grad_(False)
         self.preprocess = preprocess
         self.tokenizer = open_clip.get_tokenizer(self.architecture)

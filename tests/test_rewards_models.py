@@ -227,9 +227,10 @@ def test_math_verify_in_worker_threads_matches_inline():
     assert inline["math_verify"].tolist() == pooled["math_verify"].tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
-def test_hpsv2_glue_with_a_stand_in_open_clip(monkeypatch, tmp_path):
-    """rewards/hpsv2.py against tests/fixtures/fake_open_clip (open_clip's API, a toy model): the
-    checkpoint's ``state_dict`` is loaded, and the score is the cosine of the normalised embeddings."""
+@pytest.fixture
+def hpsv2_stand_in(monkeypatch):
+    """rewards/hpsv2.py imported against tests/fixtures/fake_open_clip (open_clip's API, a toy model);
+    yields (open_clip, registry), and the rest of the session never sees the stand-in."""
     import sys
     from pathlib import Path
 
@@ -243,7 +244,9 @@ def test_hpsv2_glue_with_a_stand_in_open_clip(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures" / "fake_open_clip"))
     monkeypatch.delitem(sys.modules, "rewards.hpsv2", raising=False)
     try:
-        _score_with_stand_in(tmp_path, registry)
+        open_clip = importlib.import_module("open_clip")
+        importlib.import_module("rewards.hpsv2")
+        yield open_clip, registry
     finally:  # the rest of the session must not see the stand-in or the reward it registered
         sys.modules.pop("open_clip", None)
         sys.modules.pop("rewards.hpsv2", None)
@@ -252,27 +255,82 @@ def test_hpsv2_glue_with_a_stand_in_open_clip(monkeypatch, tmp_path):
         rewards.__dict__.pop("hpsv2", None)
 
 
-def _score_with_stand_in(tmp_path, registry):
-    import importlib
+_HPS_PROMPTS = ("red", "blue sky", "a gradient")
 
-    import torch.nn.functional as F
+
+def _hps_images():
     from PIL import Image
 
-    open_clip = importlib.import_module("open_clip")
-    importlib.import_module("rewards.hpsv2")
+    return [Image.new("RGB", (16, 16), (255, 0, 0)), Image.new("RGB", (9, 9), (0, 90, 255)),
+            Image.linear_gradient("L").convert("RGB")]
 
-    torch.manual_seed(3)
-    trained, preprocess, _ = open_clip.create_model_and_transforms("ViT-H-14")
-    torch.save({"state_dict": trained.state_dict(), "epoch": 1}, tmp_path / "HPS_v2.1_compressed.pt")
-    fn = load_reward("hpsv2", checkpoint=str(tmp_path / "HPS_v2.1_compressed.pt"), batch_size=2, device="cpu")
-    images = [Image.new("RGB", (16, 16), (255, 0, 0)), Image.new("RGB", (9, 9), (0, 90, 255)),
-              Image.linear_gradient("L").convert("RGB")]
-    prompts = ["red", "blue sky", "a gradient"]
-    scores = score_batch(fn, images, name="hpsv2", prompts=prompts)
 
+def _hps_expected(open_clip, trained, images, prompts):
+    import torch.nn.functional as F
+
+    _, preprocess, _ = open_clip.create_model_and_transforms("ViT-H-14")
     with torch.no_grad():
         img = F.normalize(trained.encode_image(torch.stack([preprocess(i) for i in images])), dim=-1)
         txt = F.normalize(trained.encode_text(open_clip.get_tokenizer("ViT-H-14")(prompts)), dim=-1)
-    assert scores == pytest.approx((img * txt).sum(-1).tolist(), abs=1e-6)
+    return (img * txt).sum(-1).tolist()
+
+
+def test_hpsv2_glue_with_a_stand_in_open_clip(hpsv2_stand_in, tmp_path):
+    """The checkpoint's ``state_dict`` is loaded, and the score is the cosine of the normalised embeddings."""
+    open_clip, registry = hpsv2_stand_in
+    torch.manual_seed(3)
+    trained, _, _ = open_clip.create_model_and_transforms("ViT-H-14")
+    torch.save({"state_dict": trained.state_dict(), "epoch": 1}, tmp_path / "HPS_v2.1_compressed.pt")
+    fn = load_reward("hpsv2", checkpoint=str(tmp_path / "HPS_v2.1_compressed.pt"), batch_size=2, device="cpu")
+    images, prompts = _hps_images(), list(_HPS_PROMPTS)
+    scores = score_batch(fn, images, name="hpsv2", prompts=prompts)
+    assert scores == pytest.approx(_hps_expected(open_clip, trained, images, prompts), abs=1e-6)
     assert registry.reward_info("hpsv2").modality == "image"
+
+
+def test_hpsv2_loads_a_safetensors_checkpoint(hpsv2_stand_in, tmp_path):
+    from safetensors.torch import save_file
+
+    open_clip, _ = hpsv2_stand_in
+    torch.manual_seed(4)
+    trained, _, _ = open_clip.create_model_and_transforms("ViT-H-14")
+    save_file(trained.state_dict(), str(tmp_path / "hps.safetensors"))
+    fn = load_reward("hpsv2", checkpoint=str(tmp_path / "hps.safetensors"), device="cpu")
+    images, prompts = _hps_images(), list(_HPS_PROMPTS)
+    scores = score_batch(fn, images, name="hpsv2", prompts=prompts)
+    assert scores == pytest.approx(_hps_expected(open_clip, trained, images, prompts), abs=1e-6)
+
+
+def _leave_a_mark(path: str) -> str:
+    """What a malicious checkpoint's pickle runs on load (here: writes a file)."""
+    with open(path, "w") as f:
+        f.write("code from the checkpoint ran")
+    return path
+
+
+class _RunsCodeOnLoad:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return _leave_a_mark, (self.marker,)
+
+
+def test_hpsv2_refuses_a_checkpoint_with_pickled_objects(hpsv2_stand_in, tmp_path):
+    """A checkpoint whose pickle calls a function on load is refused before the call happens."""
+    open_clip, _ = hpsv2_stand_in
+    trained, _, _ = open_clip.create_model_and_transforms("ViT-H-14")
+    marker = tmp_path / "marker"
+    path = tmp_path / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": trained.state_dict(), "payload": _RunsCodeOnLoad(str(marker))}, path)
+    # The file does run code under a full unpickle (what the reward did before), so the test can fail:
+    torch.load(path, weights_only=False)
+    assert marker.read_text() == "code from the checkpoint ran"
+    marker.unlink()
+
+    fn = load_reward("hpsv2", checkpoint=str(path), device="cpu")
+    with pytest.raises(RewardError, match="HPSv2 could not load its model: ValueError: hpsv2: .*HPS_v2.1_compressed.pt "
+                                          "holds pickled objects besides tensors; refused"):
+        fn(_hps_images()[:1], prompts=["red"])
+    assert not marker.exists()
 
