@@ -21,6 +21,12 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
+# Optional dependencies (pip install rapidocr onnxruntime), imported here as registry.BUILTIN_MODULES
+# asks: without them `ocr` is listed as unavailable with the package to install (`unirl rewards
+# list`, `unirl train ... --dry-run`) instead of failing at the first score. rapidocr itself imports lazily.
+import onnxruntime  # noqa: F401
+import rapidocr  # noqa: F401
+
 from rewards.registry import register_reward
 
 _ENGINE = None

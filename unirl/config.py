@@ -9,6 +9,13 @@ the bad key::
     algo.clip_hgih: unknown key. Did you mean 'clip_high'? Valid keys of algo (AlgoConfig): ...
     trainer.total_steps: expected int, got str 'ten'
 
+Paths in a config file resolve relative to that file when they are not absolute and not found
+from the working directory: a field whose metadata is ``PATH`` (or ``FILE_SPEC``, for
+``path/to/file.py:function``) and whose relative value exists beside the config file (and not in
+the working directory) is replaced by that file's absolute path. A value found nowhere stays as
+written (it may be a hub name); ``unirl.preflight`` reports it with every place it looked.
+``unirl://`` values (bundled data, ``unirl/data_paths.py``) are left as they are.
+
 Supported annotations: int, float (an int is accepted and converted), str, bool (only true/false),
 ``Optional[X]`` / ``X | None``, ``Literal[...]``, ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``,
 ``dict[str, X]``, ``Any``, ``pathlib.Path`` (from a string), nested dataclasses (from a mapping)
@@ -36,8 +43,17 @@ import yaml
 
 T = TypeVar("T")
 
-#: ``configs/`` at the repository root: ``configs/<kind>/<name>.yaml`` (kind: text, diffusion).
-CONFIGS_ROOT = Path(__file__).resolve().parent.parent / "configs"
+#: The shipped configs, ``configs/<kind>/<name>.yaml`` (kind: text, diffusion). They live in
+#: ``configs/`` at the repository root; ``unirl/configs`` links there, so a wheel installs them
+#: inside the package and a name resolves the same in a checkout and in a plain ``pip install``.
+CONFIGS_ROOT = (Path(__file__).resolve().parent / "configs").resolve()
+
+#: Field metadata of a string that may name a file (``field(default="tiny", metadata=PATH)``):
+#: a relative value is looked up beside the config file when not found from the working directory.
+PATH = types.MappingProxyType({"unirl_path": "path"})
+#: Field metadata of a spec that may be ``path/to/file.py:function``: the part before the last
+#: ``:`` is such a path when it ends in ``.py`` or contains a ``/``.
+FILE_SPEC = types.MappingProxyType({"unirl_path": "file:attr"})
 
 
 class ConfigError(ValueError):
@@ -92,7 +108,11 @@ def load_config(cls: type[T], source: str | Path | Mapping | None = None, overri
     for item in overrides:
         _apply_override(cls, data, item)
     # 3. Build the instance, checking every value against its annotation.
-    return _build_dataclass(cls, data, "")
+    instance = _build_dataclass(cls, data, "")
+    # 4. Relative paths not found from the working directory: look beside the config file.
+    if isinstance(source, (str, Path)):
+        _resolve_paths(instance, Path(source).expanduser().resolve().parent)
+    return instance
 
 
 def config_to_dict(instance: Any) -> dict[str, Any]:
@@ -368,6 +388,36 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Paths relative to the config file
+# ----------------------------------------------------------------------------------------------
+
+
+def _resolve_paths(instance: Any, config_dir: Path) -> None:
+    """Replace, in place, each ``PATH``/``FILE_SPEC`` value found only beside the config file by its absolute path."""
+    from unirl.data_paths import is_scheme, locate
+
+    for field in dataclasses.fields(instance):
+        value = getattr(instance, field.name)
+        kind = field.metadata.get("unirl_path")
+        if kind is not None and isinstance(value, str) and value and not is_scheme(value) and "://" not in value:
+            where, attr = value, ""
+            if kind == "file:attr":
+                where, sep, attr = value.rpartition(":")
+                if not sep or not (where.endswith(".py") or "/" in where):
+                    continue  # a registered name or package.module:function, not a file
+                attr = ":" + attr
+            located = locate(where, config_dir)
+            if located.path is not None and located.tried[0][0] != located.path:  # found only beside the config
+                setattr(instance, field.name, str(located.path) + attr)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _resolve_paths(value, config_dir)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                    _resolve_paths(item, config_dir)
 
 
 # ----------------------------------------------------------------------------------------------

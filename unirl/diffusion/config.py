@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from unirl.config import PATH
 from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
@@ -130,10 +131,12 @@ class EmaConfig:
 @dataclass
 class DataConfig:
     #: A ``.txt`` file with one prompt per line, a ``.jsonl`` file with a ``prompt`` field (other
-    #: fields become reward columns), or ``tiny`` (a small prompt list built in code).
-    train: str = "tiny"
+    #: fields become reward columns), ``tiny`` (a small prompt list built in code), a bundled file
+    #: ``unirl://NAME`` (``unirl data list``) or generated prompts (``unirl://ocr/generated?n=20000&seed=0``).
+    #: A relative path not found from the working directory is looked up beside the config file.
+    train: str = field(default="tiny", metadata=PATH)
     #: Held-out prompts in the same forms; null disables evaluation.
-    test: Optional[str] = "tiny"
+    test: Optional[str] = field(default="tiny", metadata=PATH)
     #: Held-out prompts per evaluation (the first ones; null: all).
     eval_size: Optional[int] = 16
     #: Images drawn on the evaluation grid PNG.

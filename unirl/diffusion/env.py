@@ -54,14 +54,19 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def load_prompt_rows(source: str, split: str) -> list[dict]:
-    """Rows ``{"prompt": ..., <columns>}`` from ``tiny``, a ``.txt`` (one prompt a line) or a ``.jsonl``."""
+    """Rows ``{"prompt": ..., <columns>}`` from ``tiny``, a ``.txt`` (one prompt a line), a ``.jsonl``,
+    a bundled ``unirl://NAME`` file or generated ``unirl://ocr/generated?n=...`` (``unirl/data_paths.py``)."""
+    from unirl.data_paths import DataFileNotFoundError, generated_prompts, is_generated, local_path, locate
+
     if source == "tiny":
         from unirl.diffusion.tiny import tiny_prompts
 
         return [{"prompt": p} for p in tiny_prompts(split)]
-    path = Path(source).expanduser()
+    if is_generated(source):
+        return [{"prompt": p} for p in generated_prompts(source)]
+    path = local_path(source)
     if not path.exists():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+        raise DataFileNotFoundError(locate(source).message(f"prompt file ({split})"))
     if path.suffix == ".jsonl":
         from unirl.text.data import load_rows
 

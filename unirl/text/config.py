@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from unirl.config import PATH
 from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig
 
 
@@ -29,11 +30,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    #: A local .jsonl/.json/.parquet file, a ``datasets`` hub name, or ``tiny`` (the tiny model's
-    #: addition task, generated with the model).
-    train: str = "tiny"
+    #: A local .jsonl/.json/.parquet file (a relative path not found from the working directory is
+    #: looked up beside the config file; ``unirl://NAME`` is a bundled file), a ``datasets`` hub name,
+    #: or ``tiny`` (the tiny model's addition task, generated with the model).
+    train: str = field(default="tiny", metadata=PATH)
     #: Held-out split for evaluation (same forms); null disables evaluation.
-    test: Optional[str] = "tiny"
+    test: Optional[str] = field(default="tiny", metadata=PATH)
     #: Hub config name and split names when ``train``/``test`` are hub names.
     hub_config: Optional[str] = None
     train_split: str = "train"

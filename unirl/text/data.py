@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 #: verl's GSM8K instruction (examples/data_preprocess/gsm8k.py).
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 def load_rows(source: str, *, split: str = "train", hub_config: str | None = None) -> list[dict]:
-    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file or a ``datasets`` hub name."""
-    path = Path(source).expanduser()
+    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file (``unirl://NAME``: a bundled one) or a
+    ``datasets`` hub name."""
+    from unirl.data_paths import DataFileNotFoundError, local_path, locate
+
+    path = local_path(source)
     if path.suffix in {".jsonl", ".json", ".parquet"} or path.exists():
         if not path.exists():
-            raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+            raise DataFileNotFoundError(locate(source).message("data file"))
         if path.suffix == ".jsonl":
             rows = []
             with open(path) as f:

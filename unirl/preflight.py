@@ -1,0 +1,295 @@
+"""What can be checked about a run before any model loads, offline: ``unirl train ... --dry-run``.
+
+``preflight(cfg, env_name, config_file)`` returns a ``Report`` listing every problem at once (each
+names its field), notes (not errors: a hub name missing from the local cache, a remote reward not
+contacted) and what passed:
+
+1. data: every data file exists (a relative path is looked for from the working directory, then
+   beside the config file; the error names every place) and its rows parse in the environment's
+   format (the same loaders a run uses); generated and bundled ``unirl://`` sources resolve; a hub
+   dataset is looked for in the local cache;
+2. rewards: every spec resolves (a ``file.py:function`` file exists and has the function, a
+   registered name is known, a missing optional package is named) and its kwargs are parameters;
+3. batch arithmetic (samples per step, optimizer steps, micro-batches);
+4. the output directory can be written (nothing is created);
+5. the model: a local directory, a toy model built at start-up, or a hub name in the local cache.
+
+A real run calls it too, before loading anything, and stops on a problem (``PreflightError``).
+Not checked here: model downloads, GPU memory and speed, reward model weights (loaded on first use),
+and whether hub or ``http://`` reward servers can be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from unirl.config import ConfigError
+from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate
+
+#: What the dry run leaves to the run itself.
+NOT_CHECKED = (
+    "model downloads and weights", "GPU memory and speed", "reward model weights (loaded on first use)",
+    "network access to the hub and to http:// rewards",
+)
+#: The kind of samples each environment's rewards score.
+SAMPLE_MODALITY = {"text": "text", "diffusion": "image"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TEXT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class PreflightError(ConfigError):
+    """Problems found before a run loads anything; ``problems`` lists them, each naming its field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"{len(problems)} problem(s) before loading anything:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+@dataclass
+class Report:
+    """The preflight's findings, one line each, in the order checked."""
+
+    passed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    not_checked: tuple[str, ...] = NOT_CHECKED
+
+    def format(self) -> str:
+        """The report as YAML comment lines (so the dry run's stdout stays valid YAML)."""
+        lines = ["# unirl preflight (offline checks)"]
+        lines += [f"# ok      {line}" for line in self.passed]
+        lines += [f"# note    {line}" for line in self.notes]
+        lines += [f"# PROBLEM {line}" for line in self.problems]
+        lines.append(f"# not checked: {', '.join(self.not_checked)}")
+        return "\n".join(lines) + "\n"
+
+
+def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) -> Report:
+    """Check what can be checked offline about ``cfg`` (an environment's config) without loading models."""
+    report = Report()
+    config_dir = Path(config_file).expanduser().resolve().parent if config_file is not None else None
+    # 1. Data (the environment's own format), 2. rewards, 3. batch, 4. output, 5. model.
+    DATA_CHECKS[env_name](cfg, config_dir, report)
+    _check_rewards(cfg, SAMPLE_MODALITY[env_name], config_dir, report)
+    _check_batch(cfg, report)
+    _check_output_dir(cfg.output_dir, report)
+    _check_model(cfg.model.name_or_path, report)
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Data
+# ----------------------------------------------------------------------------------------------
+
+
+def _diffusion_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
+    """Prompt files: ``tiny``, ``unirl://`` (bundled or generated), ``.txt`` or ``.jsonl``."""
+    for split in ("train", "test"):
+        what, source = f"data.{split}", getattr(cfg.data, split)
+        if source is None:
+            report.notes.append(f"{what}: null, so no evaluation")
+            continue
+        if source == "tiny":
+            report.passed.append(f"{what}: tiny (prompts built in code)")
+            continue
+        rows = _load(what, source, config_dir, report, _diffusion_rows(split))
+        if rows is not None:
+            report.passed.append(f"{what}: {source} -> {len(rows)} prompts (first: {_short(rows[0]['prompt'])})")
+            _check_sizes(cfg, split, len(rows), report)
+
+
+def _diffusion_rows(split: str) -> Callable[[str], list[dict]]:
+    def load(path: str) -> list[dict]:
+        from unirl.diffusion.env import load_prompt_rows
+
+        return load_prompt_rows(path, split)
+
+    return load
+
+
+def _text_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
+    """Rows from a ``.jsonl``/``.json``/``.parquet`` file, a hub dataset, or ``tiny``; the first ones
+    become prompts with the configured adapter."""
+    from unirl.text.data import load_rows, to_prompt_rows
+
+    data = cfg.data
+    for split, hub_split in (("train", data.train_split), ("test", data.test_split)):
+        what, source = f"data.{split}", getattr(data, split)
+        if source is None:
+            report.notes.append(f"{what}: null, so no evaluation")
+            continue
+        if source == "tiny":
+            if cfg.model.name_or_path == "tiny":
+                report.passed.append(f"{what}: tiny (the addition task built with the tiny model at start-up)")
+            else:
+                report.problems.append(f"{what}: 'tiny' needs model.name_or_path: tiny (the task ships with the tiny model)")
+            continue
+        looks_like_file = is_scheme(source) or source.endswith(_TEXT_FILE_SUFFIXES) or locate(source, config_dir).path
+        if not looks_like_file:
+            _check_hub(what, source, "dataset", report, extra=f" (config {data.hub_config}, split {hub_split})")
+            continue
+
+        def load(path: str) -> list[dict]:
+            rows = load_rows(path)
+            if not rows:
+                raise ValueError(f"{path}: no rows")
+            to_prompt_rows(rows[:8], adapter=data.adapter, prompt_key=data.prompt_key, source=path)
+            return rows
+
+        rows = _load(what, source, config_dir, report, load)
+        if rows is not None:
+            report.passed.append(f"{what}: {source} -> {len(rows)} rows; the first ones parse with adapter {data.adapter}")
+            _check_sizes(cfg, split, len(rows), report)
+
+
+def _load(what: str, source: str, config_dir: Path | None, report: Report, load: Callable[[str], list]) -> list | None:
+    """``load`` the file (or generated source) ``source`` names; a problem naming ``what`` when it cannot."""
+    if is_generated(source):
+        try:
+            return [{"prompt": p} for p in generated_prompts(source)]
+        except ValueError as err:
+            report.problems.append(f"{what}: {err}")
+            return None
+    located = locate(source, config_dir)
+    if located.path is None:
+        report.problems.append(located.message(what))
+        return None
+    try:
+        rows = load(str(located.path))
+    except (ValueError, KeyError, OSError) as err:
+        report.problems.append(f"{what}: {source}: {err}")
+        return None
+    if not rows:
+        report.problems.append(f"{what}: {source} has no prompts")
+        return None
+    return rows
+
+
+def _check_sizes(cfg: Any, split: str, n: int, report: Report) -> None:
+    if split == "train" and n < cfg.trainer.prompts_per_step:
+        report.notes.append(f"data.train: {n} prompts < trainer.prompts_per_step={cfg.trainer.prompts_per_step}: "
+                            "a step repeats prompts")
+    eval_size = getattr(cfg.data, "eval_size", None)
+    if split == "test" and eval_size is not None and eval_size > n:
+        report.notes.append(f"data.eval_size={eval_size} > the {n} test rows: evaluation uses all {n}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Rewards
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_rewards(cfg: Any, modality: str, config_dir: Path | None, report: Report) -> None:
+    from rewards.loading import load_reward, reward_info
+    from rewards.registry import RewardError
+
+    ok = True
+    for i, reward in enumerate(cfg.rewards):
+        what, spec = f"rewards[{i}].name", reward.name
+        if spec.startswith(("http://", "https://")):
+            report.notes.append(f"{what}: {spec} is a remote reward; the server is not contacted by the dry run")
+            continue
+        where, sep, attr = spec.rpartition(":")
+        if sep and (where.endswith(".py") or "/" in where):
+            located = locate(where, config_dir)
+            if located.path is None:
+                report.problems.append(located.message(f"{what} (reward file)"))
+                ok = False
+                continue
+            spec = f"{located.path}:{attr}"
+        try:
+            load_reward(spec, **reward.kwargs)
+        except RewardError as err:
+            report.problems.append(f"{what}: {err}")
+            ok = False
+            continue
+        if ":" not in spec:
+            info = reward_info(spec)
+            report.passed.append(f"{what}: {spec} ({info.modality} reward, {info.source})")
+            if info.modality != modality:
+                report.notes.append(f"{what}: {spec} is registered as a {info.modality} reward; this run's samples are {modality}s")
+        else:
+            report.passed.append(f"{what}: {reward.name} resolves")
+    if ok:  # the checks a run makes over the whole list (duplicate names, weights)
+        from unirl.scoring import RewardSet
+
+        try:
+            RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation)
+        except (ValueError, RewardError) as err:
+            report.problems.append(str(err) if str(err).startswith("rewards:") else f"rewards: {err}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 3.-5. Batch, output directory, model
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_batch(cfg: Any, report: Report) -> None:
+    """The loaded config already enforces divisibility; this states the arithmetic it implies."""
+    t = cfg.trainer
+    n = t.prompts_per_step * t.group_size
+    report.passed.append(
+        f"trainer: {t.prompts_per_step} prompts x {t.group_size} samples = {n} samples per step and process; "
+        f"{n // t.mini_batch_size * t.ppo_epochs} optimizer step(s) of {t.mini_batch_size}, "
+        f"{t.mini_batch_size // t.micro_batch_size} micro-batch(es) of {t.micro_batch_size} each"
+    )
+
+
+def _check_output_dir(output_dir: str, report: Report) -> None:
+    path = Path(output_dir).expanduser().absolute()
+    if path.exists():
+        if not path.is_dir():
+            report.problems.append(f"output_dir: {path} exists and is not a directory")
+        elif not os.access(path, os.W_OK | os.X_OK):
+            report.problems.append(f"output_dir: {path} is not writable")
+        else:
+            report.passed.append(f"output_dir: {path} exists and is writable")
+        return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        report.problems.append(f"output_dir: {path} cannot be created: {parent} is not a writable directory")
+    else:
+        report.passed.append(f"output_dir: {path} can be created")
+
+
+def _check_model(name: str, report: Report) -> None:
+    what = "model.name_or_path"
+    if Path(name).expanduser().is_dir():
+        report.passed.append(f"{what}: {name} is a local directory")
+    elif name == "tiny" or name.startswith("tiny-"):
+        report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
+    elif _HUB_ID.match(name):
+        _check_hub(what, name, "model", report)
+    else:
+        report.problems.append(f"{what}: {name!r} is neither a local directory, a toy model name nor a hub name (org/name)")
+
+
+def _check_hub(what: str, repo_id: str, repo_type: str, report: Report, extra: str = "") -> None:
+    """A note saying whether the hub repo is in the local cache (not an error: it may be downloaded)."""
+    from huggingface_hub import constants
+
+    caches = [Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}" / "snapshots"]
+    if repo_type == "dataset":  # ``datasets`` keeps its prepared copies apart
+        root = os.environ.get("HF_DATASETS_CACHE") or os.path.join(constants.HF_HOME, "datasets")
+        caches.append(Path(root) / repo_id.replace("/", "___"))
+    cached = next((c for c in caches if c.is_dir() and any(c.iterdir())), None)
+    if cached is not None:
+        report.passed.append(f"{what}: hub {repo_type} {repo_id}{extra} is in the local cache ({cached})")
+        return
+    offline = " HF_HUB_OFFLINE is set, so the run would fail." if constants.HF_HUB_OFFLINE else ""
+    report.notes.append(f"{what}: hub {repo_type} {repo_id}{extra} is not in the local cache "
+                        f"({', '.join(map(str, caches))}); the run downloads it (network needed).{offline}")
+
+
+def _short(text: str, n: int = 60) -> str:
+    return repr(text if len(text) <= n else text[: n - 3] + "...")
+
+
+#: Each environment's data check (its own file formats).
+DATA_CHECKS: dict[str, Callable[[Any, Path | None, Report], None]] = {"text": _text_data, "diffusion": _diffusion_data}
