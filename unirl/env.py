@@ -107,6 +107,18 @@ class Environment(ABC):
         does not grow with the number of trained steps."""
         return [slice(None)]
 
+    def trim_padding(self, batch: Rollout) -> Rollout:
+        """``batch`` without the padding none of its samples needs (text: prompts and responses cut to
+        the batch's longest), so a micro-batch is padded only to its own longest sample; ``evaluate``
+        then returns [n, T'] with T' <= T and the loop pads back. Default: the batch as is."""
+        return batch
+
+    def sample_tokens(self, batch: Rollout) -> torch.Tensor:
+        """[n] what a forward spends on each sample (text: prompt + response tokens), by which
+        ``trainer.micro_batch_tokens`` packs micro-batches. Default: every sample costs the T columns."""
+        n, width = self.loss_mask(batch).shape[:2]
+        return torch.full((n,), width, dtype=torch.long)
+
     @abstractmethod
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         """[n, T] mask of the trained tokens / steps, without running a model (same as ``evaluate``'s)."""

@@ -235,37 +235,82 @@ class Trainer:
     def _num_mini_batches(self) -> int:
         return self.cfg.prompts_per_step * self.cfg.group_size // self.cfg.mini_batch_size
 
+    def _on_policy(self) -> bool:
+        """Whether every forward of the update sees the weights that the old log-probs belong to: one
+        mini-batch and one epoch, so the only optimizer step comes after all of them."""
+        return self.cfg.ppo_epochs == 1 and self._num_mini_batches() == 1
+
     @torch.no_grad()
     def old_and_reference(self, rollout: Rollout) -> dict[str, float]:
         """PPO's old log-probs (recomputed by the trainer unless the sampler's are the policy's) and the
-        reference outputs for the KL, stored in ``rollout.tensors`` as ``old_logp`` and ``ref/<key>``."""
+        reference outputs for the KL, stored in ``rollout.tensors`` as ``old_logp`` and ``ref/<key>``.
+
+        On-policy (one mini-batch, one epoch) the trainer does not recompute them here: the update's
+        own forward runs on the same weights, so its detached log-probs are the old ones (TRL skips
+        this pass the same way); ``update`` then stores them and logs ``rollout/*`` from them."""
         model = self.env.model
         metrics = {}
         if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv)
             return metrics
         if self.env.recompute_old_logprobs:
-            old = self._evaluate_all(model, rollout)
-            rollout.tensors["old_logp"] = old["logp"].detach().cpu()
-            if self.accelerator.num_processes > 1:  # the statistics of the global batch
-                everyone = Rollout(tensors={k: self._gather_rows(v) for k, v in rollout.tensors.items()},
-                                   group_ids=self._gather_rows(rollout.group_ids), prompts=[], samples=[])
-                metrics.update(self.env.rollout_metrics(everyone, {"logp": everyone.tensors["old_logp"]}))
+            if self._on_policy():
+                rollout.tensors.pop("old_logp", None)  # a stale copy would be used instead of the first forward's
             else:
-                metrics.update(self.env.rollout_metrics(rollout, old))
+                rollout.tensors["old_logp"] = self._evaluate_all(model, rollout)["logp"]
+                metrics.update(self._rollout_metrics(rollout))
         if self.algo.kl_coef > 0:
             with self.env.reference_model() as ref:
                 ref_out = self._evaluate_all(ref, rollout)
             for k, v in ref_out.items():
                 if k != "mask":
-                    rollout.tensors[f"ref/{k}"] = v.detach().cpu()
+                    rollout.tensors[f"ref/{k}"] = v
         return metrics
 
+    def _rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """The environment's rollout figures (engine-vs-trainer log-prob gap ...) from ``old_logp``,
+        over the global batch."""
+        if self.accelerator.num_processes > 1:
+            rollout = Rollout(tensors={k: self._gather_rows(v) for k, v in rollout.tensors.items()},
+                              group_ids=self._gather_rows(rollout.group_ids), prompts=[], samples=[])
+        return self.env.rollout_metrics(rollout, {"logp": rollout.tensors["old_logp"]})
+
     def _evaluate_all(self, model, rollout: Rollout) -> dict[str, torch.Tensor]:
-        parts = defaultdict(list)
-        for idx in torch.arange(len(rollout)).split(self.cfg.micro_batch_size):
-            for k, v in self.env.evaluate(model, rollout.select(idx)).items():
-                parts[k].append(v.detach().cpu())
-        return {k: torch.cat(v) for k, v in parts.items()}
+        """``env.evaluate`` over the whole rollout, micro-batch by micro-batch (each trimmed to its own
+        longest sample), returned in rollout order on CPU, right-padded with zeros to the full width."""
+        parts = []
+        for idx in self._micro_batches(rollout):
+            out = self.env.evaluate(model, self.env.trim_padding(rollout.select(idx)))
+            parts.append((idx, {k: v.detach().cpu() for k, v in out.items()}))
+        return {k: _scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout)) for k in parts[0][1]}
+
+    def _micro_batches(self, batch: Rollout) -> list[torch.Tensor]:
+        """The micro-batches of ``batch`` as index tensors.
+
+        ``trainer.micro_batch_tokens`` unset: ``micro_batch_size`` samples each, in order. Set: verl's
+        dynamic batch size for padded batches: samples sorted by ``env.sample_tokens`` (longest
+        first) and packed while the micro-batch's sample count x its longest sample stays within
+        the budget (a longer sample goes alone); each micro-batch is then padded only to its own
+        longest (``env.trim_padding``). With several processes every one runs as many micro-batches
+        as the busiest (split further where it has the samples), as FSDP's collective forwards need."""
+        budget = self.cfg.micro_batch_tokens
+        if budget is None:
+            return list(torch.arange(len(batch)).split(self.cfg.micro_batch_size))
+        lengths = self.env.sample_tokens(batch)  # [n]
+        order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks and (len(chunks[-1]) + 1) * int(lengths[chunks[-1][0]]) <= budget:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        if self.accelerator.num_processes > 1:
+            count = torch.tensor([len(chunks)], device=self.accelerator.device)
+            target = min(int(self.accelerator.reduce(count, reduction="max")), len(batch))
+            while len(chunks) < target:  # halve the largest chunk: its cost can only go down
+                largest = max(range(len(chunks)), key=lambda c: len(chunks[c]))
+                chunk = chunks.pop(largest)
+                chunks[largest:largest] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2:]]
+        return [torch.tensor(c, dtype=torch.long) for c in chunks]
 
     def update(self, rollout: Rollout) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch AdamW steps, micro-batches accumulating gradients.
@@ -275,48 +320,73 @@ class Trainer:
         mini-batch; DDP averages gradients over processes, so the backward pass scales by their
         number. Logged ``loss/*`` (and ``actor/entropy``) are global mini-batch values (mean over
         mini-batches), other ``actor/*`` means over micro-batches and processes (``*_max`` /
-        ``*_min``: the extremes)."""
+        ``*_min``: the extremes).
+
+        Without ``old_logp`` in the rollout (on-policy, see ``old_and_reference``) each micro-batch's
+        first forward gives its old log-probs (detached: ratio 1, the gradient of the ratio is that
+        of the log-prob); they are stored in ``rollout.tensors["old_logp"]`` afterwards and the
+        ``rollout/*`` figures (and TIS weights) come from them."""
         acc, model = self.accelerator, self.env.model
         log = _MetricLog()
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
         if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv): nothing to learn from
             return {}
+        first_forward = "old_logp" not in rollout.tensors
+        if first_forward and not self._on_policy():
+            raise RuntimeError("update: the rollout has no old_logp; call old_and_reference first (the update's first "
+                               "forward gives them only on-policy: one mini-batch, trainer.ppo_epochs=1)")
+        recorded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rollout rows, their first-forward log-probs)
         # As many mini-batches as B*G / mini_batch_size (fewer samples when zero advantages were dropped).
         mini_size = -(-len(rollout) // self._num_mini_batches())
         model.train()
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(len(rollout), generator=generator)
             for mini_idx in order.split(mini_size):
-                micro_chunks = mini_idx.split(self.cfg.micro_batch_size)
+                mini_batch = rollout.select(mini_idx)
                 # The global mini-batch's normaliser, so micro and process shares add up to its loss.
-                denominator = self._mini_denominator(rollout.select(mini_idx))
+                denominator = self._mini_denominator(mini_batch)
+                micro_chunks = self._micro_batches(mini_batch)
                 mini = _MetricLog()
                 for k, micro_idx in enumerate(micro_chunks):
-                    mini.add(self._micro_backward(model, rollout.select(micro_idx), denominator,
-                                                  sync=k == len(micro_chunks) - 1))
+                    micro = self.env.trim_padding(mini_batch.select(micro_idx))
+                    first_logp = [] if first_forward else None
+                    mini.add(self._micro_backward(model, micro, denominator, sync=k == len(micro_chunks) - 1,
+                                                  first_logp=first_logp))
+                    if first_forward:
+                        recorded.append((mini_idx[micro_idx], first_logp[0]))
                 log.add(mini.result(sum_shares=True))
                 log.add({"actor/grad_norm": self._optimizer_step()})
         out = self._reduce_update_metrics(log.result(sum_shares=False))
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        if first_forward:
+            rollout.tensors["old_logp"] = _scatter_rows(recorded, len(rollout))
+            out.update(self._rollout_metrics(rollout))
         return out
 
-    def _micro_backward(self, model, micro: Rollout, denominator: torch.Tensor, sync: bool) -> dict[str, float]:
+    def _micro_backward(self, model, micro: Rollout, denominator: torch.Tensor, sync: bool,
+                        first_logp: list | None = None) -> dict[str, float]:
         """Forward and backward of one micro-batch, piece by piece over the environment's column
         slices (diffusion: one trained step at a time, as FlowGRPO runs backward per step), so only
         one piece's graph is alive at a time; the pieces' losses add up to the micro-batch's. DDP
-        synchronises gradients in the last backward of the mini-batch (``sync``)."""
+        synchronises gradients in the last backward of the mini-batch (``sync``).
+
+        ``first_logp``: when the micro-batch has no ``old_logp``, the detached log-probs [n, T] of
+        this forward (used as the old ones) are appended to it."""
         acc = self.accelerator
         pieces = [slice(None)] if self.algo.level == "sequence" else self.env.column_slices(micro)
         seq_lengths = None
         if len(pieces) > 1:  # seq-mean-token-mean divides by each whole sequence's length
             seq_lengths = self.env.loss_mask(micro).to(acc.device).sum(dim=-1)
         log = _MetricLog()
+        piece_logp: list[torch.Tensor] = []
         for k, columns in enumerate(pieces):
             last = sync and k == len(pieces) - 1
             with contextlib.nullcontext() if last else acc.no_sync(model):
-                loss, m = self._micro_loss(model, micro, denominator, columns, seq_lengths)
+                loss, m = self._micro_loss(model, micro, denominator, columns, seq_lengths, piece_logp)
                 acc.backward(loss * acc.num_processes)  # DDP's gradient average divides by it again
             log.add({name: float(v) for name, v in m.items()})
+        if first_logp is not None and piece_logp:
+            first_logp.append(torch.cat(piece_logp, dim=1))
         return log.result(sum_shares=True)
 
     def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
@@ -327,12 +397,20 @@ class Trainer:
         return self.accelerator.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
 
     def _micro_loss(self, model, micro: Rollout, denominator: torch.Tensor, columns: slice = slice(None),
-                    seq_lengths: torch.Tensor | None = None):
-        """The loss share of one micro-batch (or of the columns ``columns`` of it) and its metrics."""
+                    seq_lengths: torch.Tensor | None = None, first_logp: list | None = None):
+        """The loss share of one micro-batch (or of the columns ``columns`` of it) and its metrics.
+
+        Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old
+        ones; they are appended to ``first_logp`` when given."""
         algo, device = self.algo, self.accelerator.device
         cur = self.env.evaluate(model, micro, columns)
         mask = cur["mask"]  # [n, T']
-        old_logp = micro.tensors["old_logp"][:, columns].to(device)
+        if "old_logp" in micro.tensors:
+            old_logp = micro.tensors["old_logp"][:, columns].to(device)
+        else:
+            old_logp = cur["logp"].detach()
+            if first_logp is not None:
+                first_logp.append(old_logp.cpu())
         advantages = micro.tensors["advantages"]
         advantages = (advantages[:, columns] if advantages.ndim == 2 else advantages).to(device)  # [n] or [n, T']
         weights = None
@@ -557,6 +635,21 @@ class _MetricLog:
             else:
                 out[name] = sum(vs) / len(vs)
         return out
+
+
+def _scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> torch.Tensor:
+    """Rows ``[k, T_k, ...]`` of sub-batches (given as index tensors into n samples) put back in
+    sample order: ``[n, max T_k, ...]``, narrower parts right-padded with zeros (micro-batches
+    trimmed to their own longest sample). 1-D parts ``[k]`` give ``[n]``."""
+    first = parts[0][1]
+    shape = [n] + [max(v.shape[d] for _, v in parts) for d in range(1, first.ndim)]
+    out = first.new_zeros(shape)
+    for idx, v in parts:
+        if v.ndim >= 2:
+            out[idx, : v.shape[1]] = v
+        else:
+            out[idx] = v
+    return out
 
 
 def _cpu_processes() -> bool:

@@ -129,6 +129,12 @@ class TrainerConfig:
     mini_batch_size: int = 64
     #: Samples per forward/backward (gradient accumulation inside a mini-batch); must divide mini_batch_size.
     micro_batch_size: int = 8
+    #: Token budget per forward/backward (verl's dynamic batch size, ``ppo_max_token_len_per_gpu``):
+    #: each mini-batch's samples, longest first, are packed into micro-batches of at most this many
+    #: padded tokens (samples x the longest one's prompt + response; a longer sample goes alone), each
+    #: padded only to its own longest. Replaces ``micro_batch_size`` for the trainer's passes; the loss
+    #: is the same (the mini-batch normaliser is global). null: ``micro_batch_size`` samples each.
+    micro_batch_tokens: Optional[int] = None
     seed: int = 0
     #: Run the held-out evaluation every N steps (and at the end); 0 disables.
     eval_every: int = 0
@@ -163,6 +169,8 @@ class TrainerConfig:
             )
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must divide mini_batch_size={self.mini_batch_size}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.reward_workers < 0:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
