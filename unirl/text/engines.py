@@ -44,6 +44,8 @@ class VLLMEngine:
             )
         # In-process engine core: needed for in-place weight sync from the trainer.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        #: The trainer's torch threads: vLLM may lower them for serving (see ``keep_trainer_threads``).
+        self.trainer_threads = torch.get_num_threads()
         from vllm import LLM
 
         self.llm = LLM(
@@ -62,6 +64,14 @@ class VLLMEngine:
         from unirl.logs import silence_rotary_reload_warning
 
         silence_rotary_reload_warning()  # harmless and logged at every sync: see unirl/logs.py
+        self.keep_trainer_threads()
+
+    def keep_trainer_threads(self) -> None:
+        """Give torch back the trainer's thread count if vLLM lowered it (its serving set-up reduces
+        torch to one thread, which would run the trainer's forward and backward on one core). vLLM's
+        CPU worker replaces ``torch.set_num_threads`` by a no-op, so ``torch._C``'s is called."""
+        if torch.get_num_threads() < self.trainer_threads:
+            torch._C.set_num_threads(self.trainer_threads)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False) -> list[list[Generation]]:
@@ -76,6 +86,7 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's log-prob only
         )
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        self.keep_trainer_threads()
         eos = self.tokenizer.eos_token_id
         result = []
         for out in outputs:
