@@ -184,8 +184,7 @@ def _check_sizes(cfg: Any, split: str, n: int, report: Report) -> None:
 
 
 def _check_rewards(cfg: Any, modality: str, config_dir: Path | None, report: Report) -> None:
-    from rewards.loading import load_reward, reward_info
-    from rewards.registry import RewardError
+    from rewards import RewardError, load_reward, reward_info
 
     ok = True
     for i, reward in enumerate(cfg.rewards):
