@@ -18,6 +18,7 @@ from unirl.scoring import RewardSet
 from unirl.text.config import TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
+from unirl.text.logprobs import response_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -162,24 +163,24 @@ class TextEnvironment(Environment):
 
     # ------------------------------------------------------------- log-probs
     def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling)."""
+        """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling), and
+        their entropies when ``algo.entropy_coef > 0``; ``model.logprob_chunk_size`` tokens at a time, so
+        the full-vocabulary logits never exist (``unirl.text.logprobs``)."""
         if columns != slice(None):
             raise ValueError("the text environment evaluates whole responses (column_slices is one piece)")
         device = self.accelerator.device
         t = {k: v.to(device) for k, v in batch.tensors.items()}
-        P = t["prompt_ids"].shape[1]
         ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
         attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], dim=1)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
-        logits = logits[:, P - 1:-1].float() / self.cfg.rollout.temperature  # [n, R, V] predicts response tokens
-        target = t["response_ids"].unsqueeze(-1)
-        logp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [n, R]
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
+                                          temperature=self.cfg.rollout.temperature,
+                                          chunk_size=self.cfg.model.logprob_chunk_size,
+                                          with_entropy=self.cfg.algo.entropy_coef > 0)  # [n, R] each
         out = {"logp": logp, "mask": t["response_mask"]}
-        if self.cfg.algo.entropy_coef > 0:
-            from unirl.core import entropy_from_logits
-
-            out["entropy"] = entropy_from_logits(logits)
+        if entropy is not None:
+            out["entropy"] = entropy
         return out
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
