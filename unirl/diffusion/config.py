@@ -1,4 +1,4 @@
-"""Config of a FlowGRPO run on a flow-matching text-to-image model (``unirl train diffusion --config NAME``).
+"""Config of a FlowGRPO run on a flow-matching text-to-image model, SD3 or FLUX.1 (``unirl train diffusion --config NAME``).
 
 The shared ``algo``, ``optim``, ``trainer``, ``rewards`` and ``output_dir`` fields are the text
 environment's (``unirl/schema.py``); everything diffusion-specific lives in ``model``, ``sampling``,
@@ -15,6 +15,7 @@ from unirl.config import PATH
 from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
+#: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
 SD3_LORA_TARGETS = [
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
@@ -33,8 +34,15 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    #: A diffusers pipeline directory or hub name (``stabilityai/stable-diffusion-3.5-medium``), or
-    #: ``tiny`` for the toy SD3 built locally (``unirl/diffusion/tiny.py``).
+    #: The model family (``unirl.diffusion.families``): ``sd3`` (Stable Diffusion 3 / 3.5,
+    #: ``StableDiffusion3Pipeline``) or ``flux`` (FLUX.1, ``FluxPipeline``). A config field rather than
+    #: a guess from the checkpoint, so that ``--dry-run`` shows it and the sampling checks can use it;
+    #: loading a checkpoint of another family fails with both names.
+    family: Literal["sd3", "flux"] = "sd3"
+    #: A diffusers pipeline directory or hub name (``stabilityai/stable-diffusion-3.5-medium``,
+    #: ``black-forest-labs/FLUX.1-dev``), or a toy pipeline of ``family`` built locally from a fixed seed:
+    #: ``tiny`` (random weights; ``unirl/diffusion/tiny.py``, ``tiny_flux.py``) or ``tiny-colour``
+    #: (text encoders warm-started to name colours, for the prompt-dependent demo).
     name_or_path: str = "tiny"
     #: dtype of the frozen components and the transformer's base weights; LoRA weights stay float32.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -62,8 +70,13 @@ class SamplingConfig:
     num_steps: int = 10
     #: Denoising steps of the deterministic evaluation sampler (FlowGRPO: 40).
     eval_num_steps: int = 40
-    #: Classifier-free guidance scale (1 disables guidance).
+    #: Classifier-free guidance scale (1 disables guidance), with the empty prompt as the negative
+    #: (SD3). FLUX.1 is guidance-distilled and takes no CFG here: it must be 1 for ``model.family: flux``.
     guidance_scale: float = 4.5
+    #: FLUX.1-dev's embedded guidance (the pipeline's ``guidance_scale``, 3.5 by default), fed to the
+    #: transformer's guidance embedding at sampling, training and evaluation; ignored by SD3 and by
+    #: checkpoints without ``guidance_embeds``.
+    flux_guidance: float = 3.5
     #: Use guidance in the rollouts and in the training forward (FlowGRPO's ``train.cfg``). False: the
     #: policy is the conditional model alone (rollouts unguided, one forward per step, half the cost);
     #: evaluation still uses ``guidance_scale``.
@@ -166,3 +179,9 @@ class DiffusionConfig:
     def __post_init__(self):
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
+        if self.model.family == "flux" and self.sampling.guidance_scale != 1:
+            raise ValueError(
+                f"sampling.guidance_scale={self.sampling.guidance_scale}: FLUX.1 is guidance-distilled and takes "
+                f"no classifier-free guidance here; set sampling.guidance_scale: 1.0 and its embedded guidance "
+                f"with sampling.flux_guidance (FLUX.1-dev: 3.5)"
+            )

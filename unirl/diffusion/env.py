@@ -1,11 +1,12 @@
-"""The diffusion environment: FlowGRPO for Stable Diffusion 3 / 3.5 (diffusers), LoRA or full fine-tuning.
+"""The diffusion environment: FlowGRPO for Stable Diffusion 3 / 3.5 and FLUX.1 (diffusers), LoRA or full fine-tuning.
 
 FlowGRPO (Liu et al., 2025, https://arxiv.org/abs/2505.05470): sample each prompt G times with an SDE
 that has the ODE's marginals, so each denoising step is a Gaussian policy with a log-prob; score the
 images; train each stored step with the group-relative advantage through the same clipped ratio as
 text GRPO (``unirl.core``), with a closed-form Gaussian KL to the reference model.
 
-What this file adds to the pure pieces (``sde.py``, ``sampling.py``):
+What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the model family's adapter
+(``families/``: prompt encoding, latent layout, sigma schedule, transformer forward, decoding):
 
 * the sampler's log-probs are the policy's own (the trainer samples), so
   ``recompute_old_logprobs = False`` and ``rollout.tensors["old_logp"]`` is the PPO "old" log-prob;
@@ -19,7 +20,8 @@ accumulation it repeats the same update several times at each qualifying step); 
 is the empty string encoded once; and the SDE window (Fast mode) is drawn once per rollout from the
 run's seed.
 
-Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[C, h, w]``.
+Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[*latent]`` in the family's
+layout (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C]``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,8 @@ from pathlib import Path
 import torch
 
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.sampling import (
-    decode_latents, encode_prompts, rescore_steps, sample_with_logprob, sigma_schedule, stochastic_steps,
-    to_pil, trained_steps,
-)
+from unirl.diffusion.families import ModelFamily, family_for
+from unirl.diffusion.sampling import rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
 from unirl.diffusion.sde import step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
@@ -44,13 +44,28 @@ from unirl.scoring import RewardSet, concat_components
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """``tiny`` -> the locally built toy SD3 (cached); anything else is passed through."""
-    if name_or_path == "tiny":
-        from unirl.diffusion.tiny import build_tiny_sd3
+#: Names of the toy pipelines every family builds locally (``ModelFamily.build_tiny``).
+TINY_MODELS = ("tiny", "tiny-colour")
 
-        return str(build_tiny_sd3())
+
+def resolve_model_path(name_or_path: str, family: ModelFamily) -> str:
+    """``tiny`` / ``tiny-colour`` -> the family's locally built toy pipeline (cached); anything else is passed through."""
+    if name_or_path in TINY_MODELS:
+        return str(family.build_tiny(name_or_path))
     return name_or_path
+
+
+def _check_pipeline_class(path: str, family: ModelFamily) -> None:
+    """A local pipeline directory of another family fails here with both names, not deep inside diffusers."""
+    import json
+
+    index = Path(path) / "model_index.json"
+    if not index.exists():
+        return  # a hub name: from_pretrained resolves it
+    found = json.loads(index.read_text()).get("_class_name")
+    if found and found != family.pipeline_class_name:
+        raise ValueError(f"model.family={family.name!r} expects a {family.pipeline_class_name}, but {path} holds a "
+                         f"{found}; set model.family to the checkpoint's family")
 
 
 def load_prompt_rows(source: str, split: str) -> list[dict]:
@@ -141,24 +156,20 @@ class DiffusionEnvironment(Environment):
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
-        from diffusers import StableDiffusion3Pipeline
-
         cfg, s = self.cfg, self.cfg.sampling
         self.accelerator = accelerator
         device = accelerator.device
-        # 1. Pipeline components; only the transformer trains.
-        self.model_path = resolve_model_path(cfg.model.name_or_path)
-        pipe = StableDiffusion3Pipeline.from_pretrained(self.model_path, dtype=_DTYPES[cfg.model.dtype])
+        # 1. Pipeline components of the model family; only the transformer trains.
+        self.family = family_for(cfg)
+        self.model_path = resolve_model_path(cfg.model.name_or_path, self.family)
+        _check_pipeline_class(self.model_path, self.family)
+        pipe = self.family.pipeline_class().from_pretrained(self.model_path, dtype=_DTYPES[cfg.model.dtype])
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
-            module = getattr(pipe, name)
+            module = getattr(pipe, name, None)
             if module is not None:
                 module.requires_grad_(False).eval().to(device)
         self.pipe, self.vae, self.scheduler = pipe, pipe.vae, pipe.scheduler
-        factor = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-        if s.resolution % factor:
-            raise ValueError(f"sampling.resolution={s.resolution} must be a multiple of {factor} for this model")
-        self.latent_shape = (pipe.transformer.config.in_channels, s.resolution // pipe.vae_scale_factor,
-                             s.resolution // pipe.vae_scale_factor)
+        self.latent_shape = self.family.latent_shape(pipe, s.resolution)
         # 2. The policy: LoRA on the attention projections (reference = adapter disabled) or the whole
         #    transformer (reference = a frozen copy, only when the KL is used).
         transformer = pipe.transformer.requires_grad_(False).to(device)
@@ -180,10 +191,11 @@ class DiffusionEnvironment(Environment):
             self.ema = ParamEMA([p for p in transformer.parameters() if p.requires_grad], cfg.ema.decay,
                                 cfg.ema.update_every)
         # 3. The empty negative prompt, encoded once; the sigma schedules.
-        neg_embeds, neg_pooled = encode_prompts(pipe, [""], max_sequence_length=s.max_sequence_length, device=device)
-        self.negative = {"neg_prompt_embeds": neg_embeds, "neg_pooled": neg_pooled}  # [1, L, D], [1, P]
-        self.train_sigmas, self.train_timesteps = sigma_schedule(self.scheduler, s.num_steps)
-        self.eval_sigmas, self.eval_timesteps = sigma_schedule(self.scheduler, s.eval_num_steps)
+        with torch.no_grad():
+            negative = self.family.encode(pipe, [""], max_sequence_length=s.max_sequence_length, device=device)
+        self.negative = {"neg_" + k: v for k, v in negative.items()}  # each [1, ...]
+        self.train_sigmas, self.train_timesteps = self.family.schedule(self.scheduler, s.num_steps, self.latent_shape)
+        self.eval_sigmas, self.eval_timesteps = self.family.schedule(self.scheduler, s.eval_num_steps, self.latent_shape)
         # 4. Data and rewards.
         from unirl.text.data import PromptSampler
 
@@ -209,12 +221,11 @@ class DiffusionEnvironment(Environment):
         """Guidance of the rollouts and the training forward (1 unless ``sampling.train_cfg``)."""
         return self.cfg.sampling.guidance_scale if self.cfg.sampling.train_cfg else 1.0
 
-    def _cond(self, embeds: torch.Tensor, pooled: torch.Tensor, guidance: float) -> dict[str, torch.Tensor]:
-        cond = {"prompt_embeds": embeds, "pooled": pooled}
+    def _cond(self, cond: dict[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:
+        """The family's conditioning ``{key: [n, ...]}``, plus the empty prompt's ``neg_<key>`` for CFG."""
         if guidance > 1:
-            n = embeds.shape[0]
-            cond["neg_prompt_embeds"] = self.negative["neg_prompt_embeds"].expand(n, -1, -1)  # [n, L, D]
-            cond["neg_pooled"] = self.negative["neg_pooled"].expand(n, -1)  # [n, P]
+            n = next(iter(cond.values())).shape[0]
+            cond = {**cond, **{k: v.expand(n, *v.shape[1:]) for k, v in self.negative.items()}}  # [n, ...]
         return cond
 
     # ---------------------------------------------------------------- rollout
@@ -236,14 +247,14 @@ class DiffusionEnvironment(Environment):
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts: encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        embeds, pooled = encode_prompts(self.pipe, [row["prompt"] for row in rows],
-                                        max_sequence_length=s.max_sequence_length, device=device)
-        embeds, pooled = embeds.repeat_interleave(G, 0), pooled.repeat_interleave(G, 0)  # [N, L, D], [N, P]
+        encoded = self.family.encode(self.pipe, [row["prompt"] for row in rows],
+                                     max_sequence_length=s.max_sequence_length, device=device)
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in encoded.items()}  # each [N, ...]
         group_ids = torch.arange(B).repeat_interleave(G)  # [N]
         # 2. Initial noise (shared within a group if asked), SDE window and trained steps.
-        noise = torch.randn((B if s.same_noise_per_group else N, *self.latent_shape), generator=generator)
+        noise = self.family.noise(B if s.same_noise_per_group else N, self.latent_shape, generator)
         if s.same_noise_per_group:
-            noise = noise.repeat_interleave(G, 0)  # [N, C, h, w]
+            noise = noise.repeat_interleave(G, 0)  # [N, *latent]
         # The window is drawn from the seed and step only, so every process uses the same one.
         window_rng = random.Random(cfg.trainer.seed * 7_919 + self._step)
         stochastic = stochastic_steps(s.num_steps, s.sde_window.size, s.sde_window.range, window_rng)  # [S]
@@ -254,12 +265,12 @@ class DiffusionEnvironment(Environment):
         columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         for idx in torch.arange(N).split(s.chunk_size):
             lo, hi = int(idx[0]), int(idx[-1]) + 1
-            cond = self._cond(embeds[lo:hi], pooled[lo:hi], self.train_guidance)
-            out = sample_with_logprob(self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+            cond = self._cond({k: v[lo:hi] for k, v in encoded.items()}, self.train_guidance)
+            out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=self.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
                                       generator=generator)
-            chunk_images = to_pil(decode_latents(self.vae, out.final))
+            chunk_images = to_pil(self.family.decode(self.pipe, out.final))
             futures.append(self.rewards.submit(chunk_images, prompts=prompts[lo:hi],
                                                columns={k: v[lo:hi] for k, v in columns.items()}))
             outs.append(out)
@@ -267,15 +278,14 @@ class DiffusionEnvironment(Environment):
         # 4. Everything training needs to re-evaluate the trained steps.
         sig = sigmas.cpu()
         tensors = {
-            "latents": torch.cat([o.latents for o in outs]).cpu(),  # [N, T, C, h, w]
-            "next_latents": torch.cat([o.next_latents for o in outs]).cpu(),  # [N, T, C, h, w]
+            "latents": torch.cat([o.latents for o in outs]).cpu(),  # [N, T, *latent]
+            "next_latents": torch.cat([o.next_latents for o in outs]).cpu(),  # [N, T, *latent]
             "old_logp": torch.cat([o.logp for o in outs]).cpu(),  # [N, T]
             "step_index": steps,  # [N, T]
             "sigma": sig[steps],  # [N, T]
             "sigma_next": sig[steps + 1],  # [N, T]
             "timestep": timesteps.cpu()[steps],  # [N, T]
-            "prompt_embeds": embeds.cpu(),  # [N, L, D]
-            "pooled": pooled.cpu(),  # [N, P]
+            **{k: v.cpu() for k, v in encoded.items()},  # the family's conditioning, each [N, ...]
         }
         rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns)
         self._pending = (id(rollout), futures)
@@ -296,9 +306,8 @@ class DiffusionEnvironment(Environment):
         s, device = self.cfg.sampling, self.accelerator.device
         t = {k: batch.tensors[k][:, columns].to(device) for k in
              ("latents", "next_latents", "sigma", "sigma_next", "timestep")}  # [n, T', ...]
-        t.update({k: batch.tensors[k].to(device) for k in ("prompt_embeds", "pooled")})
-        cond = self._cond(t["prompt_embeds"], t["pooled"], self.train_guidance)
-        out = rescore_steps(model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"], t["timestep"], cond,
+        cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
+        out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"], t["timestep"], cond,
                             guidance_scale=self.train_guidance, noise_level=s.noise_level, sde_type=s.sde_type)
         out["mask"] = torch.ones_like(out["logp"])  # [n, T]: every stored step is trained
         out["sigma"], out["sigma_next"] = t["sigma"].float(), t["sigma_next"].float()  # [n, T], for the KL
@@ -316,7 +325,7 @@ class DiffusionEnvironment(Environment):
         """[n, T] KL penalty between the policy's and the reference's Gaussian steps (``kl_form``)."""
         s = self.cfg.sampling
         n, T = current["logp"].shape
-        mean = current["mean"].flatten(0, 1)  # [n*T, C, h, w]
+        mean = current["mean"].flatten(0, 1)  # [n*T, *latent]
         ref_mean = reference["mean"].to(mean.device).flatten(0, 1)
         kl = step_kl(mean, ref_mean, current["sigma"].flatten(), current["sigma_next"].flatten(),
                      noise_level=s.noise_level, sde_type=s.sde_type, form=self.cfg.kl_form)  # [n*T]
@@ -346,16 +355,17 @@ class DiffusionEnvironment(Environment):
         if not prompts:
             return []
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12_345)
-        noise = torch.randn((max(positions) + 1, *self.latent_shape), generator=generator)[positions]
+        noise = self.family.noise(max(positions) + 1, self.latent_shape, generator)[positions]
         stochastic = torch.zeros(s.eval_num_steps, dtype=torch.bool)
         images = []
         for lo in range(0, len(prompts), s.chunk_size):
             chunk = prompts[lo:lo + s.chunk_size]
-            embeds, pooled = encode_prompts(self.pipe, chunk, max_sequence_length=s.max_sequence_length, device=device)
-            out = sample_with_logprob(self._model, noise[lo:lo + len(chunk)].to(device), self.eval_sigmas.to(device),
-                                      self.eval_timesteps.to(device), self._cond(embeds, pooled, s.guidance_scale),
-                                      guidance_scale=s.guidance_scale, noise_level=0.0, stochastic=stochastic)
-            images += to_pil(decode_latents(self.vae, out.final))
+            encoded = self.family.encode(self.pipe, chunk, max_sequence_length=s.max_sequence_length, device=device)
+            out = sample_with_logprob(self.family, self._model, noise[lo:lo + len(chunk)].to(device),
+                                      self.eval_sigmas.to(device), self.eval_timesteps.to(device),
+                                      self._cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
+                                      noise_level=0.0, stochastic=stochastic)
+            images += to_pil(self.family.decode(self.pipe, out.final))
         return images
 
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
@@ -393,7 +403,8 @@ class DiffusionEnvironment(Environment):
 
     # ----------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: Path) -> None:
-        """LoRA: diffusers' format (``StableDiffusion3Pipeline.load_lora_weights(directory)`` loads it);
+        """LoRA: diffusers' format (the family's stock pipeline, ``StableDiffusion3Pipeline`` or
+        ``FluxPipeline``, loads it with ``load_lora_weights(directory)``);
         full fine-tuning: the transformer's ``save_pretrained`` in ``directory/transformer``. EMA weights
         when the EMA is on. Called on every process: the full state dict is gathered from all of them
         (FSDP shards it); the main process writes."""
@@ -406,13 +417,12 @@ class DiffusionEnvironment(Environment):
                 return
             directory.mkdir(parents=True, exist_ok=True)
             if self.cfg.model.lora.enabled:
-                from diffusers import StableDiffusion3Pipeline
                 from peft.utils import get_peft_model_state_dict
 
                 prefix = "base_model.model."
                 state = {k.removeprefix(prefix): v.detach().cpu().contiguous()
                          for k, v in get_peft_model_state_dict(model, state_dict=full).items()}
-                StableDiffusion3Pipeline.save_lora_weights(
+                self.family.pipeline_class().save_lora_weights(
                     directory, transformer_lora_layers=state,
                     transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
             else:

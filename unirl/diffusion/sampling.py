@@ -3,16 +3,16 @@
 FlowGRPO (https://arxiv.org/abs/2505.05470) samples with an SDE whose steps are Gaussians
 (``unirl.diffusion.sde``), keeps the latents before and after each trained step with the step's
 log-prob, and in training re-evaluates exactly those steps (the stored next latent is the action).
-This module drives diffusers' components itself instead of forking ``StableDiffusion3Pipeline.__call__``:
-the pipeline encodes prompts (``encode_prompt``), the scheduler provides the shifted sigmas
-(``set_timesteps``), the transformer predicts velocities and the VAE decodes.
+This module drives diffusers' components itself instead of forking a pipeline's ``__call__``: a
+model family's adapter (``unirl.diffusion.families``) encodes prompts and runs one transformer
+forward, the scheduler provides the shifted sigmas (``set_timesteps``), the VAE decodes.
 
-The same function, ``predict_velocity``, runs the transformer at sampling and at training time, so
+The same function, ``guided_velocity``, runs the transformer at sampling and at training time, so
 a re-scored step reproduces the sampled log-prob bit for bit when the model has not changed (the
-on-policy check in ``tests/test_diffusion_env.py``).
+on-policy checks in ``tests/test_diffusion_env.py`` and ``tests/test_flux.py``).
 
-Shapes: N = B*G samples, S sampling steps, T trained steps per sample, latents ``[C, h, w]``,
-L text tokens of width D, P pooled width.
+Shapes: N = B*G samples, S sampling steps, T trained steps per sample, latents ``[*latent]`` as the
+family's transformer takes them (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C]``).
 """
 
 from __future__ import annotations
@@ -29,20 +29,25 @@ from unirl.diffusion.sde import sde_step_with_logprob
 class SampleOutput:
     """What a rollout keeps. ``latents``/``next_latents`` are the trained steps' inputs and outputs."""
 
-    final: torch.Tensor  # [N, C, h, w] the last latent (to decode)
-    latents: torch.Tensor  # [N, T, C, h, w]
-    next_latents: torch.Tensor  # [N, T, C, h, w]
+    final: torch.Tensor  # [N, *latent] the last latent (to decode)
+    latents: torch.Tensor  # [N, T, *latent]
+    next_latents: torch.Tensor  # [N, T, *latent]
     logp: torch.Tensor  # [N, T]
 
 
 # ----------------------------------------------------------------------------- schedule
-def sigma_schedule(scheduler, num_steps: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scheduler's shifted sigmas ``[S + 1]`` (ending in 0) and model timesteps ``[S]`` for S steps.
+def sigma_schedule(scheduler, num_steps: int, device=None, *, sigmas=None, mu: float | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scheduler's shifted sigmas ``[S + 1]`` (ending in 0) and timesteps ``[S]`` for S steps.
 
-    ``FlowMatchEulerDiscreteScheduler.set_timesteps`` applies the checkpoint's ``shift`` (3.0 for SD3);
-    the transformer is conditioned on ``timestep = sigma * num_train_timesteps``.
+    ``FlowMatchEulerDiscreteScheduler.set_timesteps`` applies the checkpoint's fixed ``shift`` (3.0 for
+    SD3), or with ``use_dynamic_shifting`` the shift ``mu`` given here to the unshifted ``sigmas``
+    (FLUX); ``timestep = sigma * num_train_timesteps``.
     """
-    scheduler.set_timesteps(num_steps, device=device)
+    if sigmas is None and mu is None:
+        scheduler.set_timesteps(num_steps, device=device)
+    else:
+        scheduler.set_timesteps(num_steps, device=device, sigmas=sigmas, mu=mu)
     sigmas = scheduler.sigmas.detach().clone().float()  # [S + 1]
     timesteps = scheduler.timesteps.detach().clone().float()  # [S]
     if sigmas.shape[0] != num_steps + 1 or timesteps.shape[0] != num_steps:
@@ -86,46 +91,27 @@ def trained_steps(n: int, stochastic: torch.Tensor, fraction: float, generator: 
     return candidates[order].sort(dim=-1).values
 
 
-# ------------------------------------------------------------------------------ prompts
-@torch.no_grad()
-def encode_prompts(pipe, prompts: list[str], *, max_sequence_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(prompt_embeds [n, L, D], pooled [n, P])`` from the pipeline's three text encoders."""
-    embeds, _, pooled, _ = pipe.encode_prompt(
-        prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-        do_classifier_free_guidance=False, max_sequence_length=max_sequence_length,
-    )
-    return embeds, pooled
-
-
 # ---------------------------------------------------------------------------- velocity
-def predict_velocity(transformer, latents: torch.Tensor, timestep: torch.Tensor, cond: dict[str, torch.Tensor],
-                     guidance_scale: float) -> torch.Tensor:
-    """The (guided) velocity ``[n, C, h, w]`` at ``latents`` and per-sample ``timestep`` [n].
+def guided_velocity(family, transformer, latents: torch.Tensor, timestep: torch.Tensor,
+                    cond: dict[str, torch.Tensor], guidance_scale: float) -> torch.Tensor:
+    """The (guided) velocity ``[n, *latent]`` at ``latents`` and per-sample ``timestep`` [n].
 
-    ``cond`` holds ``prompt_embeds`` [n, L, D] and ``pooled`` [n, P], plus ``neg_prompt_embeds`` and
-    ``neg_pooled`` (same shapes) when ``guidance_scale > 1``: classifier-free guidance
-    ``v_u + g (v_c - v_u)`` (https://arxiv.org/abs/2207.12598) with one batched forward, negative first,
-    as the SD3 pipeline does.
+    ``cond`` holds the family's ``cond_keys`` (each ``[n, ...]``), plus ``neg_<key>`` of the same shapes
+    when ``guidance_scale > 1``: classifier-free guidance ``v_u + g (v_c - v_u)``
+    (https://arxiv.org/abs/2207.12598) with one batched forward, negative first, as the SD3 pipeline does.
     """
-    dtype = next(p.dtype for p in transformer.parameters())
     if guidance_scale > 1:
-        x = torch.cat([latents, latents]).to(dtype)  # [2n, C, h, w]
-        t = torch.cat([timestep, timestep])  # [2n]
-        embeds = torch.cat([cond["neg_prompt_embeds"], cond["prompt_embeds"]])  # [2n, L, D]
-        pooled = torch.cat([cond["neg_pooled"], cond["pooled"]])  # [2n, P]
-    else:
-        x, t, embeds, pooled = latents.to(dtype), timestep, cond["prompt_embeds"], cond["pooled"]
-    v = transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(dtype),
-                    pooled_projections=pooled.to(dtype), return_dict=False)[0]
-    if guidance_scale > 1:
+        both = {k: torch.cat([cond["neg_" + k], cond[k]]) for k in family.cond_keys}  # [2n, ...]
+        v = family.velocity(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         v_uncond, v_cond = v.chunk(2)
-        v = v_uncond + guidance_scale * (v_cond - v_uncond)
-    return v  # [n, C, h, w]
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+    return family.velocity(transformer, latents, timestep, {k: cond[k] for k in family.cond_keys})  # [n, *latent]
 
 
 # ----------------------------------------------------------------------------- sampling
 @torch.no_grad()
 def sample_with_logprob(
+    family,
     transformer,
     noise: torch.Tensor,
     sigmas: torch.Tensor,
@@ -139,9 +125,11 @@ def sample_with_logprob(
     sde_type: str = "flow",
     generator: torch.Generator | None = None,
 ) -> SampleOutput:
-    """Run the S denoising steps from ``noise`` [N, C, h, w], keeping the recorded steps.
+    """Run the S denoising steps from ``noise`` [N, *latent], keeping the recorded steps.
 
     Args:
+        family: the model family's adapter (``unirl.diffusion.families``); ``cond`` holds its
+            ``cond_keys`` (and ``neg_<key>`` when ``guidance_scale > 1``).
         sigmas: ``[S + 1]`` and ``timesteps`` ``[S]`` from ``sigma_schedule``.
         stochastic: ``[S]`` bool, the SDE steps (``noise_level``); the others take the ODE step
             (``noise_level=0``, the scheduler's Euler step). All False: deterministic sampling.
@@ -153,12 +141,12 @@ def sample_with_logprob(
     record = torch.zeros(n, 0, dtype=torch.long) if record is None else record.cpu()
     if record.numel() and not bool(stochastic[record].all()):
         raise ValueError("only stochastic steps can be recorded (an ODE step has no density)")
-    latents = noise.float()  # [N, C, h, w]
-    kept_in = torch.zeros(n, record.shape[1], *latents.shape[1:], device=latents.device)  # [N, T, C, h, w]
+    latents = noise.float()  # [N, *latent]
+    kept_in = torch.zeros(n, record.shape[1], *latents.shape[1:], device=latents.device)  # [N, T, *latent]
     kept_out = torch.zeros_like(kept_in)
     kept_logp = torch.zeros(n, record.shape[1], device=latents.device)  # [N, T]
     for i in range(len(timesteps)):
-        v = predict_velocity(transformer, latents, timesteps[i].expand(n), cond, guidance_scale)
+        v = guided_velocity(family, transformer, latents, timesteps[i].expand(n), cond, guidance_scale)
         nxt, logp, _, _ = sde_step_with_logprob(
             v, latents, sigmas[i], sigmas[i + 1], noise_level=noise_level if stochastic[i] else 0.0,
             generator=generator, sde_type=sde_type,
@@ -174,6 +162,7 @@ def sample_with_logprob(
 
 
 def rescore_steps(
+    family,
     transformer,
     latents: torch.Tensor,
     next_latents: torch.Tensor,
@@ -189,33 +178,26 @@ def rescore_steps(
     """Log-probs of stored steps under ``transformer`` (with gradients), the stored next latent as the action.
 
     Args:
-        latents, next_latents: ``[n, T, C, h, w]``; ``sigma``, ``sigma_next``, ``timestep``: ``[n, T]``.
+        family: the model family's adapter, as in ``sample_with_logprob``.
+        latents, next_latents: ``[n, T, *latent]``; ``sigma``, ``sigma_next``, ``timestep``: ``[n, T]``.
 
     Returns:
-        ``logp`` [n, T], ``mean`` [n, T, C, h, w] and ``std`` [n, T] of each step's Gaussian.
+        ``logp`` [n, T], ``mean`` [n, T, *latent] and ``std`` [n, T] of each step's Gaussian.
     """
     logps, means, stds = [], [], []
     for j in range(latents.shape[1]):
-        v = predict_velocity(transformer, latents[:, j], timestep[:, j], cond, guidance_scale)
+        v = guided_velocity(family, transformer, latents[:, j], timestep[:, j], cond, guidance_scale)
         _, logp, mean, std = sde_step_with_logprob(
             v, latents[:, j], sigma[:, j], sigma_next[:, j], noise_level=noise_level,
             prev_sample=next_latents[:, j], sde_type=sde_type,
         )
         logps.append(logp)  # [n]
-        means.append(mean)  # [n, C, h, w]
+        means.append(mean)  # [n, *latent]
         stds.append(std.flatten())  # [n]
     return {"logp": torch.stack(logps, 1), "mean": torch.stack(means, 1), "std": torch.stack(stds, 1)}
 
 
-# ------------------------------------------------------------------------------ decoding
-@torch.no_grad()
-def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Images ``[N, 3, H, W]`` in [0, 1] (float32, CPU) from SD3 latents ``[N, C, h, w]``."""
-    scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
-    images = vae.decode(scaled.to(next(vae.parameters()).dtype), return_dict=False)[0]
-    return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
-
-
+# ------------------------------------------------------------------------------ images
 def to_pil(images: torch.Tensor) -> list:
     """PIL RGB images from ``[N, 3, H, W]`` in [0, 1]."""
     from PIL import Image

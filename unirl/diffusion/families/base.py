@@ -1,0 +1,91 @@
+"""The seam between the FlowGRPO environment and one model family (SD3, FLUX.1, ...).
+
+What differs between flow-matching text-to-image families sits behind ``ModelFamily``: which
+diffusers pipeline loads the checkpoint, how prompts become conditioning tensors, the shape of the
+latent the transformer denoises (SD3: ``[C, h, w]``; FLUX: 2x2 patches packed into ``[h/2 * w/2, 4C]``),
+the sigma schedule (SD3: a fixed shift; FLUX: a shift ``mu`` that grows with the image's token count),
+one transformer forward giving the velocity, and decoding to pixels. The sampler
+(``unirl.diffusion.sampling``), the SDE step (``unirl.diffusion.sde``), the environment and the loop
+never branch on the family. A third family (Qwen-Image, SANA, a video model) is one new file in this
+package registering a subclass.
+
+Conditioning is a dict of per-sample tensors (leading dimension n) named by ``cond_keys``, so the
+environment can repeat them per group, store them in a rollout, slice micro-batches and concatenate a
+negative prompt for classifier-free guidance without knowing what they are.
+
+Shapes: n samples, latents ``[n, *latent_shape]``, L text tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+
+
+class ModelFamily(ABC):
+    """One family's components behind a common interface; instances are cheap and stateless."""
+
+    #: ``model.family`` in the config.
+    name: str = ""
+    #: The diffusers pipeline class that loads the checkpoint (``model_index.json``'s ``_class_name``).
+    pipeline_class_name: str = ""
+    #: Keys of the conditioning dict ``encode`` returns (each ``[n, ...]``).
+    cond_keys: tuple[str, ...] = ()
+    #: Whether classifier-free guidance with an empty negative prompt applies (``sampling.guidance_scale``).
+    supports_cfg: bool = True
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelFamily":
+        """The adapter for a ``DiffusionConfig`` (a family with settings of its own reads them here)."""
+        return cls()
+
+    def pipeline_class(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class_name)
+
+    @abstractmethod
+    def build_tiny(self, variant: str) -> Path:
+        """Build (or reuse from the cache) the toy pipeline ``variant`` (``tiny``, ``tiny-colour``) and return its path."""
+
+    @abstractmethod
+    def latent_shape(self, pipe, resolution: int) -> tuple[int, ...]:
+        """Per-sample shape of the latent the transformer denoises at ``resolution`` px; raises on a bad resolution."""
+
+    @abstractmethod
+    def schedule(self, scheduler, num_steps: int, latent_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sigmas [S + 1] ending in 0, timesteps [S])`` as the family's pipeline sets them for S steps."""
+
+    @abstractmethod
+    def encode(self, pipe, prompts: list[str], *, max_sequence_length: int, device) -> dict[str, torch.Tensor]:
+        """Conditioning ``{key: [n, ...]}`` for ``prompts`` (keys ``cond_keys``); differentiable in the
+        text encoders (the environment calls it under ``torch.no_grad``, the toy warm start does not)."""
+
+    @abstractmethod
+    def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
+                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One forward: the velocity ``[n, *latent_shape]`` at ``latents`` and the scheduler's ``timestep`` [n]
+        (``sigma * num_train_timesteps``), in the transformer's dtype."""
+
+    @abstractmethod
+    def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        """Images ``[n, 3, H, W]`` in [0, 1] (float32, CPU) from latents ``[n, *latent_shape]``."""
+
+    def noise(self, n: int, latent_shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """Initial noise ``[n, *latent_shape]`` (standard normal, drawn on the CPU from ``generator``)."""
+        return torch.randn((n, *latent_shape), generator=generator)
+
+
+def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Images ``[n, 3, H, W]`` in [0, 1] (float32, CPU) from VAE latents ``[n, C, h, w]``, undoing the
+    pipeline's ``scaling_factor`` and ``shift_factor`` (SD3 and FLUX both normalise latents this way)."""
+    scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
+    images = vae.decode(scaled.to(next(vae.parameters()).dtype), return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+def check_resolution(resolution: int, factor: int) -> None:
+    if resolution % factor:
+        raise ValueError(f"sampling.resolution={resolution} must be a multiple of {factor} for this model")
