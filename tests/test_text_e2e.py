@@ -227,9 +227,13 @@ def test_a_failing_reward_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, 
                   f"rewards=[{{name: {tmp_path / 'flaky.py'}:flaky}}]", "trainer.prompts_per_step=4",
                   "trainer.mini_batch_size=32", "trainer.micro_batch_size=32", "trainer.total_steps=5",
                   "trainer.eval_every=0", "trainer.save_every=2", "trainer.progress=false")
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "flaky" in proc.stderr and "reward server fell over" in proc.stderr
     assert "sample 0" in proc.stderr and "=?" in proc.stderr  # the sample index and its prompt
+    # One line, no traceback, saying where the finished work is.
+    assert "Traceback" not in proc.stderr
+    line = [x for x in proc.stderr.splitlines() if x.startswith("unirl: ")]
+    assert len(line) == 1 and f"the last checkpoint is {run / 'checkpoints' / 'step_000002'}" in line[0]
     assert [m["step"] for m in _train_rows(run)] == [1, 2]
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
     from transformers import AutoModelForCausalLM

@@ -24,12 +24,17 @@ from typing import Any
 
 import torch
 
+from rewards.registry import RewardError
 from unirl.core import aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats, truncated_importance_weights
 from unirl.env import Environment, Rollout
 from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
 
 #: Exit status of a run stopped by a signal after it saved its checkpoint (128 + the signal's number).
 _SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class LaunchError(RuntimeError):
+    """The processes were launched in a way that cannot work (the message says how to launch)."""
 
 
 class Preempted(RuntimeError):
@@ -106,7 +111,10 @@ class Trainer:
             if self.cfg.eval_every and self.step == 0:
                 self._log({"step": 0, **self.evaluate()}, history=None)
             while self.step < self.cfg.total_steps:
-                metrics = self.train_step()
+                try:
+                    metrics = self.train_step()
+                except RewardError as e:  # say what a crash leaves behind, with the reward's message
+                    raise RewardError(f"{e}; {self._last_checkpoint_hint()}") from e
                 history.append(metrics)
                 self._log(metrics, history)
                 if progress is not None:
@@ -128,6 +136,12 @@ class Trainer:
                 self.accelerator.end_training()
             self.env.close()
         return history
+
+    def _last_checkpoint_hint(self) -> str:
+        steps = sorted((self.run_dir / "checkpoints").glob("step_*"))
+        if not steps:
+            return "no checkpoint was written yet"
+        return f"the last checkpoint is {steps[-1]} (resume with trainer.resume=true)"
 
     # ========================================================== preemption
     def _install_signal_handlers(self) -> dict:
@@ -664,7 +678,7 @@ def _cpu_processes() -> bool:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if asked and world == 1 and "MASTER_PORT" in os.environ and "RANK" not in os.environ:
         # `accelerate launch --cpu --num_processes N` without MPI starts a single process.
-        raise RuntimeError(
+        raise LaunchError(
             "accelerate launch --cpu started one process (several CPU processes need mpirun there); "
             "launch N CPU processes with `torchrun --nproc_per_node N -m unirl.cli train ...` instead"
         )

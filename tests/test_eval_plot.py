@@ -1,0 +1,98 @@
+"""``unirl eval`` and ``unirl plot``: the commands run for real on tiny runs made here."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unirl.evaluate import pass_at_k
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "unirl.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_pass_at_k_is_the_chance_that_a_random_k_subset_holds_a_correct_answer(n):
+    for c in range(n + 1):
+        answers = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(answers, k))
+            expected = sum(any(s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+    with pytest.raises(ValueError, match="pass@k needs"):
+        pass_at_k(3, 4, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_lm_dir):
+    out = tmp_path_factory.mktemp("evalplot") / "run"
+    result = _cli("train", "text", "--config", "tiny", "--output-dir", str(out), "rollout.engine=hf",
+                  "rollout.max_new_tokens=8", "trainer.total_steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4",
+                  "trainer.mini_batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=3", "data.eval_size=4",
+                  "trainer.progress=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_eval_scores_a_checkpoint_greedy_and_sampled(tiny_run, tmp_path):
+    ckpt = tiny_run / "checkpoints" / "step_000003"
+    greedy = _cli("eval", "text", "--config", "tiny", "--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "g"),
+                  "rollout.engine=hf", "data.eval_size=4")
+    assert greedy.returncode == 0, greedy.stderr[-3000:]
+    summary = json.loads((tmp_path / "g" / "summary.json").read_text())
+    # The run's own greedy evaluation at step 3 scored the same 4 prompts with the same weights.
+    run_eval = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["accuracy"] == pytest.approx(run_eval["eval/accuracy"])
+    assert greedy.stdout.strip().splitlines()[-1].startswith(f"eval {ckpt}: 4 prompts x 1, accuracy")
+    samples = [json.loads(line) for line in (tmp_path / "g" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all({"prompt", "response", "reward/gsm8k", "correct"} <= s.keys() for s in samples)
+
+    sampled = _cli("eval", "text", "--config", "tiny", "--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "s"),
+                   "--n", "4", "--k", "2", "rollout.engine=hf", "data.eval_size=4")
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    samples = [json.loads(line) for line in (tmp_path / "s" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 16 and summary["n"] == 4
+    per_prompt = [sum(s["correct"] for s in samples if s["index"] == i) for i in range(4)]
+    for k in (1, 2, 4):
+        assert summary[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, c, k) for c in per_prompt) / 4)
+
+
+def test_eval_names_a_checkpoint_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = _cli("eval", "text", "--config", "tiny", "--checkpoint", str(tmp_path / "empty"), "rollout.engine=hf")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert f"--checkpoint {tmp_path / 'empty'}: neither a model directory" in result.stderr
+
+
+@pytest.mark.slow
+def test_plot_overlays_runs_with_a_panel_per_metric(tiny_run, tmp_path):
+    from PIL import Image
+
+    other = tmp_path / "other"
+    other.mkdir()
+    rows = [{"step": s, "reward/mean": 0.1 * s} for s in range(1, 4)] + [{"step": 3, "eval/accuracy": 0.5}]
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "curves.png"
+    result = _cli("plot", str(tiny_run), str(other), "--out", str(out), "--metrics", "reward/mean,eval/accuracy")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == f"wrote {out}"
+    width, height = Image.open(out).size
+    assert width > height > 200  # two panels side by side
+
+    missing = _cli("plot", str(tiny_run), "--metrics", "reward/nope")
+    assert missing.returncode == 2 and "--metrics: reward/nope not logged by these runs; logged:" in missing.stderr
+    not_a_run = _cli("plot", str(tmp_path / "nowhere"))
+    assert not_a_run.returncode == 2 and "no metrics.jsonl there" in not_a_run.stderr

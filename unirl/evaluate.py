@@ -1,0 +1,137 @@
+"""``unirl eval text --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
+
+Scores a policy without training it: the config's held-out split (``data.test``, ``data.eval_size``)
+and rewards, through the config's rollout engine (vLLM; ``rollout.engine=hf`` for transformers).
+
+* ``--n 1`` (default): greedy answers; ``accuracy`` is the share that get the first reward's full
+  score (1 for ``gsm8k``), as a run's ``eval/accuracy``.
+* ``--n N``: N answers per prompt sampled at ``rollout.temperature``; ``pass@k`` for k = 1 and N (and
+  any ``--k``) with the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374):
+  ``1 - C(n - c, k) / C(n, k)`` per prompt with c correct answers, averaged over prompts.
+
+``--checkpoint`` takes a run's ``checkpoints/step_N/`` (a full model, LoRA runs save the merged model
+there too), a LoRA adapter directory (``adapter_config.json``: merged into ``model.name_or_path``
+first), or any model directory or hub name ``from_pretrained`` loads. It writes ``samples.jsonl``
+(one line per answer) and ``summary.json`` to the output directory and prints one summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): ``1 - C(n-c, k) / C(n, k)``.
+
+    >>> pass_at_k(4, 0, 1), pass_at_k(4, 4, 2), round(pass_at_k(4, 1, 2), 4)
+    (0.0, 1.0, 0.5)
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
+    """A directory vLLM and transformers load: a LoRA adapter is merged into ``base`` (in ``work``)."""
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        return checkpoint  # a hub name: from_pretrained resolves it (or says it cannot)
+    if (path / "config.json").exists():
+        return str(path)
+    adapter = path if (path / "adapter_config.json").exists() else path / "adapter"
+    if not (adapter / "adapter_config.json").exists():
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint}: neither a model directory (config.json) nor a LoRA adapter "
+            f"(adapter_config.json); a run's checkpoints/step_N/ directory is both")
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from unirl.text.env import resolve_model_path
+
+    merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).merge_and_unload()
+    merged.save_pretrained(work, safe_serialization=True)
+    AutoTokenizer.from_pretrained(resolve_model_path(base)).save_pretrained(work)
+    return str(work)
+
+
+def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: list[int] | None = None) -> dict:
+    """Score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also written to disk)."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unirl.scoring import RewardSet
+    from unirl.text.engines import HFEngine, VLLMEngine
+    from unirl.text.env import TextEnvironment, resolve_model_path
+
+    if n < 1:
+        raise ValueError(f"--n must be >= 1, got {n}")
+    if not cfg.data.test:
+        raise ValueError("data.test is null: this config has no held-out prompts to evaluate on")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="unirl-eval-"))
+    # 1. The policy under evaluation, its tokenizer, the held-out rows and the rewards.
+    env = TextEnvironment(cfg)
+    env.accelerator = Accelerator(cpu=True) if cfg.rollout.engine == "vllm" else Accelerator()
+    env.model_path = resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work)
+    if cfg.model.name_or_path == "tiny" and cfg.data.test == "tiny":  # the tiny task ships with the tiny model
+        cfg.data.test = str(Path(resolve_model_path("tiny")) / "test.jsonl")
+    env.tokenizer = AutoTokenizer.from_pretrained(env.model_path)
+    if env.tokenizer.pad_token_id is None:
+        env.tokenizer.pad_token = env.tokenizer.eos_token
+    rows = env._rows(cfg.data.test, cfg.data.test_split, "test")
+    if cfg.data.eval_size is not None:
+        rows = rows[: cfg.data.eval_size]
+    rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation)
+    # 2. Answers: greedy for n = 1, sampled otherwise.
+    r = cfg.rollout
+    if r.engine == "vllm":
+        engine = VLLMEngine(env.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, seed=cfg.trainer.seed,
+                            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                            enforce_eager=r.enforce_eager, max_model_len=r.max_model_len)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(env.model_path).to(env.accelerator.device).eval()
+        engine = HFEngine(lambda: model, env.tokenizer)
+    try:
+        prompt_ids = [env.encode_prompt(row, i) for i, row in enumerate(rows)]
+        gens = engine.generate(prompt_ids, n=n, greedy=n == 1, temperature=1.0 if n == 1 else r.temperature,
+                               top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+    finally:
+        engine.close()
+    # 3. Scores, per answer and per prompt.
+    texts = [g.text for per_prompt in gens for g in per_prompt]
+    flat_rows = [row for row, per_prompt in zip(rows, gens) for _ in per_prompt]
+    columns = {k: [row.get(k) for row in flat_rows] for k in flat_rows[0] if k != "prompt"} if flat_rows else {}
+    comps = rewards.components(texts, prompts=[row["prompt"] for row in flat_rows], columns=columns)
+    rewards.close()
+    first = next(iter(comps.values()))
+    correct = (first >= 1.0).view(len(rows), n)  # [prompts, n]
+    with open(out / "samples.jsonl", "w") as f:
+        for i, (row, text) in enumerate(zip(flat_rows, texts)):
+            f.write(json.dumps({"index": i // n, "prompt": row["prompt"], "response": text,
+                                **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
+                                "correct": bool(correct.view(-1)[i])}) + "\n")
+    summary = {"checkpoint": str(checkpoint), "prompts": len(rows), "n": n,
+               "accuracy": correct.float().mean().item(),
+               **{f"reward/{k}": v.nanmean().item() for k, v in comps.items()}}
+    for k in sorted({1, n, *(ks or [])}):
+        if k > n:
+            raise ValueError(f"--k {k} is larger than --n {n}")
+        summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
+    summary["seconds"] = round(time.perf_counter() - start, 2)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def summary_line(summary: dict) -> str:
+    parts = [f"{summary['prompts']} prompts x {summary['n']}", f"accuracy {summary['accuracy']:.4f}"]
+    parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("pass@")]
+    parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("reward/")]
+    return f"eval {summary['checkpoint']}: " + ", ".join(parts) + f" ({summary['seconds']:.1f} s)"
