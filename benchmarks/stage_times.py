@@ -5,7 +5,8 @@
     python benchmarks/stage_times.py diffusion tiny trainer.total_steps=10
 
 Prints the median and mean of each stage over the steps after the first (which pays for warm-up),
-and the run's peak resident memory. The run directory is a temporary one unless ``--keep DIR``.
+the framework overhead (step - rollout - update: everything but generating and the update's
+forward/backward), and the run's peak resident memory. The run directory is a temporary one unless ``--keep DIR``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def main() -> None:
         values = [r[key] for r in rows]
         print(f"{key:<20}{statistics.median(values):>10.4f}{statistics.mean(values):>10.4f}"
               f"{statistics.mean(values) / total:>8.1%}")
+    # The limit of a step is generate + one forward/backward over the batch; the rest is the framework's.
+    overhead = [r["time/step"] - r["time/rollout"] - r["time/update"] for r in rows]
+    print(f"{'overhead':<20}{statistics.median(overhead):>10.4f}{statistics.mean(overhead):>10.4f}"
+          f"{statistics.mean(overhead) / total:>8.1%}   (step - rollout - update)")
 
 
 if __name__ == "__main__":

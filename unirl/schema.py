@@ -167,7 +167,7 @@ class TrainerConfig:
                 f"mini_batch_size={self.mini_batch_size} must divide prompts_per_step*group_size="
                 f"{self.prompts_per_step}*{self.group_size}={n}"
             )
-        if self.mini_batch_size % self.micro_batch_size:
+        if self.micro_batch_tokens is None and self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must divide mini_batch_size={self.mini_batch_size}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 or null, got {self.micro_batch_tokens}")

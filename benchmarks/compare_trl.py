@@ -1,0 +1,210 @@
+"""unirl beside TRL's ``GRPOTrainer``: the same model, prompts, batch shape, lengths and optimizer.
+
+    pip install -e .[bench]                      # TRL (never imported by unirl/)
+    python benchmarks/compare_trl.py             # all four runs, ~10 minutes on 2 CPU cores
+    python benchmarks/compare_trl.py --runs unirl-vllm,trl-hf --steps 4
+
+The model is a randomly initialised Qwen2 shape (8 layers, hidden 512, head_dim 64, 22.6M
+parameters) with the tiny model's character tokenizer, written once to a local directory that both
+libraries load; the prompts are the tiny addition task's questions, scored by the ``gsm8k`` reward.
+Every step: 16 prompts x 8 samples, up to 32 new tokens at temperature 1, one AdamW step over the
+128 samples in one forward/backward (token-mean loss, clip 0.2, no KL, constant lr, grad-norm clip 1).
+
+Each run is a child process (so its peak resident memory is its own) that times each step; the
+table shows the median over the steps after the first (warm-up), unirl's stages (``time/*``) and
+its framework overhead (step - rollout - update), and each run's s/step over the faster TRL mode's.
+TRL's defaults are kept otherwise: with vLLM it recomputes the old log-probs for its importance
+sampling correction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUNS = ("unirl-vllm", "unirl-hf", "trl-hf", "trl-vllm")
+PROMPTS, GROUP, NEW_TOKENS, LR, SEED = 16, 8, 32, 1e-5, 0
+SHAPE = dict(hidden_size=512, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=8, max_position_embeddings=256)
+
+
+# ------------------------------------------------------------------------- shared inputs
+def build_inputs(root: Path) -> tuple[Path, Path]:
+    """The model directory (random Qwen2 of ``SHAPE``, tiny tokenizer) and the prompts (JSONL)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from unirl.text.tiny import addition_rows, build_tokenizer
+
+    model_dir, data = root / "qwen2-22m", root / "prompts.jsonl"
+    if not (model_dir / "model.safetensors").exists():
+        tokenizer = build_tokenizer()
+        config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             dtype="float32", **SHAPE)
+        torch.manual_seed(SEED)
+        model = Qwen2ForCausalLM(config)
+        model.save_pretrained(model_dir, safe_serialization=True)
+        model.generation_config.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    if not data.exists():
+        data.write_text("".join(json.dumps(r) + "\n" for r in addition_rows(2000, seed=SEED + 1)))
+    return model_dir, data
+
+
+# ------------------------------------------------------------------------------- children
+def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, extra: list[str]) -> dict:
+    from unirl.cli import load_run_config
+    from unirl.config import config_to_dict
+    from unirl.loop import Trainer
+    from unirl.text.env import TextEnvironment
+
+    out = Path(tempfile.mkdtemp(prefix="unirl-vs-trl-")) / "run"
+    cfg = load_run_config("text", "tiny", [
+        f"model.name_or_path={model_dir}", f"data.train={data}", "data.test=null", f"rollout.engine={engine}",
+        f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0", f"trainer.total_steps={steps}",
+        f"trainer.prompts_per_step={PROMPTS}", f"trainer.group_size={GROUP}", f"trainer.mini_batch_size={PROMPTS * GROUP}",
+        f"trainer.micro_batch_size={micro}", "trainer.ppo_epochs=1", "trainer.eval_every=0", "trainer.progress=false",
+        f"trainer.seed={SEED}", "algo.loss_agg=token-mean", "algo.clip_low=0.2", "algo.clip_high=0.2", "algo.kl_coef=0.0",
+        f"optim.lr={LR}", "optim.max_grad_norm=1.0", "optim.warmup_steps=0", *extra,
+    ], output_dir=str(out))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=out,
+                      config_dict=config_to_dict(cfg))
+    trainer.setup()
+    try:
+        rows = [trainer.train_step() for _ in range(steps)]
+    finally:
+        trainer.env.close()
+    return {"steps": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows]}
+
+
+def run_trl(use_vllm: bool, model_dir: Path, data: Path, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rewards.gsm8k import gsm8k
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in rows])
+
+    def reward(completions, answer, **kwargs):
+        return gsm8k(completions, answer=answer, method="strict")
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
+
+    out = tempfile.mkdtemp(prefix="trl-vs-unirl-")
+    args = GRPOConfig(
+        output_dir=out, use_cpu=True, seed=SEED, max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP,
+        gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=NEW_TOKENS, temperature=1.0,
+        num_iterations=1, beta=0.0, loss_type="dapo", epsilon=0.2, learning_rate=LR, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none",
+        use_vllm=use_vllm, vllm_mode="colocate", bf16=False, disable_tqdm=True,
+    )
+    timer = StepTimes()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=dataset, callbacks=[timer])
+    trainer.train()
+    return {"steps": [{"time/step": t} for t in timer.times]}
+
+
+def child(args) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model_dir, data = Path(args.model), Path(args.data)
+    if args.child.startswith("unirl-"):
+        result = run_unirl(args.child.removeprefix("unirl-"), model_dir, data, args.steps, args.micro_batch_size,
+                           args.unirl_override)
+    else:
+        result = run_trl(args.child == "trl-vllm", model_dir, data, args.steps)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(args.out).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------- parent
+def summarise(result: dict) -> dict:
+    steps = result["steps"][1:]  # the first pays for warm-up
+    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    row = {"step": med["time/step"], "peak": result["peak_rss_mib"], "n": len(steps)}
+    if "time/rollout" in med:
+        row.update(rollout=med["time/rollout"], old=med["time/old_logprobs"], update=med["time/update"],
+                   overhead=statistics.median(s["time/step"] - s["time/rollout"] - s["time/update"] for s in steps))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up (default 5)")
+    parser.add_argument("--micro-batch-size", type=int, default=PROMPTS * GROUP,
+                        help="unirl's samples per forward/backward (TRL: per_device_train_batch_size, one forward)")
+    parser.add_argument("--unirl-override", action="append", default=[], help="extra unirl key=value (repeatable)")
+    parser.add_argument("--work", default=None, help="where the model and prompts are written (default: the cache)")
+    parser.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first is warm-up)")
+    runs = [r for r in args.runs.split(",") if r]
+    if unknown := set(runs) - set(RUNS):
+        parser.error(f"unknown runs {sorted(unknown)}; choose from {RUNS}")
+
+    from unirl.cache import default_cache_dir
+
+    root = Path(args.work) if args.work else default_cache_dir() / "compare-trl"
+    model_dir, data = build_inputs(root)
+    results, failures = {}, {}
+    for name in runs:
+        out = root / f"{name}.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--child", name, "--model", str(model_dir), "--data", str(data),
+               "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
+               *[f"--unirl-override={o}" for o in args.unirl_override]]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode or not out.exists():
+            lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+            failures[name] = lines[-1] if lines else f"exit status {proc.returncode}"
+            print(f"{name}: failed ({failures[name]})", flush=True)
+            continue
+        results[name] = summarise(json.loads(out.read_text()))
+        print(f"{name}: {results[name]['step']:.2f} s/step ({wall:.0f} s wall with start-up)", flush=True)
+
+    trl = [results[r]["step"] for r in ("trl-hf", "trl-vllm") if r in results]
+    best = min(trl) if trl else None
+    print(f"\n{PROMPTS} prompts x {GROUP} samples, {NEW_TOKENS} new tokens, 22.6M-parameter Qwen2 shape; "
+          f"median of steps 2-{args.steps}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print("| run | s/step | rollout | old log-probs | update | overhead | peak RSS | vs faster TRL |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in runs:
+        if name in failures:
+            print(f"| {name} | failed: {failures[name][:80]} | | | | | | |")
+            continue
+        r = results[name]
+        stages = (f"{r['rollout']:.2f} | {r['old']:.2f} | {r['update']:.2f} | {r['overhead']:.2f} "
+                  f"({r['overhead'] / r['step']:.0%})" if "rollout" in r else " | | | ")
+        ratio = f"{r['step'] / best:.2f}x" if best else ""
+        print(f"| {name} | {r['step']:.2f} | {stages} | {r['peak'] / 1024:.1f} GB | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
