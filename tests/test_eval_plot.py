@@ -69,6 +69,24 @@ def test_eval_scores_a_checkpoint_greedy_and_sampled(tiny_run, tmp_path):
         assert summary[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, c, k) for c in per_prompt) / 4)
 
 
+@pytest.mark.slow
+def test_eval_diffusion_reproduces_the_runs_own_evaluation(tmp_path):
+    run = tmp_path / "run"
+    trained = _cli("train", "diffusion", "--config", "tiny", "--output-dir", str(run), "trainer.total_steps=3",
+                   "trainer.eval_every=3", "trainer.progress=false")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    ckpt = run / "checkpoints" / "step_000003"
+    result = _cli("eval", "diffusion", "--config", "tiny", "--checkpoint", str(ckpt))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((ckpt / "eval" / "summary.json").read_text())
+    # The checkpoint holds the EMA LoRA the run evaluated with; same prompts, seeds and sampler.
+    run_eval = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["reward"] == pytest.approx(run_eval["eval/reward"], abs=1e-6)
+    assert summary["prompts"] == 8 and (ckpt / "eval" / "grid.png").exists()
+    assert len((ckpt / "eval" / "samples.jsonl").read_text().splitlines()) == 8
+    assert result.stdout.strip().splitlines()[-1].startswith(f"eval {ckpt}: 8 prompts x 1, reward ")
+
+
 def test_eval_names_a_checkpoint_that_is_not_a_model(tmp_path):
     (tmp_path / "empty").mkdir()
     result = _cli("eval", "text", "--config", "tiny", "--checkpoint", str(tmp_path / "empty"), "rollout.engine=hf")

@@ -1,6 +1,6 @@
-"""``unirl eval text --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
+"""``unirl eval text|diffusion --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
 
-Scores a policy without training it: the config's held-out split (``data.test``, ``data.eval_size``)
+Text scores a policy without training it: the config's held-out split (``data.test``, ``data.eval_size``)
 and rewards, through the config's rollout engine (vLLM; ``rollout.engine=hf`` for transformers).
 
 * ``--n 1`` (default): greedy answers; ``accuracy`` is the share that get the first reward's full
@@ -13,6 +13,13 @@ and rewards, through the config's rollout engine (vLLM; ``rollout.engine=hf`` fo
 there too), a LoRA adapter directory (``adapter_config.json``: merged into ``model.name_or_path``
 first), or any model directory or hub name ``from_pretrained`` loads. It writes ``samples.jsonl``
 (one line per answer) and ``summary.json`` to the output directory and prints one summary line.
+
+Diffusion samples the held-out prompts with the deterministic ODE sampler (``eval_num_steps``,
+``guidance_scale``, fixed seeds, as a run's evaluation) and scores them with the config's rewards.
+``--checkpoint`` takes a run's ``checkpoints/step_N/`` (a LoRA in diffusers' format, loaded into
+``model.name_or_path`` with ``load_lora_weights``; or a full fine-tune's ``transformer/``) or a
+diffusers pipeline directory. It writes ``samples.jsonl`` (prompt and rewards per image),
+``grid.png`` and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -130,8 +137,76 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     return summary
 
 
+def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
+    """Sample and score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also on disk)."""
+    import dataclasses
+
+    import torch
+    from accelerate import Accelerator
+
+    from unirl.diffusion.env import DiffusionEnvironment, image_grid
+
+    if not cfg.data.test:
+        raise ValueError("data.test is null: this config has no held-out prompts to evaluate on")
+    path = Path(checkpoint).expanduser()
+    lora = path.is_dir() and any(path.glob("pytorch_lora_weights.*"))
+    full = path.is_dir() and (path / "transformer" / "config.json").exists() and not (path / "model_index.json").exists()
+    pipeline = path.is_dir() and (path / "model_index.json").exists()
+    if path.exists() and not (lora or full or pipeline):
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint}: neither a LoRA (pytorch_lora_weights.safetensors), a fine-tuned "
+            f"transformer (transformer/config.json) nor a diffusers pipeline (model_index.json)")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    # 1. The base pipeline without an adapter of its own, no EMA, no reference, inline scoring.
+    model = dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=False),
+                                name_or_path=str(path) if pipeline or not path.exists() else cfg.model.name_or_path)
+    cfg = dataclasses.replace(cfg, model=model, ema=dataclasses.replace(cfg.ema, enabled=False),
+                              algo=dataclasses.replace(cfg.algo, kl_coef=0.0),
+                              trainer=dataclasses.replace(cfg.trainer, reward_workers=0))
+    env = DiffusionEnvironment(cfg)
+    env.setup(Accelerator())
+    try:
+        # 2. The checkpoint's weights.
+        if lora:
+            from diffusers.utils import logging as diffusers_logging
+
+            verbosity = diffusers_logging.get_verbosity()
+            diffusers_logging.set_verbosity_error()  # "no LoRA keys for the text encoders": there are none
+            try:
+                env.pipe.load_lora_weights(str(path))  # into pipe.transformer, the module env samples with
+            finally:
+                diffusers_logging.set_verbosity(verbosity)
+        elif full:
+            transformer = type(env.pipe.transformer).from_pretrained(path / "transformer", dtype=env.pipe.transformer.dtype)
+            env.pipe.transformer = env.model = transformer.to(env.accelerator.device).eval()
+        # 3. Images and scores.
+        prompts = [row["prompt"] for row in env.test_rows]
+        with torch.no_grad():
+            images = env.sample_deterministic(prompts)
+        columns = {c: [row.get(c) for row in env.test_rows] for c in env.test_rows[0] if c != "prompt"}
+        comps = env.rewards.components(images, prompts=prompts, columns=columns)
+        total, _ = env.rewards.combine(comps, torch.arange(len(prompts)))
+    finally:
+        env.close()
+    with open(out / "samples.jsonl", "w") as f:
+        for i, prompt in enumerate(prompts):
+            f.write(json.dumps({"index": i, "prompt": prompt, "reward": float(total[i]),
+                                **{f"reward/{k}": float(v[i]) for k, v in comps.items()}}) + "\n")
+    k = cfg.data.grid_size
+    captions = [f"{p}\n" + " ".join(f"{name}={float(v[i]):.3f}" for name, v in comps.items()) for i, p in enumerate(prompts[:k])]
+    image_grid(images[:k], captions).save(out / "grid.png")
+    summary = {"checkpoint": str(checkpoint), "prompts": len(prompts), "n": 1, "reward": total.mean().item(),
+               **{f"reward/{name}": v.nanmean().item() for name, v in comps.items()},
+               "seconds": round(time.perf_counter() - start, 2)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def summary_line(summary: dict) -> str:
-    parts = [f"{summary['prompts']} prompts x {summary['n']}", f"accuracy {summary['accuracy']:.4f}"]
+    parts = [f"{summary['prompts']} prompts x {summary['n']}"]
+    parts += [f"{k} {summary[k]:.4f}" for k in ("accuracy", "reward") if k in summary]
     parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("pass@")]
     parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("reward/")]
     return f"eval {summary['checkpoint']}: " + ", ".join(parts) + f" ({summary['seconds']:.1f} s)"
