@@ -1,4 +1,4 @@
-"""Image rewards that need no model: JPEG (in)compressibility from DDPO, and a brightness demo reward.
+"""Image rewards that need no model: JPEG (in)compressibility from DDPO, and the brightness and colour demo rewards.
 
 DDPO (Black et al., 2023, https://arxiv.org/abs/2305.13301) rewards the *file size* of an image
 saved as JPEG at quality 95: ``jpeg_incompressibility`` is the size in kilobytes (1 kB = 1000
@@ -8,7 +8,9 @@ advantages normalise the scale away within a group.
 
 ``brightness`` is a *demo* reward: the mean pixel value in [0, 1]. It is what a toy-size random
 model (``unirl/diffusion/tiny.py``) can move within a few minutes on a CPU, so the tiny config can
-show learning; it says nothing about image quality.
+show learning; it says nothing about image quality. ``colour_share`` is a demo reward that depends on
+the prompt: the share of pixels nearest to the colour the prompt names ("a red cat" -> red), so the
+tiny colour demo can show per-prompt groups and advantages at work.
 """
 
 from __future__ import annotations
@@ -62,3 +64,49 @@ def brightness(images: Sequence[Any], **kwargs: Any) -> list[float]:
     import numpy as np
 
     return [float(np.asarray(image.convert("RGB"), dtype=np.float64).mean() / 255.0) for image in images]
+
+
+#: The named colours ``colour_share`` knows, as RGB: the tiny demo's prompt colours ("a red cat").
+PALETTE = {
+    "red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 160, 50), "yellow": (235, 220, 40),
+    "white": (245, 245, 245), "black": (15, 15, 15), "orange": (245, 140, 20), "purple": (130, 40, 170),
+}
+
+
+def named_colour(prompt: str) -> str | None:
+    """The first ``PALETTE`` colour named in ``prompt`` (whole words, any case), or None.
+
+    >>> named_colour("a Red cat"), named_colour("a reddish cat"), named_colour("a black and white cat")
+    ('red', None, 'black')
+    """
+    for word in prompt.lower().replace(",", " ").replace(".", " ").split():
+        if word in PALETTE:
+            return word
+    return None
+
+
+@register_reward("colour_share", modality="image",
+                 description="demo: share of pixels nearest to the colour the prompt names (for the tiny model)")
+def colour_share(images: Sequence[Any], *, prompts: Sequence[str], **kwargs: Any) -> list[float | None]:
+    """Demo reward that depends on the prompt: the share of pixels whose nearest ``PALETTE`` colour
+    (Euclidean distance in RGB) is the one the prompt names; None when it names none.
+
+    >>> from PIL import Image
+    >>> red, blue = Image.new("RGB", (4, 4), (200, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 200))
+    >>> colour_share([red, red, blue], prompts=["a red cat", "a blue cat", "a cat"])
+    [1.0, 0.0, None]
+    """
+    import numpy as np
+
+    palette = np.array(list(PALETTE.values()), dtype=np.float64)  # [K, 3]
+    names = list(PALETTE)
+    out: list[float | None] = []
+    for image, prompt in zip(images, prompts, strict=True):
+        colour = named_colour(prompt)
+        if colour is None:
+            out.append(None)
+            continue
+        pixels = np.asarray(image.convert("RGB"), dtype=np.float64).reshape(-1, 1, 3)  # [P, 1, 3]
+        nearest = np.square(pixels - palette).sum(-1).argmin(-1)  # [P]
+        out.append(float((nearest == names.index(colour)).mean()))
+    return out
