@@ -107,3 +107,18 @@ def test_wandb_offline_gets_the_metrics_and_the_eval_table(tmp_path, tiny_lm_dir
             if key != "step":
                 assert by_step[row["step"]][key] == pytest.approx(value), (row["step"], key)
     assert len(list((out / "wandb").glob("offline-run-*/files/media/table/eval/samples_*.table.json"))) == 2
+
+
+def test_tensorboard_gets_the_diffusion_eval_grid(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "unirl.cli", "train", "diffusion", "--config", "tiny", "--output-dir", str(out),
+           "trainer.total_steps=2", "trainer.eval_every=2", "trainer.progress=false", "trainer.log_with=[tensorboard]"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = list(out.rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0, "scalars": 0}).Reload()
+    assert set(acc.Tags()["scalars"]) == _metric_keys(out)
+    grids = acc.Images("eval/grid")
+    assert [g.step for g in grids] == [0, 2] and grids[0].width > 100

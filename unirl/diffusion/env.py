@@ -398,7 +398,9 @@ class DiffusionEnvironment(Environment):
                         for i, scores, _ in shown]
             path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
-            image_grid([image for _, _, image in shown], captions).save(path)
+            grid = image_grid([image for _, _, image in shown], captions)
+            grid.save(path)
+            self._evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
         return out
 
     # ----------------------------------------------------------- checkpoints
