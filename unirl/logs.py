@@ -23,6 +23,7 @@ def configure(verbose: bool = False) -> None:
     for name in _LIBRARIES:
         logging.getLogger(name).setLevel(level)
     if not verbose:
+        logging.getLogger("transformers.utils.import_utils").addFilter(TorchvisionFallbackFilter())
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         try:
             from transformers.utils import logging as hf_logging
@@ -38,6 +39,18 @@ def configure(verbose: bool = False) -> None:
             diffusers_logging.disable_progress_bar()  # "Loading pipeline components..."
         except ImportError:  # pragma: no cover - diffusers is a dependency
             pass
+
+
+class TorchvisionFallbackFilter(logging.Filter):
+    """Drops transformers' ``X requires torchvision (not installed); falling back to XPil``.
+
+    diffusers' SD3 pipeline module imports CLIP/SigLIP image processors, and the CPU install leaves
+    torchvision out (PyPI's build does not import beside the CPU torch). The PIL processors it falls
+    back to compute the same thing; unirl's image rewards feed them PIL images anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("requires torchvision (not installed)" in message and "falling back to" in message)
 
 
 class RotaryReloadFilter(logging.Filter):
