@@ -207,26 +207,6 @@ class TextEnvironment(Environment):
         return batch.tensors["prompt_mask"].sum(-1) + batch.tensors["response_mask"].sum(-1).long()  # [n]
 
     @property
-    def trim_padding(self, batch: Rollout) -> Rollout:
-        """Prompts (left-padded) cut to the batch's longest, and every response-aligned tensor (the
-        other 2-D ones: ids, masks, log-probs, per-token advantages, reference outputs) to its
-        longest response. The log-probs are the same: pads are masked out of attention and the
-        position ids count real tokens only."""
-        t = batch.tensors
-        P = max(1, int(t["prompt_mask"].sum(-1).max()))
-        R = max(1, int(t["response_mask"].sum(-1).max()))
-        trimmed = {}
-        for k, v in t.items():
-            if k in ("prompt_ids", "prompt_mask"):
-                v = v[:, v.shape[1] - P:]  # [n, P']
-            elif v.ndim >= 2:
-                v = v[:, :R]  # [n, R']
-            trimmed[k] = v
-        return dataclasses.replace(batch, tensors=trimmed)
-
-    def sample_tokens(self, batch: Rollout) -> torch.Tensor:
-        return batch.tensors["prompt_mask"].sum(-1) + batch.tensors["response_mask"].sum(-1).long()  # [n]
-
     def loss_norm_length(self) -> int:
         return self.cfg.rollout.max_new_tokens  # Dr. GRPO's constant, TRL's max_completion_length
 
