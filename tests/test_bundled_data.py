@@ -21,7 +21,8 @@ from unirl.ocr_prompts import generate
 
 # Row counts by hand: `python -c "print(len(open(f).read().splitlines()))"` on each file (the OCR
 # and GenEval files end without a newline, so `wc -l` says one less).
-EXPECTED = {"geneval/test_metadata.jsonl": 2212, "ocr/test.txt": 1018, "pickscore/test.txt": 2048}
+EXPECTED = {"geneval/test_metadata.jsonl": 2212, "ocr/test.txt": 1018, "pickscore/test.txt": 2048,
+            "pickscore/train.txt": 25432}
 
 
 def _test_prompts() -> set[str]:

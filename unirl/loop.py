@@ -586,6 +586,7 @@ class Trainer:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+        acc.wait_for_everyone()  # the directory exists before any process writes into it
         self.env.save_pretrained(tmp)  # every process: FSDP gathers the full weights collectively
         acc.save_state(str(tmp / "trainer_state"))
         if acc.is_main_process:
