@@ -57,8 +57,6 @@ class HPSv2(ModelReward):
         self.version, self.checkpoint, self.architecture, self.hub_repo = version, checkpoint, architecture, hub_repo
 
     def load(self) -> None:
-        import torch
-
         model, _, preprocess = open_clip.create_model_and_transforms(self.architecture, pretrained=None, device="cpu")
         path = self.checkpoint
         if path is None:

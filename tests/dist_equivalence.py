@@ -68,9 +68,9 @@ def local_share(rollout, rewards, rank: int, world: int):
 def run(batch_path: Path, work: Path, out_path: Path) -> None:
     from accelerate import PartialState
 
-    from unirl.loop import _cpu_processes
+    from unirl.distributed import cpu_processes
 
-    state = PartialState(cpu=_cpu_processes())  # as the Trainer's Accelerator will
+    state = PartialState(cpu=cpu_processes())  # as the Trainer's Accelerator will
     batches = torch.load(batch_path, weights_only=False)
     results = {}
     for env_name, agg, kl in itertools.product(("text", "diffusion"), AGGS, (0.0, 0.05)):

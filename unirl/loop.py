@@ -18,7 +18,6 @@ import math
 import shutil
 import signal
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,13 @@ import torch
 
 from rewards.registry import RewardError
 from unirl.core import aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats, truncated_importance_weights
+from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.env import Environment, Rollout
+from unirl.metrics import MetricLog, reduce_over_processes
 from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
 
 #: Exit status of a run stopped by a signal after it saved its checkpoint (128 + the signal's number).
 _SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
-
-
-class LaunchError(RuntimeError):
-    """The processes were launched in a way that cannot work (the message says how to launch)."""
 
 
 class Preempted(RuntimeError):
@@ -62,7 +59,7 @@ class Trainer:
 
         cfg = self.cfg
         self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.log_with or None,
-                                       project_dir=str(self.run_dir), cpu=_cpu_processes())
+                                       project_dir=str(self.run_dir), cpu=cpu_processes())
         set_seed(cfg.seed)
         self._guard_run_dir()
         self.env.setup(self.accelerator)
@@ -211,9 +208,9 @@ class Trainer:
         # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank.
         local_ids = torch.unique(rollout.group_ids, return_inverse=True)[1]  # [N]
         rank, n = self.accelerator.process_index, len(rollout)
-        all_rewards = self._gather_rows(rewards.float())  # [N_all]
-        all_ids = self._gather_rows(local_ids + rank * n)  # [N_all]
-        all_mask = self._gather_rows(mask)  # [N_all, T_max]
+        all_rewards = gather_rows(self.accelerator, rewards.float())  # [N_all]
+        all_ids = gather_rows(self.accelerator, local_ids + rank * n)  # [N_all]
+        all_mask = gather_rows(self.accelerator, mask)  # [N_all, T_max]
         adv = compute_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, scale=algo.adv_scale,
                                  eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased")
         if algo.adv_clip is not None:
@@ -235,14 +232,14 @@ class Trainer:
         num_mini = self._num_mini_batches()
         count = int(nonzero.sum())
         target = count + (-count % num_mini)
-        if target == 0 and self._sum_over_processes(count) > 0:
+        if target == 0 and sum_over_processes(self.accelerator, count) > 0:
             target = num_mini  # other processes train: this one must take part in every optimizer step
         if target > count:
             dropped = (~nonzero).nonzero().squeeze(-1)
             generator = torch.Generator().manual_seed(self.cfg.seed * 6_151 + self.step)
             nonzero[dropped[torch.randperm(len(dropped), generator=generator)[: target - count]]] = True
         kept = nonzero.nonzero().squeeze(-1)
-        total, kept_total = self._sum_over_processes(len(rollout)), self._sum_over_processes(len(kept))
+        total, kept_total = sum_over_processes(self.accelerator, len(rollout)), sum_over_processes(self.accelerator, len(kept))
         metrics = {"adv/dropped_frac": 1.0 - kept_total / total, "adv/kept": float(kept_total)}
         return rollout.select(kept), metrics
 
@@ -284,8 +281,8 @@ class Trainer:
         """The environment's rollout figures (engine-vs-trainer log-prob gap ...) from ``old_logp``,
         over the global batch."""
         if self.accelerator.num_processes > 1:
-            rollout = Rollout(tensors={k: self._gather_rows(v) for k, v in rollout.tensors.items()},
-                              group_ids=self._gather_rows(rollout.group_ids), prompts=[], samples=[])
+            rollout = Rollout(tensors={k: gather_rows(self.accelerator, v) for k, v in rollout.tensors.items()},
+                              group_ids=gather_rows(self.accelerator, rollout.group_ids), prompts=[], samples=[])
         return self.env.rollout_metrics(rollout, {"logp": rollout.tensors["old_logp"]})
 
     def _evaluate_all(self, model, rollout: Rollout) -> dict[str, torch.Tensor]:
@@ -340,8 +337,8 @@ class Trainer:
         first forward gives its old log-probs (detached: ratio 1, the gradient of the ratio is that
         of the log-prob); they are stored in ``rollout.tensors["old_logp"]`` afterwards and the
         ``rollout/*`` figures (and TIS weights) come from them."""
-        acc, model = self.accelerator, self.env.model
-        log = _MetricLog()
+        model = self.env.model
+        log = MetricLog()
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
         if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv): nothing to learn from
             return {}
@@ -360,7 +357,7 @@ class Trainer:
                 # The global mini-batch's normaliser, so micro and process shares add up to its loss.
                 denominator = self._mini_denominator(mini_batch)
                 micro_chunks = self._micro_batches(mini_batch)
-                mini = _MetricLog()
+                mini = MetricLog()
                 for k, micro_idx in enumerate(micro_chunks):
                     micro = self.env.trim_padding(mini_batch.select(micro_idx))
                     first_logp = [] if first_forward else None
@@ -370,7 +367,7 @@ class Trainer:
                         recorded.append((mini_idx[micro_idx], first_logp[0]))
                 log.add(mini.result(sum_shares=True))
                 log.add({"actor/grad_norm": self._optimizer_step()})
-        out = self._reduce_update_metrics(log.result(sum_shares=False))
+        out = reduce_over_processes(self.accelerator, log.result(sum_shares=False))
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         if first_forward:
             rollout.tensors["old_logp"] = _scatter_rows(recorded, len(rollout))
@@ -391,7 +388,7 @@ class Trainer:
         seq_lengths = None
         if len(pieces) > 1:  # seq-mean-token-mean divides by each whole sequence's length
             seq_lengths = self.env.loss_mask(micro).to(acc.device).sum(dim=-1)
-        log = _MetricLog()
+        log = MetricLog()
         piece_logp: list[torch.Tensor] = []
         for k, columns in enumerate(pieces):
             last = sync and k == len(pieces) - 1
@@ -494,74 +491,22 @@ class Trainer:
                     tracker.writer.add_text(key, "\n".join(lines), global_step=self.step)
 
     # ======================================================= several processes
-    def _gather_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """A per-sample tensor ``[n, ...]`` of every process, concatenated in rank order (on CPU).
-
-        The row counts may differ between processes, and a second dim of different widths (text
-        responses) is right-padded with zeros. One process: ``t`` itself."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return t
-        dtype = t.dtype
-        x = t.to(acc.device, torch.long if dtype == torch.bool else dtype)
-        sizes = acc.gather(torch.tensor([x.shape[0]], device=acc.device)).tolist()  # [world]
-        if x.ndim >= 2:
-            x = acc.pad_across_processes(x, dim=1)
-        x = acc.pad_across_processes(x, dim=0)
-        full = acc.gather(x).cpu()
-        rows = full.shape[0] // acc.num_processes
-        return torch.cat([full[r * rows:r * rows + n] for r, n in enumerate(sizes)]).to(dtype)
-
-    def _sum_over_processes(self, value: float) -> float:
-        if self.accelerator.num_processes == 1:
-            return value
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.accelerator.device)
-        return float(self.accelerator.reduce(t, reduction="sum"))
-
     def _global_reward_metrics(self, rewards: torch.Tensor, env_metrics: dict[str, float], rollout: Rollout) -> dict:
         """``reward/mean``, ``reward/std`` and the per-reward ``reward/<name>`` over the global batch.
 
         One process: the environment's figures. Several: the rewards are gathered, and each reward's
         per-sample scores when the environment left them in ``rollout.tensors["score/<name>"]`` (NaN
         where it does not apply); a figure it did not leave is averaged over processes."""
-        everyone = self._gather_rows(rewards.float())
+        everyone = gather_rows(self.accelerator, rewards.float())
         out = {"reward/mean": everyone.mean().item(), "reward/std": everyone.std().item()}
         if self.accelerator.num_processes == 1:
             return {**out, **env_metrics}
         for key, value in env_metrics.items():
             scores = rollout.tensors.get("score/" + key.removeprefix("reward/"))
             if scores is not None:
-                out[key] = self._gather_rows(scores.float()).nanmean().item()
+                out[key] = gather_rows(self.accelerator, scores.float()).nanmean().item()
             else:
-                out[key] = self._sum_over_processes(value) / self.accelerator.num_processes
-        return out
-
-    def _reduce_update_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Global update figures: ``loss/*`` summed over processes (each holds its share of the global
-        loss), ``*_max`` / ``*_min`` the extremes, the rest averaged (grad norm and lr are the same
-        on every process)."""
-        if self.accelerator.num_processes == 1 or not metrics:
-            return metrics
-        import torch.distributed as dist
-
-        keys = sorted(metrics)
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        groups = {"sum": [_is_share(k) for k in keys], "max": [k.endswith("_max") for k in keys],
-                  "min": [k.endswith("_min") for k in keys]}
-        summed, high, low = values.clone(), values.clone(), values.clone()
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        out = {}
-        for i, k in enumerate(keys):
-            if groups["sum"][i]:
-                out[k] = float(summed[i])
-            elif groups["max"][i]:
-                out[k] = float(high[i])
-            elif groups["min"][i]:
-                out[k] = float(low[i])
-            else:
-                out[k] = float(summed[i]) / self.accelerator.num_processes
+                out[key] = sum_over_processes(self.accelerator, value) / self.accelerator.num_processes
         return out
 
     # ============================================================ logging
@@ -622,36 +567,6 @@ class Trainer:
 
 
 # ================================================================ helpers
-def _is_share(name: str) -> bool:
-    """Metrics that are a share of a loss-like total (micro-batches, pieces and processes add up)."""
-    return name.startswith("loss/") or name == "actor/entropy"
-
-
-class _MetricLog:
-    """Collects metric values; ``result`` reduces them: shares summed (``sum_shares``) or averaged,
-    ``*_max`` / ``*_min`` the extremes, the rest averaged."""
-
-    def __init__(self):
-        self.values: dict[str, list[float]] = defaultdict(list)
-
-    def add(self, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            self.values[name].append(float(value))
-
-    def result(self, *, sum_shares: bool) -> dict[str, float]:
-        out = {}
-        for name, vs in self.values.items():
-            if name.endswith("_max"):
-                out[name] = max(vs)
-            elif name.endswith("_min"):
-                out[name] = min(vs)
-            elif sum_shares and _is_share(name):
-                out[name] = sum(vs)
-            else:
-                out[name] = sum(vs) / len(vs)
-        return out
-
-
 def _scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> torch.Tensor:
     """Rows ``[k, T_k, ...]`` of sub-batches (given as index tensors into n samples) put back in
     sample order: ``[n, max T_k, ...]``, narrower parts right-padded with zeros (micro-batches
@@ -665,25 +580,6 @@ def _scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> tor
         else:
             out[idx] = v
     return out
-
-
-def _cpu_processes() -> bool:
-    """Whether to run as CPU processes over gloo: asked for (``ACCELERATE_USE_CPU``), or several
-    processes were launched (``torchrun``/``accelerate launch --multi_gpu``) on a machine without
-    CUDA, where Accelerate would otherwise leave each process alone in a world of one."""
-    import os
-
-    from accelerate.utils import str_to_bool
-
-    asked = str_to_bool(os.environ.get("ACCELERATE_USE_CPU", "false"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if asked and world == 1 and "MASTER_PORT" in os.environ and "RANK" not in os.environ:
-        # `accelerate launch --cpu --num_processes N` without MPI starts a single process.
-        raise LaunchError(
-            "accelerate launch --cpu started one process (several CPU processes need mpirun there); "
-            "launch N CPU processes with `torchrun --nproc_per_node N -m unirl.cli train ...` instead"
-        )
-    return asked or (world > 1 and not torch.cuda.is_available())
 
 
 def _restore_signal_handlers(previous: dict) -> None:
