@@ -176,7 +176,9 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def test_text_env_evaluate_matches_the_full_logits_path(tmp_path, tiny_lm_dir, lora):
     from unirl.env import Rollout
 
-    overrides = ["model.logprob_chunk_size=4"] + (["model.lora.enabled=true", "model.lora.r=4"] if lora else [])
+    # One padded row per sample, as _old_evaluate: this test is about the chunks (packed rows: test_packing.py).
+    overrides = ["model.logprob_chunk_size=4", "model.share_prompt=false"] + (
+        ["model.lora.enabled=true", "model.lora.r=4"] if lora else [])
     env = _text_env(tmp_path, *overrides)
     try:
         model = env.model.train()
@@ -214,7 +216,8 @@ def test_text_env_evaluate_matches_the_full_logits_path(tmp_path, tiny_lm_dir, l
 def test_lora_on_the_output_head_needs_the_full_path(tmp_path, tiny_lm_dir):
     from unirl.env import Rollout
 
-    env = _text_env(tmp_path, "model.lora.enabled=true", "model.lora.target_modules=[q_proj,lm_head]")
+    env = _text_env(tmp_path, "model.lora.enabled=true", "model.lora.target_modules=[q_proj,lm_head]",
+                    "model.share_prompt=false")  # padded rows, as _old_evaluate
     try:
         t = _padded_batch(len(env.tokenizer), seed=1)
         batch = Rollout(tensors=t, group_ids=torch.arange(5), prompts=[""] * 5, samples=[""] * 5)

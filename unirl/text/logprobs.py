@@ -189,18 +189,26 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 @contextmanager
 def _head_computes_logprobs(head: torch.nn.Linear, targets: torch.Tensor, *, temperature: float, chunk_size: int,
-                            with_entropy: bool) -> Iterator[dict]:
-    """While open, ``head`` maps the hidden states ``[n, P+R, H]`` it receives to ``[n, R, 1]`` log-probs
-    of ``targets`` [n, R] (``[n, R, 2]`` with the entropy), predicted from positions P-1 .. P+R-2.
-    The tensor it returned is left in the yielded dict under ``"out"``."""
+                            with_entropy: bool, source: Optional[torch.Tensor] = None) -> Iterator[dict]:
+    """While open, ``head`` maps the hidden states it receives to ``[n, R, 1]`` log-probs of ``targets``
+    [n, R] (``[n, R, 2]`` with the entropy). The hidden states are ``[n, P+R, H]`` and positions
+    P-1 .. P+R-2 predict the targets, or, with ``source`` [n, R], packed rows ``[rows, L, H]`` whose
+    flattened position ``source[i, j]`` predicts ``targets[i, j]`` (``unirl.text.packing``). The tensor
+    it returned is left in the yielded dict under ``"out"``."""
     produced: dict = {}
     R = targets.shape[1]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 3 or x.shape[1] <= R:
+        if source is not None:
+            if x.ndim != 3:
+                raise ValueError(f"the output head got hidden states {tuple(x.shape)}, expected [rows, L, H]")
+            hidden = x.reshape(-1, x.shape[-1])[source]  # [n, R, H]
+        elif x.ndim != 3 or x.shape[1] <= R:
             raise ValueError(f"the output head got hidden states {tuple(x.shape)}, expected [n, P+R, H] with R={R}")
+        else:
+            hidden = x[:, -R - 1:-1]  # [n, R, H]
         dtype = _compute_dtype(x.device.type, x.dtype, head.weight.dtype)  # what the head would have used
-        logp, entropy = token_logprobs(x[:, -R - 1:-1], head.weight, targets, temperature=temperature,
+        logp, entropy = token_logprobs(hidden, head.weight, targets, temperature=temperature,
                                        chunk_size=chunk_size, with_entropy=with_entropy, bias=head.bias,
                                        compute_dtype=dtype)
         out = torch.stack([logp, entropy], dim=-1) if with_entropy else logp.unsqueeze(-1)  # [n, R, 1|2]
@@ -220,10 +228,14 @@ def _head_computes_logprobs(head: torch.nn.Linear, targets: torch.Tensor, *, tem
 
 def response_logprobs(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, position_ids: torch.Tensor, response_ids: torch.Tensor, *,
-                      temperature: float, chunk_size: Optional[int],
-                      with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      temperature: float, chunk_size: Optional[int], with_entropy: bool = False,
+                      source: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of ``response_ids`` [n, R], the last R of ``input_ids`` [n, P+R], under
     the causal LM ``model`` (possibly DDP/Accelerate/PEFT-wrapped; its forward always runs).
+
+    With ``source`` [n, R], ``input_ids`` are packed rows ``[rows, L]`` (``attention_mask`` their
+    ``[rows, 1, L, L]`` mask) and flattened position ``source[i, j]`` predicts ``response_ids[i, j]``
+    (``unirl.text.packing``).
 
     ``head`` is the unwrapped model's ``get_output_embeddings()``. ``chunk_size`` tokens at a time
     through ``token_logprobs`` inside the model's forward (module docstring), or, when None, from the
@@ -235,14 +247,19 @@ def response_logprobs(model: torch.nn.Module, head: torch.nn.Module, input_ids: 
     if chunk_size is None:
         from unirl.core import entropy_from_logits
 
-        logits = model(**kwargs).logits[:, -R - 1:-1].float() / temperature  # [n, R, V] predicts the response
+        logits = model(**kwargs).logits
+        if source is None:
+            logits = logits[:, -R - 1:-1]  # [n, R, V] predicts the response
+        else:
+            logits = logits.reshape(-1, logits.shape[-1])[source]  # [n, R, V]
+        logits = logits.float() / temperature
         logp = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [n, R]
         return logp, (entropy_from_logits(logits) if with_entropy else None)
     if type(head) is not torch.nn.Linear:
         raise ValueError(f"model.logprob_chunk_size needs the output head to be a plain torch.nn.Linear, got "
                          f"{type(head).__name__} (LoRA or modules_to_save on lm_head?); set model.logprob_chunk_size=null")
     with _head_computes_logprobs(head, response_ids, temperature=temperature, chunk_size=chunk_size,
-                                 with_entropy=with_entropy) as produced:
+                                 with_entropy=with_entropy, source=source) as produced:
         out = model(**kwargs).logits  # [n, R, 1|2]
     # The model must return the head's result as is. DDP may pass it through an identity autograd op
     # (its _DDPSink, with find_unused_parameters), so compare values, and keep the model's tensor.

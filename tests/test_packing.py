@@ -1,0 +1,285 @@
+"""Packed rows (``model.share_prompt``): one copy of each prompt, no padding, the same log-probs.
+
+The reference is the padded layout every other trainer uses: one row per sample, the prompt
+left-padded and the response right-padded, positions counting real tokens. The packed rows must give
+the same log-probs and entropies wherever the response mask is 1, and the same gradients for every
+parameter, through a real Qwen2 (sdpa and eager attention, grouped-query heads), on the chunked and
+the full-logits paths, with rows split by ``max_packed_length``.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from unirl.core import entropy_from_logits
+from unirl.text.logprobs import response_logprobs
+from unirl.text.packing import check_packable, pack_shared_prompts
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _left_padded(prompts: list[list[int]], P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = torch.zeros(len(prompts), P, dtype=torch.long), torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
+def _right_padded(responses: list[list[int]], R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = torch.zeros(len(responses), R, dtype=torch.long), torch.zeros(len(responses), R)
+    for i, r in enumerate(responses):
+        if r:
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1.0
+    return ids, mask
+
+
+def test_packed_rows_by_hand():
+    # Samples 0 and 2 share the prompt (5, 6); sample 1 has its own; sample 3 has an empty response.
+    prompt_ids, prompt_mask = _left_padded([[5, 6], [9], [5, 6], [9]], P=3)
+    response_ids, response_mask = _right_padded([[7, 8], [10, 11, 12], [13], []], R=3)
+    packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask, max_length=100, pad_id=0)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 13], [9, 10, 11, 12, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 0]]
+    assert packed.segments.tolist() == [[0, 0, 1, 1, 2], [0, 1, 1, 1, -1]]
+    # Token 0 is predicted by the prompt's last token, token j by the sample's token j-1 (flat index
+    # into 2 rows x 5); padded positions point at 0.
+    assert packed.source.tolist() == [[1, 2, 0], [5, 6, 7], [1, 0, 0], [0, 0, 0]]
+    mask = packed.attention_mask()[:, 0].int().tolist()
+    assert mask[0] == [[1, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0],
+                       [1, 1, 1, 0, 0],
+                       [1, 1, 1, 1, 0],
+                       [1, 1, 0, 0, 1]]  # sample 2's token sees the prompt and itself, not sample 0's
+    assert mask[1] == [[1, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0],
+                       [1, 1, 1, 0, 0],
+                       [1, 1, 1, 1, 0],
+                       [1, 0, 0, 0, 1]]  # padding sees the prompt and itself: no empty softmax row
+    additive = packed.attention_mask(torch.float32)
+    assert torch.equal(additive == 0, packed.attention_mask())
+    assert (additive[additive != 0] == torch.finfo(torch.float32).min).all()
+
+
+def test_a_full_row_starts_another_with_the_prompt_again():
+    prompt_ids, prompt_mask = _left_padded([[3, 4]] * 3 + [[5]], P=2)
+    response_ids, response_mask = _right_padded([[6, 7], [8, 9], [10, 11], [1, 2, 3, 4, 5, 6, 7]], R=7)
+    packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask, max_length=6, pad_id=0)
+    rows = [[t for t, s in zip(ids, seg) if s >= 0] for ids, seg in zip(packed.input_ids.tolist(),
+                                                                         packed.segments.tolist())]
+    # Rows open in the samples' order: the third sample no longer fits the first row; the fourth alone
+    # (8 tokens) is longer than max_length and gets a row of its own.
+    assert rows == [[3, 4, 6, 7, 8, 9], [3, 4, 10, 11], [5, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_a_response_mask_with_a_hole_is_refused_naming_the_sample():
+    prompt_ids, prompt_mask = _left_padded([[3], [3]], P=1)
+    response_ids = torch.tensor([[4, 5, 6], [4, 5, 6]])
+    response_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    with pytest.raises(ValueError, match="sample 1: model.share_prompt packs right-padded responses"):
+        pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask, max_length=10)
+
+
+def _qwen2(attn: str, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, attn_implementation=attn)
+    return Qwen2ForCausalLM(config).train()
+
+
+def _grouped_batch(seed: int, prompts: int = 3, group: int = 4, P: int = 7, R: int = 9):
+    """``prompts`` prompts of different lengths, ``group`` responses each (one of them empty), shuffled
+    so that a prompt's samples are not next to each other."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_tokens = [torch.randint(3, 48, (int(torch.randint(1, P + 1, (1,), generator=g)),), generator=g).tolist()
+                     for _ in range(prompts)]
+    samples = []
+    for p in prompt_tokens:
+        for _ in range(group):
+            length = int(torch.randint(1, R + 1, (1,), generator=g))
+            samples.append((p, torch.randint(3, 48, (length,), generator=g).tolist()))
+    samples[1] = (samples[1][0], [])
+    order = torch.randperm(len(samples), generator=g).tolist()
+    samples = [samples[i] for i in order]
+    prompt_ids, prompt_mask = _left_padded([s[0] for s in samples], P)
+    response_ids, response_mask = _right_padded([s[1] for s in samples], R)
+    return prompt_ids, prompt_mask, response_ids, response_mask
+
+
+def _padded_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature):
+    """The padded layout, written out: one row per sample, the full logits."""
+    P = prompt_ids.shape[1]
+    ids = torch.cat([prompt_ids, response_ids], 1)
+    attn = torch.cat([prompt_mask, response_mask.long()], 1)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
+    logits = logits[:, P - 1:-1].float() / temperature
+    logp = logits.gather(-1, response_ids[..., None]).squeeze(-1) - logits.logsumexp(-1)
+    return logp, entropy_from_logits(logits)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("chunk_size", [5, None])
+@pytest.mark.parametrize("max_length", [100, 12])
+def test_packed_rows_give_the_padded_logprobs_and_gradients(attn, chunk_size, max_length):
+    for seed in range(3):
+        model = _qwen2(attn, seed)
+        prompt_ids, prompt_mask, response_ids, response_mask = _grouped_batch(seed)
+        packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask,
+                                     max_length=max_length, pad_id=0)
+        if max_length == 100:  # one row per prompt; far fewer tokens than the padded rows
+            assert packed.input_ids.shape[0] == 3
+            assert packed.input_ids.numel() < 0.6 * (prompt_ids.numel() + response_ids.numel())
+        else:
+            assert packed.input_ids.shape[0] > 3  # some prompts needed a second row
+        mask_dtype = torch.float32 if attn == "eager" else None
+        logp, entropy = response_logprobs(model, model.lm_head, packed.input_ids, packed.attention_mask(mask_dtype),
+                                          packed.position_ids, response_ids, temperature=0.7, chunk_size=chunk_size,
+                                          with_entropy=True, source=packed.source)
+        want_logp, want_entropy = _padded_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, 0.7)
+        mask = response_mask.bool()
+        torch.testing.assert_close(logp[mask], want_logp[mask], **TOL)
+        torch.testing.assert_close(entropy[mask], want_entropy[mask], **TOL)
+
+        w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed + 10))
+        ((w * logp - 0.1 * entropy) * response_mask).sum().backward()
+        got = _grads(model)
+        ((w * want_logp - 0.1 * want_entropy) * response_mask).sum().backward()
+        want = _grads(model)
+        assert got.keys() == want.keys() and "model.embed_tokens.weight" in got
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+
+
+def _text_env(tmp_path, *overrides):
+    from accelerate import Accelerator
+
+    from unirl.cli import load_run_config
+    from unirl.text.env import TextEnvironment
+
+    cfg = load_run_config("text", "tiny", [
+        "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
+        "trainer.micro_batch_size=16", "rollout.max_new_tokens=10", "algo.entropy_coef=0.01", *overrides,
+    ], output_dir=str(tmp_path / "run"))
+    env = TextEnvironment(cfg)
+    env.setup(Accelerator(cpu=True))
+    return env
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+@pytest.mark.parametrize("lora_head", [False, True])
+def test_text_env_packs_its_own_rollout_as_the_padded_rows(tmp_path, tiny_lm_dir, lora_head):
+    """The environment's evaluate on a real rollout: packed (the default) against padded rows."""
+    extra = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,lm_head]",
+             "model.logprob_chunk_size=null"] if lora_head else []
+    env = _text_env(tmp_path, *extra)
+    try:
+        assert env.cfg.model.share_prompt  # the shipped default
+        model = env.model.train()
+        if lora_head:  # LoRA's B starts at zero; give the adapters something to carry
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.1)
+        rollout = env.rollout(env.next_prompts(0), 4)
+        lengths = rollout.tensors["response_mask"].sum(-1)
+        assert lengths.min() < lengths.max()
+        mask = rollout.tensors["response_mask"]
+        w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
+        results = []
+        for share in (True, False):
+            env.cfg.model.share_prompt = share
+            out = env.evaluate(model, rollout)
+            ((w * out["logp"] - out["entropy"]) * mask).sum().backward()
+            results.append((out, _grads(model)))
+        (packed, g_packed), (padded, g_padded) = results
+        keep = mask.bool()
+        for key in ("logp", "entropy"):
+            torch.testing.assert_close(packed[key][keep], padded[key][keep], **TOL)
+        assert g_packed.keys() == g_padded.keys() and len(g_packed) > 0
+        if lora_head:
+            assert any("lm_head" in name and "lora_A" in name for name in g_packed)
+        for name in g_padded:
+            torch.testing.assert_close(g_packed[name], g_padded[name], **TOL, msg=name)
+    finally:
+        env.close()
+
+
+def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
+    """Through the loop: the same rollout, advantages and weights give the same update either way."""
+    from unirl.config import config_to_dict
+    from unirl.loop import Trainer
+    from unirl.text.env import TextEnvironment
+    from unirl.cli import load_run_config
+
+    trainers = []
+    for share in ("true", "false"):
+        cfg = load_run_config("text", "tiny", [
+            "rollout.engine=hf", "rollout.max_new_tokens=12", "trainer.prompts_per_step=4", "trainer.group_size=4",
+            "trainer.mini_batch_size=16", "trainer.micro_batch_size=8", "trainer.eval_every=0",
+            "trainer.progress=false", "optim.lr=1e-3", "algo.kl_coef=0.05", f"model.share_prompt={share}",
+        ], output_dir=str(tmp_path / share))
+        trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                          run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+        trainer.setup()
+        trainers.append(trainer)
+    packed, padded = trainers
+    try:
+        rollout = packed.env.rollout(packed.env.next_prompts(0), 4)
+        rewards = torch.linspace(0, 1, len(rollout))
+        packed.advantages(rollout, rewards)
+        other = copy.deepcopy(rollout)
+        padded.advantages(other, rewards)
+        metrics, grads = [], []
+        for trainer, batch in ((packed, rollout), (padded, other)):
+            trainer.old_and_reference(batch)
+            step = trainer._optimizer_step
+
+            def recording_step(trainer=trainer, step=step):  # the summed gradient at the optimizer step
+                grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
+                return step()
+
+            trainer._optimizer_step = recording_step
+            metrics.append(trainer.update(batch))
+        for key in ("loss/policy", "loss/kl", "loss/total", "actor/grad_norm"):
+            assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-6), key
+        assert len(grads) == 2 and max(g.abs().max().item() for g in grads[1]) > 1e-4
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    finally:
+        for trainer in trainers:
+            trainer.env.close()
+
+
+def test_models_the_packed_mask_would_not_fit_are_refused():
+    from transformers import Qwen2Config
+
+    check_packable(Qwen2Config(attn_implementation="sdpa"))  # Qwen2 without its (off by default) window
+    with pytest.raises(ValueError, match="'flash_attention_2' does not take.*model.share_prompt=false"):
+        check_packable(SimpleNamespace(_attn_implementation="flash_attention_2"))
+    windowed = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=2,
+                           attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="sliding-window attention .*model.share_prompt=false"):
+        check_packable(windowed)
+    with pytest.raises(ValueError, match="sliding_window=4096"):  # Mistral-style: a window and no layer types
+        check_packable(SimpleNamespace(_attn_implementation="sdpa", sliding_window=4096))
+
+
+def test_max_packed_length_is_checked(tmp_path):
+    from unirl.cli import load_run_config
+
+    with pytest.raises(ValueError, match="model.max_packed_length must be >= 1"):
+        load_run_config("text", "tiny", ["model.max_packed_length=0"], output_dir=str(tmp_path))
