@@ -60,6 +60,18 @@ def test_weight_sync_moves_engine_to_trainer(env):
     assert gap < 1e-4
     # And the old rollout's tokens are now scored differently by the (synced) trainer.
     assert _max_gap(env, before, env.model) > 1e-2
+    # The sync hands the trainer's own tensors (no copy): the engine must have copied them, so the
+    # trainer's next in-place change does not reach it before the next sync.
+    synced = {n: p.detach().clone() for n, p in env.model.named_parameters()}
+    with torch.no_grad():
+        for p in env.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    later = env.rollout(env.next_prompts(3), group_size=4)
+    assert _max_gap(env, later, env.model) > 1e-2
+    with torch.no_grad():
+        for n, p in env.model.named_parameters():
+            p.copy_(synced[n])
+    assert _max_gap(env, later, env.model) < 1e-4
 
 
 def test_lora_merged_weights_sync(env):

@@ -181,7 +181,10 @@ def hf_checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.T
                 if "lora_" in name:
                     continue
                 name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-            out.append((name, tensor.detach().clone()))
+            # The merged LoRA weights are unmerged below, so the engine needs copies; plain weights are
+            # read by the engine before the trainer changes them again (no copy, ~90 MB a step saved
+            # on the 22.6M-parameter benchmark model).
+            out.append((name, tensor.detach().clone() if peft_model else tensor.detach()))
     finally:
         if peft_model:
             model.unmerge_adapter()
