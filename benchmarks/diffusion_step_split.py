@@ -1,0 +1,304 @@
+"""A diffusion training step split into model time and framework time.
+
+    .venv/bin/python benchmarks/diffusion_step_split.py                      # tiny config, 12 steps
+    .venv/bin/python benchmarks/diffusion_step_split.py --steps 20 sampling.max_sequence_length=128
+    .venv/bin/python benchmarks/diffusion_step_split.py --hook-check         # cost of the instrumentation
+
+Runs ``configs/diffusion/<config>.yaml`` (default ``tiny``: 8 prompts x 4 = 32 images, 8 SDE steps
+all trained, CFG off, LoRA r8, one mini-batch, so one optimizer step) in this process with
+``unirl.loop.Trainer`` and ``DiffusionEnvironment``, times each ``trainer.train_step()`` by wall clock
+and splits it with instrumentation installed here (nothing in ``unirl/`` is changed):
+
+=============  ==========================================================================================
+column         what it contains
+=============  ==========================================================================================
+step           wall time of ``trainer.train_step()`` (perf_counter around the call)
+sample fwd     transformer forwards with gradients off (the rollout's denoising steps): forward pre/post
+               hooks on the diffusers transformer inside the PEFT wrapper, so LoRA layers are included
+               and PEFT's wrapper call is not
+train fwd      the same hooks, forwards with gradients on (the update re-scoring the trained steps)
+backward       ``accelerator.backward(loss)``: autograd through the transformer and the loss
+vae decode     the VAE's ``decode`` (post-quant conv and decoder)
+text enc       forwards of the text encoders (CLIP x2, T5): prompt encoding, tokenizers not included
+optimizer      ``accelerator.clip_grad_norm_``, ``optimizer.step`` and ``optimizer.zero_grad``
+reward         ``env.score``: the main thread waiting for the reward thread's last chunk, then combining
+               the rewards (the reward functions run in the reward thread, overlapping sampling;
+               their own time is printed below the table, not subtracted)
+framework      step - all of the above: the sampler's and the SDE step's tensor work outside the
+               transformer, storing the rollout, advantages, batching, the loss math, the LR
+               scheduler, the EMA, metrics, Python
+=============  ==========================================================================================
+
+A second table attributes the framework time to the loop's stages (each stage's wall time minus the
+columns above that ran inside it). On a GPU every hook synchronises the device first, so the columns
+are device time plus launch; that synchronisation is itself a cost the uninstrumented run does not
+pay. ``--hook-check`` alternates instrumented and bare steps and prints both medians: the
+difference is what the instrumentation costs.
+
+Timed runs on a shared machine: ``flock /tmp/bench.lock .venv/bin/python benchmarks/...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+COLUMNS = ("sample fwd", "train fwd", "backward", "vae decode", "text enc", "optimizer", "reward")
+STAGES = ("rollout", "score", "advantages", "old_logprobs", "update", "sync")
+
+
+class Split:
+    """Per-step seconds by column and by loop stage, filled by the wrappers and hooks of ``instrument``."""
+
+    def __init__(self, sync):
+        self.sync = sync  # torch.cuda.synchronize on a GPU, a no-op on the CPU
+        self.columns: dict[str, float] = defaultdict(float)
+        self.stages: dict[str, float] = defaultdict(float)
+        self.column_in_stage: dict[str, float] = defaultdict(float)
+        self.reward_thread = 0.0
+        self.stage: str | None = None
+        self._open: tuple[str, float] | None = None  # the column being timed (no nesting: the outer one counts)
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.columns.clear(), self.stages.clear(), self.column_in_stage.clear()
+        self.reward_thread = 0.0
+
+    def begin(self, column: str) -> bool:
+        if self._open is not None or threading.current_thread() is not threading.main_thread():
+            return False
+        self.sync()
+        self._open = (column, time.perf_counter())
+        return True
+
+    def end(self) -> None:
+        self.sync()
+        column, start = self._open
+        self._open = None
+        seconds = time.perf_counter() - start
+        self.columns[column] += seconds
+        self.column_in_stage[self.stage] += seconds
+
+    @contextlib.contextmanager
+    def timed(self, column: str):
+        opened = self.begin(column)
+        try:
+            yield
+        finally:
+            if opened:
+                self.end()
+
+
+def instrument(trainer, split: Split):
+    """Install the hooks and wrappers; returns a function that removes them all."""
+    env, acc = trainer.env, trainer.accelerator
+    handles, restore = [], []
+
+    def patch(obj, name, make):
+        had_own = name in vars(obj)
+        original = getattr(obj, name)
+        setattr(obj, name, make(original))
+        restore.append(lambda: setattr(obj, name, original) if had_own else delattr(obj, name))
+
+    def timed_call(column):
+        def make(fn):
+            def call(*args, **kwargs):
+                with split.timed(column):
+                    return fn(*args, **kwargs)
+            return call
+        return make
+
+    # Model forwards: pre/post hooks (the column depends on whether gradients are on).
+    def hook_module(module, column_of):
+        state = {}
+
+        def pre(mod, args):
+            state["opened"] = split.begin(column_of())
+
+        def post(mod, args, out):
+            if state.pop("opened", False):
+                split.end()
+
+        handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
+
+    import torch
+
+    hook_module(env.pipe.transformer, lambda: "train fwd" if torch.is_grad_enabled() else "sample fwd")
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        if getattr(env.pipe, name, None) is not None:
+            hook_module(getattr(env.pipe, name), lambda: "text enc")
+    patch(env.vae, "decode", timed_call("vae decode"))
+    patch(acc, "backward", timed_call("backward"))
+    patch(acc, "clip_grad_norm_", timed_call("optimizer"))
+    patch(trainer.optimizer, "step", timed_call("optimizer"))
+    patch(trainer.optimizer, "zero_grad", timed_call("optimizer"))
+    patch(env, "score", timed_call("reward"))
+
+    # The reward functions in the reward thread (for information: they overlap the main thread).
+    def thread_timed(fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with split._lock:
+                    split.reward_thread += time.perf_counter() - start
+        return call
+
+    original_fns = list(env.rewards.fns)
+    env.rewards.fns = [thread_timed(fn) for fn in original_fns]
+    restore.append(lambda: setattr(env.rewards, "fns", original_fns))
+
+    # Loop stages (the trainer's own stage boundaries; same names as its time/* metrics).
+    def stage_timed(stage):
+        def make(fn):
+            def call(*args, **kwargs):
+                previous, split.stage = split.stage, stage
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    split.sync()
+                    split.stages[stage] += time.perf_counter() - start
+                    split.stage = previous
+            return call
+        return make
+
+    patch(env, "rollout", stage_timed("rollout"))
+    patch(trainer, "advantages", stage_timed("advantages"))
+    patch(trainer, "old_and_reference", stage_timed("old_logprobs"))
+    patch(trainer, "update", stage_timed("update"))
+    patch(env, "sync_weights", stage_timed("sync"))
+    patch(env, "score", stage_timed("score"))  # around the reward column's wrapper
+
+    def remove():
+        for h in handles:
+            h.remove()
+        for undo in reversed(restore):
+            undo()
+
+    return remove
+
+
+def build_trainer(config: str, overrides: list[str], run_dir: Path):
+    from unirl.cli import load_run_config
+    from unirl.config import config_to_dict
+    from unirl.diffusion.env import DiffusionEnvironment
+    from unirl.loop import Trainer
+
+    cfg = load_run_config("diffusion", config, ["trainer.eval_every=0", "trainer.progress=false",
+                                                "trainer.save_every=0", *overrides], output_dir=str(run_dir))
+    trainer = Trainer(DiffusionEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=run_dir,
+                      config_dict=config_to_dict(cfg))
+    trainer.setup()
+    return trainer, cfg
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return (f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"device {device}, Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="config overrides key=value")
+    parser.add_argument("--config", default="tiny", help="diffusion config name or path (default tiny)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps after the warm-up (default 12)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps run first and not counted (default 2)")
+    parser.add_argument("--hook-check", action="store_true",
+                        help="alternate instrumented and bare steps and compare their medians")
+    args = parser.parse_args()
+
+    import diffusers
+    import torch
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    run_dir = Path(tempfile.mkdtemp(prefix="unirl-diffusion-split-")) / "run"
+    trainer, cfg = build_trainer(args.config, args.overrides, run_dir)
+    split = Split(torch.cuda.synchronize if trainer.accelerator.device.type == "cuda" else (lambda: None))
+    rows, bare, checks = [], [], []
+    try:
+        for i in range(args.warmup + args.steps):
+            hooked = not (args.hook_check and i % 2)
+            remove = instrument(trainer, split) if hooked else None
+            split.reset()
+            split.sync()
+            start = time.perf_counter()
+            metrics = trainer.train_step()
+            split.sync()
+            wall = time.perf_counter() - start
+            if remove is not None:
+                remove()
+            checks.append((metrics["reward/mean"], metrics.get("loss/total", float("nan"))))
+            if i < args.warmup:
+                continue
+            if not hooked:
+                bare.append(wall)
+                continue
+            rows.append({"step": wall, **{c: split.columns.get(c, 0.0) for c in COLUMNS},
+                         "reward thread": split.reward_thread,
+                         **{f"stage {s}": split.stages.get(s, 0.0) for s in STAGES},
+                         **{f"in {s}": split.column_in_stage.get(s, 0.0) for s in STAGES}})
+    finally:
+        trainer.env.close()
+
+    # 1. The table: median over the timed steps of each column, and the framework share.
+    def med(key):
+        return statistics.median(r[key] for r in rows)
+
+    framework = [r["step"] - sum(r[c] for c in COLUMNS) for r in rows]
+    s, b = cfg.sampling, cfg.trainer
+    print(f"\n{sys.executable} {' '.join(sys.argv)}")
+    print(f"config {args.config}: {b.prompts_per_step} prompts x {b.group_size} = {b.prompts_per_step * b.group_size} "
+          f"images at {s.resolution} px, {s.num_steps} steps (timestep_fraction {s.timestep_fraction}), guidance "
+          f"{s.guidance_scale} (train_cfg {s.train_cfg}), max_sequence_length {s.max_sequence_length}, LoRA "
+          f"{'r' + str(cfg.model.lora.r) if cfg.model.lora.enabled else 'off'}, EMA {cfg.ema.enabled}")
+    print(machine())
+    print(f"median over {len(rows)} steps after {args.warmup} warm-up steps")
+    print("\n| " + " | ".join(("step",) + COLUMNS + ("framework", "framework share")) + " |")
+    print("|" + "---|" * (len(COLUMNS) + 3))
+    cells = [f"{med('step') * 1000:.0f} ms"] + [f"{med(c) * 1000:.1f} ms" for c in COLUMNS]
+    share = statistics.median(f / r["step"] for f, r in zip(framework, rows))
+    cells += [f"{statistics.median(framework) * 1000:.1f} ms", f"{share:.1%}"]
+    print("| " + " | ".join(cells) + " |")
+    print(f"\nreward functions in the reward thread (overlapping the main thread): {med('reward thread') * 1000:.1f} ms")
+
+    # 2. Framework time by loop stage: the stage's wall minus the columns timed inside it.
+    print("\n| loop stage | wall | model/optimizer/reward columns inside | framework |")
+    print("|---|---|---|---|")
+    for stage in STAGES:
+        wall, inside = med(f"stage {stage}"), med(f"in {stage}")
+        print(f"| {stage} | {wall * 1000:.1f} ms | {inside * 1000:.1f} ms | "
+              f"{statistics.median(r[f'stage {stage}'] - r[f'in {stage}'] for r in rows) * 1000:.1f} ms |")
+    glue = [r["step"] - sum(r[f"stage {st}"] for st in STAGES) for r in rows]
+    print(f"| between stages (metrics, loop glue) | {statistics.median(glue) * 1000:.1f} ms | | "
+          f"{statistics.median(glue) * 1000:.1f} ms |")
+
+    if args.hook_check:
+        print(f"\nhook check: instrumented steps median {med('step') * 1000:.1f} ms ({len(rows)}), bare steps median "
+              f"{statistics.median(bare) * 1000:.1f} ms ({len(bare)})")
+    print("\nreward/mean, loss/total per step:", ", ".join(f"{r:.4f}/{l:.4g}" for r, l in checks))
+
+
+if __name__ == "__main__":
+    main()
