@@ -277,10 +277,14 @@ class DiffusionEnvironment(Environment):
             images += chunk_images
         # 4. Everything training needs to re-evaluate the trained steps.
         sig = sigmas.cpu()
+
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # one chunk (the usual case): no copy
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
+
         tensors = {
-            "latents": torch.cat([o.latents for o in outs]).cpu(),  # [N, T, *latent]
-            "next_latents": torch.cat([o.next_latents for o in outs]).cpu(),  # [N, T, *latent]
-            "old_logp": torch.cat([o.logp for o in outs]).cpu(),  # [N, T]
+            "latents": joined([o.latents for o in outs]),  # [N, T, *latent]
+            "next_latents": joined([o.next_latents for o in outs]),  # [N, T, *latent]
+            "old_logp": joined([o.logp for o in outs]),  # [N, T]
             "step_index": steps,  # [N, T]
             "sigma": sig[steps],  # [N, T]
             "sigma_next": sig[steps + 1],  # [N, T]

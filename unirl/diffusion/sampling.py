@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unirl.diffusion.sde import sde_step_with_logprob
+from unirl.diffusion.sde import check_sigmas, check_step_inputs, per_sample_sigma, sde_step
 
 
 @dataclass
@@ -141,24 +141,34 @@ def sample_with_logprob(
     record = torch.zeros(n, 0, dtype=torch.long) if record is None else record.cpu()
     if record.numel() and not bool(stochastic[record].all()):
         raise ValueError("only stochastic steps can be recorded (an ODE step has no density)")
+    check_sigmas(sigmas[:-1].float(), sigmas[1:].float())  # the whole schedule at once: the steps below skip the checks
+    is_sde = stochastic.tolist()  # [S] python bools: no tensor read per step
+    recorded = record.unique().tolist()  # the steps some sample records
     latents = noise.float()  # [N, *latent]
-    kept_in = torch.zeros(n, record.shape[1], *latents.shape[1:], device=latents.device)  # [N, T, *latent]
-    kept_out = torch.zeros_like(kept_in)
-    kept_logp = torch.zeros(n, record.shape[1], device=latents.device)  # [N, T]
+    before, after, logps = [], [], []  # per recorded step: [N, *latent], [N, *latent], [N]
     for i in range(len(timesteps)):
         v = guided_velocity(family, transformer, latents, timesteps[i].expand(n), cond, guidance_scale)
-        nxt, logp, _, _ = sde_step_with_logprob(
-            v, latents, sigmas[i], sigmas[i + 1], noise_level=noise_level if stochastic[i] else 0.0,
-            generator=generator, sde_type=sde_type,
+        if i == 0:
+            check_step_inputs(v, latents, None, noise_level, sde_type, "mean")
+        nxt, logp, _, _ = sde_step(
+            v, latents, per_sample_sigma(sigmas[i], "sigma", n, latents),
+            per_sample_sigma(sigmas[i + 1], "sigma_next", n, latents),
+            noise_level=noise_level if is_sde[i] else 0.0, generator=generator, sde_type=sde_type,
         )
-        rows, cols = (record == i).nonzero(as_tuple=True)  # samples recording step i, and where
-        if len(rows):
-            rows, cols = rows.to(latents.device), cols.to(latents.device)
-            kept_in[rows, cols] = latents[rows]
-            kept_out[rows, cols] = nxt[rows]
-            kept_logp[rows, cols] = logp[rows]
+        if i in recorded:
+            before.append(latents), after.append(nxt), logps.append(logp)
         latents = nxt
-    return SampleOutput(final=latents, latents=kept_in, next_latents=kept_out, logp=kept_logp)
+    if not recorded:
+        empty = torch.zeros(n, 0, *latents.shape[1:], device=latents.device)
+        return SampleOutput(final=latents, latents=empty, next_latents=empty.clone(),
+                            logp=torch.zeros(n, 0, device=latents.device))
+    # One gather per kept tensor: sample r's column t is recorded step record[r, t] of sample r.
+    slot = torch.zeros(len(timesteps), dtype=torch.long)
+    slot[recorded] = torch.arange(len(recorded))
+    where = slot[record].to(latents.device)  # [N, T] position of each recorded step in the lists above
+    rows = torch.arange(n, device=latents.device).unsqueeze(1)  # [N, 1]
+    return SampleOutput(final=latents, latents=torch.stack(before)[where, rows],  # [N, T, *latent]
+                        next_latents=torch.stack(after)[where, rows], logp=torch.stack(logps)[where, rows])
 
 
 def rescore_steps(
@@ -184,10 +194,20 @@ def rescore_steps(
     Returns:
         ``logp`` [n, T], ``mean`` [n, T, *latent] and ``std`` [n, T] of each step's Gaussian.
     """
+    n, T = latents.shape[:2]
+    if sigma.shape != (n, T) or sigma_next.shape != (n, T) or timestep.shape != (n, T):
+        raise ValueError(f"sigma, sigma_next and timestep must be [n, T] = [{n}, {T}], got {tuple(sigma.shape)}, "
+                         f"{tuple(sigma_next.shape)}, {tuple(timestep.shape)}")
+    ones = [1] * (latents.ndim - 2)
+    sigma = sigma.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
+    sigma_next = sigma_next.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
+    check_sigmas(sigma, sigma_next)  # every stored step at once: the steps below skip the checks
     logps, means, stds = [], [], []
-    for j in range(latents.shape[1]):
+    for j in range(T):
         v = guided_velocity(family, transformer, latents[:, j], timestep[:, j], cond, guidance_scale)
-        _, logp, mean, std = sde_step_with_logprob(
+        if j == 0:
+            check_step_inputs(v, latents[:, j], next_latents[:, j], noise_level, sde_type, "mean")
+        _, logp, mean, std = sde_step(
             v, latents[:, j], sigma[:, j], sigma_next[:, j], noise_level=noise_level,
             prev_sample=next_latents[:, j], sde_type=sde_type,
         )
@@ -202,5 +222,7 @@ def to_pil(images: torch.Tensor) -> list:
     """PIL RGB images from ``[N, 3, H, W]`` in [0, 1]."""
     from PIL import Image
 
-    arrays = (images.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()  # [N, H, W, 3]
+    # Scaled and rounded in the decoder's layout, then made contiguous once: PIL copies a strided array
+    # image by image otherwise (twice the time for a batch of small images).
+    arrays = (images * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()  # [N, H, W, 3]
     return [Image.fromarray(a) for a in arrays]

@@ -85,12 +85,36 @@ def sde_step_with_logprob(
         KL between two policies at the same step is ``||mean_a - mean_b||^2 / (2 std^2)``.
     """
     # 1. Check inputs.
-    _check_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce)
+    check_step_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce)
     n = sample.shape[0]
-    sigma = _per_sample_sigma(sigma, "sigma", n, sample)  # [N, 1, ..., 1]
-    sigma_next = _per_sample_sigma(sigma_next, "sigma_next", n, sample)  # [N, 1, ..., 1]
-    _check_sigmas(sigma, sigma_next)
+    sigma = per_sample_sigma(sigma, "sigma", n, sample)  # [N, 1, ..., 1]
+    sigma_next = per_sample_sigma(sigma_next, "sigma_next", n, sample)  # [N, 1, ..., 1]
+    check_sigmas(sigma, sigma_next)
+    return sde_step(velocity, sample, sigma, sigma_next, noise_level=noise_level, prev_sample=prev_sample,
+                    generator=generator, sde_type=sde_type, reduce=reduce)
 
+
+def sde_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    *,
+    noise_level: float,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    sde_type: str = "flow",
+    reduce: str = "mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sde_step_with_logprob`` without its checks, for loops that check their inputs once.
+
+    ``sigma`` and ``sigma_next`` must already be float32 ``[N, 1, ..., 1]`` on ``sample``'s device
+    (``per_sample_sigma``) and valid (``check_sigmas``), and the other arguments valid
+    (``check_step_inputs``): the sampler checks its whole schedule before the first step, the
+    re-scoring all stored steps at once, instead of paying three host syncs at every step. The
+    operations are those of ``sde_step_with_logprob`` (which calls this), so results are identical.
+    """
+    n = sample.shape[0]
     # 2. Upcast: the mean overflows in bf16.
     velocity = velocity.float()  # [N, ...]
     sample = sample.float()  # [N, ...]
@@ -133,7 +157,8 @@ def sde_step_with_logprob(
     return prev_sample, log_prob, mean, std
 
 
-def _check_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce) -> None:
+def check_step_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce) -> None:
+    """The argument checks of ``sde_step_with_logprob`` other than the sigmas'."""
     for name, value in (("velocity", velocity), ("sample", sample)):
         if not isinstance(value, torch.Tensor) or value.ndim < 2:
             raise ValueError(f"{name} must be a tensor [N, ...] with at least 2 dimensions, got {_describe(value)}")
@@ -151,7 +176,7 @@ def _check_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce) 
         raise ValueError(f"noise_level must lie in [0, 1] for sde_type='cps' (an angle fraction), got {noise_level!r}")
 
 
-def _per_sample_sigma(value, name: str, n: int, sample: torch.Tensor) -> torch.Tensor:
+def per_sample_sigma(value, name: str, n: int, sample: torch.Tensor) -> torch.Tensor:
     """A float, 0-d or ``[N]`` sigma as a float32 ``[N, 1, ..., 1]`` tensor on ``sample``'s device."""
     if isinstance(value, Real) and not isinstance(value, bool):
         value = torch.tensor(float(value))
@@ -161,8 +186,10 @@ def _per_sample_sigma(value, name: str, n: int, sample: torch.Tensor) -> torch.T
     return value.view(n, *([1] * (sample.ndim - 1)))
 
 
-def _check_sigmas(sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
-    # One host sync per step; negligible next to a transformer forward, and bad sigmas give silent NaNs.
+def check_sigmas(sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
+    """Raise unless ``0 <= sigma_next < sigma <= 1`` elementwise (bad sigmas give silent NaNs).
+
+    Three host syncs: loops call it once for all their steps (``sde_step``), not per step."""
     if not bool(((sigma > 0) & (sigma <= 1)).all()):
         raise ValueError(f"sigma must lie in (0, 1], got {sigma.flatten().tolist()}")
     if not bool(((sigma_next >= 0) & (sigma_next < 1)).all()):
@@ -245,9 +272,9 @@ def step_kl(
     if not isinstance(mean, torch.Tensor) or mean.ndim < 2:
         raise ValueError(f"mean must be a tensor [N, ...] with at least 2 dimensions, got {_describe(mean)}")
     n = mean.shape[0]
-    sigma = _per_sample_sigma(sigma, "sigma", n, mean).flatten()  # [N]
-    sigma_next = _per_sample_sigma(sigma_next, "sigma_next", n, mean).flatten()  # [N]
-    _check_sigmas(sigma, sigma_next)
+    sigma = per_sample_sigma(sigma, "sigma", n, mean).flatten()  # [N]
+    sigma_next = per_sample_sigma(sigma_next, "sigma_next", n, mean).flatten()  # [N]
+    check_sigmas(sigma, sigma_next)
     s, step_std = sde_diffusion_coefficient(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)  # [N]
     d = s if form == "flowgrpo" else step_std
     return gaussian_kl(mean.float(), ref_mean.float(), d)  # [N]

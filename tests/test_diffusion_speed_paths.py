@@ -1,0 +1,160 @@
+"""The sampler's and the re-scoring's fast paths give exactly what the per-step checked code gives.
+
+``sample_with_logprob`` and ``rescore_steps`` check their sigmas once and call the unchecked
+``sde_step``; the sampler gathers the recorded steps at the end instead of writing them step by step.
+Each test compares bit for bit with a reference written here the slow way (``sde_step_with_logprob``
+at every step, index assignment), on the toy SD3 where a model is needed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from unirl.config import load_config
+from unirl.diffusion.config import DiffusionConfig
+from unirl.diffusion.env import DiffusionEnvironment
+from unirl.diffusion.sampling import guided_velocity, rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
+from unirl.diffusion.sde import per_sample_sigma, sde_step, sde_step_with_logprob
+from unirl.diffusion.tiny import build_tiny_sd3
+
+SEEDS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def env():
+    from accelerate import Accelerator
+
+    build_tiny_sd3()
+    cfg = load_config(DiffusionConfig, None, [
+        "model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_sequence_length=16",
+        "sampling.num_steps=6", "trainer.prompts_per_step=2", "trainer.group_size=3",
+        "trainer.mini_batch_size=6", "trainer.micro_batch_size=6"])
+    environment = DiffusionEnvironment(cfg)
+    environment.setup(Accelerator(cpu=True))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a non-trivial LoRA, as after some training
+        for name, p in environment.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    yield environment
+    environment.close()
+
+
+def _cond(env, n):
+    encoded = env.family.encode(env.pipe, ["a red cat", "a blue dog"], max_sequence_length=16, device="cpu")
+    return {k: v.repeat_interleave(n // 2, 0) for k, v in encoded.items()}  # each [n, ...]
+
+
+def _reference_sampler(env, noise, cond, stochastic, record, sde_type, generator):
+    """The sampler the slow way: the checked step at every step, recorded steps written in place."""
+    sigmas, timesteps = env.train_sigmas, env.train_timesteps
+    n = noise.shape[0]
+    latents = noise.float()
+    kept_in = torch.zeros(n, record.shape[1], *latents.shape[1:])
+    kept_out, kept_logp = torch.zeros_like(kept_in), torch.zeros(n, record.shape[1])
+    for i in range(len(timesteps)):
+        v = guided_velocity(env.family, env.model, latents, timesteps[i].expand(n), cond, 1.0)
+        nxt, logp, _, _ = sde_step_with_logprob(v, latents, sigmas[i], sigmas[i + 1],
+                                                noise_level=0.7 if stochastic[i] else 0.0,
+                                                generator=generator, sde_type=sde_type)
+        rows, cols = (record == i).nonzero(as_tuple=True)
+        kept_in[rows, cols], kept_out[rows, cols], kept_logp[rows, cols] = latents[rows], nxt[rows], logp[rows]
+        latents = nxt
+    return latents, kept_in, kept_out, kept_logp
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("sde_type", ["flow", "cps"])
+@pytest.mark.parametrize("noise_level", [0.0, 0.7])
+@pytest.mark.parametrize("given", [False, True])
+def test_unchecked_step_equals_the_checked_one(seed, sde_type, noise_level, given):
+    g = torch.Generator().manual_seed(seed)
+    v, x, prev = (torch.randn(5, 4, 3, 3, generator=g) for _ in range(3))
+    for sigma, sigma_next in [(torch.tensor(1.0), torch.tensor(0.8)), (torch.rand(5, generator=g) * 0.5 + 0.4,
+                                                                       torch.rand(5, generator=g) * 0.3)]:
+        kwargs = dict(noise_level=noise_level, sde_type=sde_type, prev_sample=prev if given else None)
+        checked = sde_step_with_logprob(v, x, sigma, sigma_next, generator=torch.Generator().manual_seed(9), **kwargs)
+        fast = sde_step(v, x, per_sample_sigma(sigma, "sigma", 5, x), per_sample_sigma(sigma_next, "sigma_next", 5, x),
+                        generator=torch.Generator().manual_seed(9), **kwargs)
+        for a, b in zip(checked, fast, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("window,fraction,selection,sde_type", [
+    (0, 1.0, "first", "flow"),  # the tiny config: every step stochastic and recorded
+    (3, 0.67, "random", "flow"),  # a Fast window, a random subset per sample
+    (0, 0.5, "random", "cps"),
+])
+def test_sampler_keeps_what_a_per_step_loop_keeps(env, seed, window, fraction, selection, sde_type):
+    n, steps = 6, len(env.train_timesteps)
+    stochastic = stochastic_steps(steps, window, None, random.Random(seed))
+    record = trained_steps(n, stochastic, fraction, torch.Generator().manual_seed(seed), selection)  # [N, T]
+    noise = torch.randn(n, *env.latent_shape, generator=torch.Generator().manual_seed(seed))
+    cond = _cond(env, n)
+    out = sample_with_logprob(env.family, env.model, noise, env.train_sigmas, env.train_timesteps, cond,
+                              guidance_scale=1.0, noise_level=0.7, stochastic=stochastic, record=record,
+                              sde_type=sde_type, generator=torch.Generator().manual_seed(100 + seed))
+    with torch.no_grad():
+        final, kept_in, kept_out, kept_logp = _reference_sampler(env, noise, cond, stochastic, record, sde_type,
+                                                                 torch.Generator().manual_seed(100 + seed))
+    assert torch.equal(out.final, final)
+    assert torch.equal(out.latents, kept_in) and torch.equal(out.next_latents, kept_out)
+    assert torch.equal(out.logp, kept_logp)
+    assert kept_in.flatten(2).abs().sum(-1).gt(0).all()  # every recorded slot was written (not zeros compared)
+
+
+def test_sampler_without_records_keeps_nothing(env):
+    noise = torch.randn(2, *env.latent_shape, generator=torch.Generator().manual_seed(0))
+    out = sample_with_logprob(env.family, env.model, noise, env.train_sigmas, env.train_timesteps, _cond(env, 2),
+                              guidance_scale=1.0, noise_level=0.0, stochastic=torch.zeros(6, dtype=torch.bool))
+    assert out.latents.shape == out.next_latents.shape == (2, 0, *env.latent_shape)
+    assert out.logp.shape == (2, 0)
+
+
+def test_rescoring_equals_the_checked_step_per_column(env):
+    n, T = 4, 3
+    g = torch.Generator().manual_seed(3)
+    latents, next_latents = torch.randn(n, T, *env.latent_shape, generator=g), torch.randn(n, T, *env.latent_shape, generator=g)
+    index = torch.randint(0, 5, (n, T), generator=g)  # [n, T] any stored steps, per sample
+    sigma, sigma_next, timestep = env.train_sigmas[index], env.train_sigmas[index + 1], env.train_timesteps[index]
+    cond = _cond(env, n)
+    with torch.no_grad():
+        out = rescore_steps(env.family, env.model, latents, next_latents, sigma, sigma_next, timestep, cond,
+                            guidance_scale=1.0, noise_level=0.7)
+        for j in range(T):
+            v = guided_velocity(env.family, env.model, latents[:, j], timestep[:, j], cond, 1.0)
+            _, logp, mean, std = sde_step_with_logprob(v, latents[:, j], sigma[:, j], sigma_next[:, j], noise_level=0.7,
+                                                       prev_sample=next_latents[:, j])
+            assert torch.equal(out["logp"][:, j], logp) and torch.equal(out["mean"][:, j], mean)
+            assert torch.equal(out["std"][:, j], std.flatten())
+
+
+def test_bad_sigmas_are_still_refused_once_for_all_steps(env):
+    noise = torch.randn(2, *env.latent_shape)
+    rising = env.train_sigmas.clone()
+    rising[3] = rising[2] + 0.01  # step 2 would go towards noise
+    with pytest.raises(ValueError, match="sigma_next must be smaller than sigma"):
+        sample_with_logprob(env.family, env.model, noise, rising, env.train_timesteps, _cond(env, 2),
+                            guidance_scale=1.0, noise_level=0.7, stochastic=torch.ones(6, dtype=torch.bool))
+    latents = torch.randn(2, 2, *env.latent_shape)
+    sigma = torch.tensor([[0.9, 0.5], [0.9, 0.5]])
+    with pytest.raises(ValueError, match="sigma_next must be smaller than sigma"):
+        rescore_steps(env.family, env.model, latents, latents, sigma, sigma.flip(1), sigma * 1000, _cond(env, 2),
+                      guidance_scale=1.0, noise_level=0.7)
+    with pytest.raises(ValueError, match=r"must be \[n, T\]"):
+        rescore_steps(env.family, env.model, latents, latents, sigma[:, :1], sigma[:, :1] / 2, sigma * 1000,
+                      _cond(env, 2), guidance_scale=1.0, noise_level=0.7)
+
+
+def test_to_pil_equals_the_image_by_image_conversion():
+    images = torch.rand(5, 3, 7, 9, generator=torch.Generator().manual_seed(0))
+    images[0, 0, 0, 0], images[0, 1, 0, 0] = 0.0, 1.0
+    for image, pil in zip(images, to_pil(images), strict=True):
+        expected = (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()  # [H, W, 3]
+        assert pil.mode == "RGB" and pil.size == (9, 7)
+        assert np.array_equal(np.asarray(pil), expected)
