@@ -189,7 +189,10 @@ def per_sample_sigma(value, name: str, n: int, sample: torch.Tensor) -> torch.Te
 def check_sigmas(sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
     """Raise unless ``0 <= sigma_next < sigma <= 1`` elementwise (bad sigmas give silent NaNs).
 
-    Three host syncs: loops call it once for all their steps (``sde_step``), not per step."""
+    One host sync when they are valid (the three conditions imply ``sigma > 0`` and ``sigma_next < 1``;
+    NaN fails them); loops call it once for all their steps (``sde_step``), not per step."""
+    if bool(((sigma <= 1) & (sigma_next >= 0) & (sigma_next < sigma)).all()):
+        return
     if not bool(((sigma > 0) & (sigma <= 1)).all()):
         raise ValueError(f"sigma must lie in (0, 1], got {sigma.flatten().tolist()}")
     if not bool(((sigma_next >= 0) & (sigma_next < 1)).all()):
