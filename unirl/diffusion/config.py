@@ -96,7 +96,9 @@ class SamplingConfig:
     same_noise_per_group: bool = False
     #: Samples per transformer batch when sampling; finished chunks are scored while the next one samples.
     chunk_size: int = 16
-    #: T5 tokens per prompt (SD3's default is 256; FlowGRPO uses 128).
+    #: T5 tokens per prompt, padded or truncated to it (SD3's pipeline default is 256, FLUX's 512;
+    #: FlowGRPO's train_sd3.py uses 128). Each token joins the transformer's joint attention in every
+    #: block, so keep it as short as the prompts allow (the toy configs use 16).
     max_sequence_length: int = 128
 
     def __post_init__(self):
