@@ -233,3 +233,20 @@ def test_bad_configs_fail_with_the_key(override, match):
     extra = ["sampling.sde_window.range=[0,3]"] if "sde_window" in override else []
     with pytest.raises(ConfigError, match=match):
         load_config(DiffusionConfig, None, [override, *extra])
+
+
+def test_a_run_that_builds_the_toy_pipeline_starts_from_the_same_lora(tiny_sd3_dir, tmp_path, monkeypatch):
+    # Building seeds torch's global generator; the LoRA's initialisation must not depend on whether
+    # the toy pipeline was already in the cache.
+    def lora_after_setup():
+        torch.manual_seed(0)
+        env = make_env(tiny_sd3_dir)
+        return {name: p.detach().clone() for name, p in env.model.named_parameters() if "lora_" in name}
+
+    cached = lora_after_setup()
+    monkeypatch.setenv("UNIRL_CACHE", str(tmp_path))  # an empty cache: this setup builds the pipeline
+    built = lora_after_setup()
+    assert (tmp_path / "tiny-sd3-seed0").is_dir()
+    assert cached.keys() == built.keys() and len(cached) > 0
+    assert all(torch.equal(cached[k], built[k]) for k in cached)
+    assert any(cached[k].abs().sum() > 0 for k in cached)  # the gaussian-initialised A matrices, not only zeros

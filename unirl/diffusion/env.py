@@ -161,7 +161,10 @@ class DiffusionEnvironment(Environment):
         device = accelerator.device
         # 1. Pipeline components of the model family; only the transformer trains.
         self.family = family_for(cfg)
-        self.model_path = resolve_model_path(cfg.model.name_or_path, self.family)
+        # Building a toy pipeline seeds torch's global generator; without the fork a run that builds it
+        # (an empty cache) would initialise its LoRA differently from one that finds it built.
+        with torch.random.fork_rng(devices=[]):
+            self.model_path = resolve_model_path(cfg.model.name_or_path, self.family)
         _check_pipeline_class(self.model_path, self.family)
         pipe = self.family.pipeline_class().from_pretrained(self.model_path, dtype=_DTYPES[cfg.model.dtype])
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
