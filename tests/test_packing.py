@@ -1,10 +1,10 @@
 """Packed rows (``model.share_prompt``): one copy of each prompt, no padding, the same log-probs.
 
 The reference is the padded layout every other trainer uses: one row per sample, the prompt
-left-padded and the response right-padded, positions counting real tokens. The packed rows must give
-the same log-probs and entropies wherever the response mask is 1, and the same gradients for every
-parameter, through a real Qwen2 (sdpa and eager attention, grouped-query heads), on the chunked and
-the full-logits paths, with rows split by ``max_packed_length``.
+left-padded and the response right-padded, positions counting real tokens, transformers' own sdpa
+attention. The packed row with block attention must give the same log-probs and entropies wherever
+the response mask is 1, and the same gradients for every parameter, through a real Qwen2 (grouped-query
+heads), on the chunked and the full-logits paths.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from unirl.core import entropy_from_logits
 from unirl.text.logprobs import response_logprobs
-from unirl.text.packing import check_packable, pack_shared_prompts
+from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -38,50 +38,38 @@ def _right_padded(responses: list[list[int]], R: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-def test_packed_rows_by_hand():
-    # Samples 0 and 2 share the prompt (5, 6); sample 1 has its own; sample 3 has an empty response.
+def test_packed_row_by_hand():
+    # Samples 0 and 2 share the prompt (5, 6); samples 1 and 3 share (9,); sample 3's response is empty.
     prompt_ids, prompt_mask = _left_padded([[5, 6], [9], [5, 6], [9]], P=3)
     response_ids, response_mask = _right_padded([[7, 8], [10, 11, 12], [13], []], R=3)
-    packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask, max_length=100, pad_id=0)
-    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 13], [9, 10, 11, 12, 0]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 0]]
-    assert packed.segments.tolist() == [[0, 0, 1, 1, 2], [0, 1, 1, 1, -1]]
-    # Token 0 is predicted by the prompt's last token, token j by the sample's token j-1 (flat index
-    # into 2 rows x 5); padded positions point at 0.
+    packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 13, 9, 10, 11, 12]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3]]
+    # Token 0 is predicted by the prompt's last token, token j by the sample's token j-1; padded
+    # positions point at token 0.
     assert packed.source.tolist() == [[1, 2, 0], [5, 6, 7], [1, 0, 0], [0, 0, 0]]
-    mask = packed.attention_mask()[:, 0].int().tolist()
-    assert mask[0] == [[1, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 0],
-                       [1, 1, 1, 0, 0],
-                       [1, 1, 1, 1, 0],
-                       [1, 1, 0, 0, 1]]  # sample 2's token sees the prompt and itself, not sample 0's
-    assert mask[1] == [[1, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 0],
-                       [1, 1, 1, 0, 0],
-                       [1, 1, 1, 1, 0],
-                       [1, 0, 0, 0, 1]]  # padding sees the prompt and itself: no empty softmax row
-    additive = packed.attention_mask(torch.float32)
-    assert torch.equal(additive == 0, packed.attention_mask())
-    assert (additive[additive != 0] == torch.finfo(torch.float32).min).all()
+    b = packed.blocks
+    # Blocks: prompt (5, 6); sample 0; sample 2; prompt (9,); sample 1. Padded to 3 queries, 4 keys.
+    assert b.queries.tolist() == [[0, 1, 0], [2, 3, 0], [4, 0, 0], [5, 0, 0], [6, 7, 8]]
+    assert b.keys.tolist() == [[0, 1, 0, 0], [0, 1, 2, 3], [0, 1, 4, 0], [5, 0, 0, 0], [5, 6, 7, 8]]
+    mask = b.mask[:, 0].int().tolist()
+    assert mask[0] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]]  # causal prompt; a padded query sees one key
+    assert mask[1] == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]  # the prompt, then its own tokens causally
+    assert mask[2] == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 0, 0, 0]]  # sample 2 never sees sample 0
+    assert mask[4] == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    # Where each token's output lands in the flattened [5 blocks x 3 queries].
+    assert b.inverse.tolist() == [0, 1, 3, 4, 6, 9, 12, 13, 14]
 
 
-def test_a_full_row_starts_another_with_the_prompt_again():
-    prompt_ids, prompt_mask = _left_padded([[3, 4]] * 3 + [[5]], P=2)
-    response_ids, response_mask = _right_padded([[6, 7], [8, 9], [10, 11], [1, 2, 3, 4, 5, 6, 7]], R=7)
-    packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask, max_length=6, pad_id=0)
-    rows = [[t for t, s in zip(ids, seg) if s >= 0] for ids, seg in zip(packed.input_ids.tolist(),
-                                                                         packed.segments.tolist())]
-    # Rows open in the samples' order: the third sample no longer fits the first row; the fourth alone
-    # (8 tokens) is longer than max_length and gets a row of its own.
-    assert rows == [[3, 4, 6, 7, 8, 9], [3, 4, 10, 11], [5, 1, 2, 3, 4, 5, 6, 7]]
-
-
-def test_a_response_mask_with_a_hole_is_refused_naming_the_sample():
+def test_a_response_mask_with_a_hole_or_an_empty_prompt_is_refused_naming_the_sample():
     prompt_ids, prompt_mask = _left_padded([[3], [3]], P=1)
     response_ids = torch.tensor([[4, 5, 6], [4, 5, 6]])
     response_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
     with pytest.raises(ValueError, match="sample 1: model.share_prompt packs right-padded responses"):
-        pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask, max_length=10)
+        pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask)
+    prompt_ids, prompt_mask = _left_padded([[3], []], P=1)
+    with pytest.raises(ValueError, match="sample 1 has an empty prompt"):
+        pack_shared_prompts(prompt_ids, prompt_mask, response_ids, torch.ones(2, 3))
 
 
 def _qwen2(attn: str, seed: int):
@@ -131,25 +119,23 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("chunk_size", [5, None])
-@pytest.mark.parametrize("max_length", [100, 12])
-def test_packed_rows_give_the_padded_logprobs_and_gradients(attn, chunk_size, max_length):
+def test_packed_row_gives_the_padded_logprobs_and_gradients(chunk_size):
     for seed in range(3):
-        model = _qwen2(attn, seed)
+        model = _qwen2("sdpa", seed)
         prompt_ids, prompt_mask, response_ids, response_mask = _grouped_batch(seed)
-        packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask,
-                                     max_length=max_length, pad_id=0)
-        if max_length == 100:  # one row per prompt; far fewer tokens than the padded rows
-            assert packed.input_ids.shape[0] == 3
-            assert packed.input_ids.numel() < 0.6 * (prompt_ids.numel() + response_ids.numel())
-        else:
-            assert packed.input_ids.shape[0] > 3  # some prompts needed a second row
-        mask_dtype = torch.float32 if attn == "eager" else None
-        logp, entropy = response_logprobs(model, model.lm_head, packed.input_ids, packed.attention_mask(mask_dtype),
-                                          packed.position_ids, response_ids, temperature=0.7, chunk_size=chunk_size,
-                                          with_entropy=True, source=packed.source)
         want_logp, want_entropy = _padded_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, 0.7)
+        use_packed_attention(model)
+        assert model.config._attn_implementation == "unirl_packed"
+        packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask)
+        # Each prompt once, no padding: the real tokens only.
+        distinct = {tuple(p[m.bool()].tolist()) for p, m in zip(prompt_ids, prompt_mask)}
+        assert len(distinct) == 3
+        assert packed.input_ids.shape[1] == sum(len(p) for p in distinct) + int(response_mask.sum())
+        placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+        logp, entropy = response_logprobs(model, model.lm_head, packed.input_ids, placeholder, packed.position_ids,
+                                          response_ids, temperature=0.7, chunk_size=chunk_size, with_entropy=True,
+                                          source=packed.source, model_kwargs={"unirl_blocks": packed.blocks})
         mask = response_mask.bool()
         torch.testing.assert_close(logp[mask], want_logp[mask], **TOL)
         torch.testing.assert_close(entropy[mask], want_entropy[mask], **TOL)
@@ -157,11 +143,25 @@ def test_packed_rows_give_the_padded_logprobs_and_gradients(attn, chunk_size, ma
         w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed + 10))
         ((w * logp - 0.1 * entropy) * response_mask).sum().backward()
         got = _grads(model)
+        # The reference gradients: the padded rows through the same (switched) model, whose attention
+        # is transformers' sdpa when no blocks are given.
+        want_logp, want_entropy = _padded_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, 0.7)
         ((w * want_logp - 0.1 * want_entropy) * response_mask).sum().backward()
         want = _grads(model)
         assert got.keys() == want.keys() and "model.embed_tokens.weight" in got
         for name in want:
             torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+
+
+def test_the_switched_model_generates_as_before():
+    """Without blocks the packed attention is sdpa: left-padded generation is unchanged."""
+    model = _qwen2("sdpa", 0).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    attn = (ids != 0).long()
+    kwargs = dict(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    before = model.generate(**kwargs)
+    use_packed_attention(model)
+    assert torch.equal(model.generate(**kwargs), before)
 
 
 def _text_env(tmp_path, *overrides):
@@ -264,12 +264,13 @@ def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
             trainer.env.close()
 
 
-def test_models_the_packed_mask_would_not_fit_are_refused():
+def test_models_the_packed_blocks_would_not_reproduce_are_refused():
     from transformers import Qwen2Config
 
     check_packable(Qwen2Config(attn_implementation="sdpa"))  # Qwen2 without its (off by default) window
-    with pytest.raises(ValueError, match="'flash_attention_2' does not take.*model.share_prompt=false"):
-        check_packable(SimpleNamespace(_attn_implementation="flash_attention_2"))
+    for impl in ("eager", "flash_attention_2"):
+        with pytest.raises(ValueError, match=f"'{impl}' attention.*model.share_prompt=false"):
+            check_packable(SimpleNamespace(_attn_implementation=impl))
     windowed = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=2,
                            attn_implementation="sdpa")
     with pytest.raises(ValueError, match="sliding-window attention .*model.share_prompt=false"):
@@ -278,8 +279,11 @@ def test_models_the_packed_mask_would_not_fit_are_refused():
         check_packable(SimpleNamespace(_attn_implementation="sdpa", sliding_window=4096))
 
 
-def test_max_packed_length_is_checked(tmp_path):
-    from unirl.cli import load_run_config
+def test_a_checkpoint_of_a_packed_run_loads_with_plain_sdpa(tmp_path):
+    from transformers import AutoModelForCausalLM
 
-    with pytest.raises(ValueError, match="model.max_packed_length must be >= 1"):
-        load_run_config("text", "tiny", ["model.max_packed_length=0"], output_dir=str(tmp_path))
+    model = _qwen2("sdpa", 0)
+    use_packed_attention(model)
+    model.save_pretrained(tmp_path)
+    assert "unirl_packed" not in (tmp_path / "config.json").read_text()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"

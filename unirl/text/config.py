@@ -33,15 +33,12 @@ class ModelConfig:
     #: a plain linear layer, e.g. LoRA on lm_head, or the model changes the logits after it).
     logprob_chunk_size: Optional[int] = 1024
     #: Responses to the same prompt share one copy of it in the trainer's forward passes: each
-    #: micro-batch is packed into rows [prompt, response 1, response 2, ...] without padding, with a
-    #: block attention mask and position ids that give every token the context it has in its own
-    #: padded row, so the log-probs are the same (unirl/text/packing.py). The prompt's G copies and the
-    #: padding are not computed: on the README's speed shape the update takes ~25% less time. Needs
-    #: sdpa or eager attention and no sliding window (checked at setup); false: one padded row per sample.
+    #: micro-batch becomes one row of its real tokens (each prompt once, then its responses; no
+    #: padding), the linear layers run over those tokens only, and attention runs per block (a response
+    #: sees its prompt and its own earlier tokens, at the positions of its padded row), so the log-probs
+    #: are the padded layout's (unirl/text/packing.py). Needs sdpa attention and no sliding window
+    #: (checked at setup); false: one padded row per sample.
     share_prompt: bool = True
-    #: Longest packed row in tokens: attention runs over the whole row (its cost grows with the square
-    #: of the length), so a prompt's responses that do not fit start a new row with the prompt again.
-    max_packed_length: int = 4096
 
 
 @dataclass
@@ -105,7 +102,5 @@ class TextConfig:
             raise ValueError("rewards: at least one reward is needed")
         if self.model.logprob_chunk_size is not None and self.model.logprob_chunk_size < 1:
             raise ValueError(f"model.logprob_chunk_size must be >= 1 or null, got {self.model.logprob_chunk_size}")
-        if self.model.max_packed_length < 1:
-            raise ValueError(f"model.max_packed_length must be >= 1, got {self.model.max_packed_length}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")

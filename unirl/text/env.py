@@ -19,7 +19,7 @@ from unirl.text.config import TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
-from unirl.text.packing import check_packable, pack_shared_prompts
+from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,10 +55,9 @@ class TextEnvironment(Environment):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         dtype = _DTYPES[cfg.model.dtype]
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
-        if cfg.model.share_prompt:
+        if cfg.model.share_prompt:  # block attention for packed rows, sdpa otherwise (unirl/text/packing.py)
             check_packable(model.config)
-        #: Packed rows' mask: bool for sdpa, additive (0 / dtype min) for eager attention.
-        self._packed_mask_dtype = dtype if model.config._attn_implementation == "eager" else None
+            use_packed_attention(model)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # 2. Reference: the same weights with the LoRA disabled, or a frozen copy.
@@ -177,19 +176,20 @@ class TextEnvironment(Environment):
         t = {k: v.to(device) for k, v in batch.tensors.items()}
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         if self.cfg.model.share_prompt:  # one copy of each prompt, no padding (unirl/text/packing.py)
-            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"],
-                                         max_length=self.cfg.model.max_packed_length,
-                                         pad_id=self.tokenizer.pad_token_id)
-            ids, positions, source = packed.input_ids, packed.position_ids, packed.source
-            attn = packed.attention_mask(self._packed_mask_dtype)  # [rows, 1, L, L]
+            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"])
+            ids, positions, source = packed.input_ids, packed.position_ids, packed.source  # [1, T], [1, T], [n, R]
+            # The attention is the blocks'; a 4-D mask is taken as given, so transformers builds no [T, T] one.
+            attn = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+            extra = {"unirl_blocks": packed.blocks}
         else:
             ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
             attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], dim=1)
-            positions, source = (attn.cumsum(-1) - 1).clamp(min=0), None
+            positions, source, extra = (attn.cumsum(-1) - 1).clamp(min=0), None, None
         logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
                                           temperature=self.cfg.rollout.temperature,
                                           chunk_size=self.cfg.model.logprob_chunk_size,
-                                          with_entropy=self.cfg.algo.entropy_coef > 0, source=source)  # [n, R] each
+                                          with_entropy=self.cfg.algo.entropy_coef > 0, source=source,
+                                          model_kwargs=extra)  # [n, R] each
         out = {"logp": logp, "mask": t["response_mask"]}
         if entropy is not None:
             out["entropy"] = entropy

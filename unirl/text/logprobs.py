@@ -229,20 +229,22 @@ def _head_computes_logprobs(head: torch.nn.Linear, targets: torch.Tensor, *, tem
 def response_logprobs(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, position_ids: torch.Tensor, response_ids: torch.Tensor, *,
                       temperature: float, chunk_size: Optional[int], with_entropy: bool = False,
-                      source: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      source: Optional[torch.Tensor] = None,
+                      model_kwargs: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of ``response_ids`` [n, R], the last R of ``input_ids`` [n, P+R], under
     the causal LM ``model`` (possibly DDP/Accelerate/PEFT-wrapped; its forward always runs).
 
-    With ``source`` [n, R], ``input_ids`` are packed rows ``[rows, L]`` (``attention_mask`` their
-    ``[rows, 1, L, L]`` mask) and flattened position ``source[i, j]`` predicts ``response_ids[i, j]``
-    (``unirl.text.packing``).
+    With ``source`` [n, R], ``input_ids`` are packed rows ``[rows, L]`` and flattened position
+    ``source[i, j]`` predicts ``response_ids[i, j]`` (``unirl.text.packing``); ``model_kwargs`` go
+    to the model's forward as they are (the packed attention blocks).
 
     ``head`` is the unwrapped model's ``get_output_embeddings()``. ``chunk_size`` tokens at a time
     through ``token_logprobs`` inside the model's forward (module docstring), or, when None, from the
     model's full ``[n, R, V]`` logits. The chunked path needs the head's output to be the model's
     logits (no soft-capping or scaling after it): anything else is an error, not a silent difference.
     """
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                  **(model_kwargs or {}))
     R = response_ids.shape[1]
     if chunk_size is None:
         from unirl.core import entropy_from_logits

@@ -1,25 +1,25 @@
-"""One copy of each prompt in the trainer's forward: a micro-batch packed as [prompt, response 1, ...].
+"""One copy of each prompt and no padding in the trainer's forward (``model.share_prompt``).
 
 GRPO samples G responses per prompt, and the trainer's log-prob pass usually sees each as its own
 row ``[left-padded prompt | right-padded response]``: the prompt's tokens go through every layer G
 times and every row is as long as the longest sample. Causal attention makes the prompt's hidden
-states independent of what follows it, so one copy serves all its responses:
+states independent of what follows it, so one copy serves all its responses. A micro-batch becomes
+one row of its real tokens only:
 
-    row    = [p_1 .. p_P | a_1 .. a_La | b_1 .. b_Lb | ... | pad]
-    pos    = [0  .. P-1  | P .. P+La-1 | P .. P+Lb-1 | ... | 0  ]
-    may attend to: the prompt, and the earlier tokens of its own segment
+    tokens = [p_1 .. p_P | a_1 .. a_La | b_1 .. b_Lb | q_1 .. q_Q | c_1 .. c_Lc | ...]
+    pos    = [0  .. P-1  | P .. P+La-1 | P .. P+Lb-1 | 0  .. Q-1 | Q .. Q+Lc-1 | ...]
 
-The block mask and position ids make every response token see exactly the context it sees in its own
-padded row (the prompt, then its own earlier tokens, at the same positions), so the log-probs are
-the same up to float rounding (``tests/test_packing.py``: values and gradients). The linear layers,
-most of a step's compute, then process ``P + sum(L)`` tokens per prompt instead of ``G * (P + max L)``;
-attention is computed over the whole row (masked), which costs ``row_length**2`` per row: rows are
-therefore capped at ``max_length`` tokens, a prompt's responses that do not fit start another row
-with the prompt again.
+The linear layers, norms and MLPs (most of a step's compute) run over these tokens only. Attention
+runs per block (``packed_attention``): a prompt's tokens attend causally to the prompt, a response's
+tokens to their prompt and causally to their own earlier tokens, each block gathered into a small
+padded batch for ``scaled_dot_product_attention``. Every token therefore sees exactly the keys, values
+and positions it sees in its own padded row, and the log-probs and gradients are the padded layout's
+up to float rounding (``tests/test_packing.py``).
 
-Needs a model whose attention takes a custom 4-D mask and explicit position ids (transformers'
-``sdpa`` and ``eager`` implementations, no sliding-window layers): ``check_packable`` says so at
-setup rather than training on different log-probs.
+The model's attention implementation is set to ``unirl_packed`` at setup: it computes block attention
+when the forward is given ``unirl_blocks`` and is transformers' ``sdpa`` otherwise (generation,
+evaluation), with ``sdpa``'s masks. Models whose attention is not ``sdpa`` or that have sliding
+windows are refused by ``check_packable`` rather than trained on other log-probs.
 """
 
 from __future__ import annotations
@@ -27,41 +27,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-#: Attention implementations that apply a custom [rows, 1, L, L] mask as given.
-PACKABLE_ATTENTION = ("sdpa", "eager")
+#: The attention implementation name registered with transformers.
+PACKED_ATTENTION = "unirl_packed"
 
 
 @dataclass
-class PackedRows:
-    """A micro-batch of n samples packed into ``rows`` rows of ``L`` tokens.
+class AttentionBlocks:
+    """Which tokens of the packed row attend to which, as B blocks padded to O queries and K keys.
 
-    ``source[i, j]`` is the flat index (into ``rows * L``) of the token whose hidden state predicts
-    response token j of sample i: the prompt's last token for j = 0, else the sample's own token j-1.
-    Padded response positions (j >= the sample's length) point at index 0; their values are
-    whatever the caller's response mask makes of them.
-    """
+    Block b's queries are tokens ``queries[b, :o_b]``; its keys are ``keys[b, :c_b + o_b]``: c_b
+    context tokens (its prompt, for a response block; none for a prompt block) visible to every
+    query, then the queries themselves, causally. ``inverse[t]`` is where token t's output lands in
+    the flattened ``[B * O]`` block outputs."""
 
-    input_ids: torch.Tensor  # [rows, L]
-    position_ids: torch.Tensor  # [rows, L]
-    segments: torch.Tensor  # [rows, L]: 0 prompt, k >= 1 the row's k-th response, -1 padding
+    queries: torch.Tensor  # [B, O] token indices (padding: 0)
+    keys: torch.Tensor  # [B, K] token indices (padding: 0)
+    mask: torch.Tensor  # [B, 1, O, K] bool: True where a query attends
+    inverse: torch.Tensor  # [T]
+
+
+@dataclass
+class PackedBatch:
+    """n samples as one row of T tokens; ``source[i, j]`` is the token whose hidden state predicts
+    response token j of sample i (the prompt's last token for j = 0, else the sample's token j-1).
+    Padded response positions (j >= the sample's length) point at token 0; their values are whatever
+    the caller's response mask makes of them."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
     source: torch.Tensor  # [n, R]
-
-    def attention_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[rows, 1, L, L]: True (or 0.0) where a token may attend: earlier-or-same tokens of its own
-        segment and of the prompt. Padding attends to the prompt and earlier padding, so no row of the
-        softmax is empty. ``dtype`` None gives a bool mask (sdpa); a float dtype gives the additive
-        form (0 or the dtype's minimum) that eager attention adds to its scores."""
-        seg = self.segments
-        L = seg.shape[1]
-        causal = torch.ones(L, L, dtype=torch.bool, device=seg.device).tril_()  # [L, L]
-        same = seg[:, :, None] == seg[:, None, :]  # [rows, L(query), L(key)]
-        prompt_key = (seg == 0)[:, None, :]  # [rows, 1, L(key)]
-        allowed = (same | prompt_key) & causal  # [rows, L, L]
-        allowed = allowed[:, None]  # [rows, 1, L, L]
-        if dtype is None:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=seg.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    blocks: AttentionBlocks
 
 
 def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
@@ -76,72 +73,114 @@ def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                        response_mask: torch.Tensor, *, max_length: int, pad_id: int = 0) -> PackedRows:
-    """Pack n samples (left-padded prompts [n, P], right-padded responses [n, R]) into rows that hold
-    each distinct prompt once followed by its samples' responses, in the samples' order.
-
-    Samples share a row when their prompts are the same tokens (whatever their group ids say). A row
-    holds at most ``max_length`` tokens; a sample whose prompt and response alone are longer gets a
-    row of its own.
-    """
+                        response_mask: torch.Tensor) -> PackedBatch:
+    """Pack n samples (left-padded prompts [n, P], right-padded responses [n, R]) into one row that
+    holds each distinct prompt once, followed by its samples' responses in the samples' order.
+    Samples share a prompt when its tokens are the same (whatever their group ids say)."""
     n, P = prompt_ids.shape
     R = response_ids.shape[1]
     prompt_len = prompt_mask.sum(-1).long().tolist()  # left-padded: the real tokens are the last ones
     resp_len = response_lengths(response_mask).tolist()
-    prompts = prompt_ids.tolist()
-    responses = response_ids.tolist()
+    prompts, responses = prompt_ids.tolist(), response_ids.tolist()
 
-    # Rows as lists of samples, filled in the samples' order.
-    open_rows: dict[tuple, int] = {}  # prompt tokens -> index of its row still being filled
-    rows: list[tuple[list[int], list[int]]] = []  # (prompt tokens, sample indices)
-    used: list[int] = []  # tokens in each row
+    by_prompt: dict[tuple, list[int]] = {}  # prompt tokens -> its samples, in order
     for i in range(n):
-        prompt = tuple(prompts[i][P - prompt_len[i]:])
-        r = open_rows.get(prompt)
-        if r is None or used[r] + resp_len[i] > max_length:
-            r = len(rows)
-            rows.append((list(prompt), []))
-            used.append(len(prompt))
-            open_rows[prompt] = r
-        rows[r][1].append(i)
-        used[r] += resp_len[i]
+        if prompt_len[i] == 0:
+            raise ValueError(f"sample {i} has an empty prompt: its first response token has no context to come from")
+        by_prompt.setdefault(tuple(prompts[i][P - prompt_len[i]:]), []).append(i)
 
-    L = max(used)
-    input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), L), dtype=torch.long)
-    segments = torch.full((len(rows), L), -1, dtype=torch.long)
+    tokens: list[int] = []
+    positions: list[int] = []
     source = torch.zeros((n, R), dtype=torch.long)
-    for r, (prompt, samples) in enumerate(rows):
-        p, base = len(prompt), r * L
-        input_ids[r, :p] = torch.tensor(prompt, dtype=torch.long)
-        position_ids[r, :p] = torch.arange(p)
-        segments[r, :p] = 0
-        start = p
-        for k, i in enumerate(samples, start=1):
-            length = resp_len[i]
+    block_queries: list[range] = []  # each block's query tokens
+    block_context: list[range] = []  # each block's always-visible context tokens
+    for prompt, samples in by_prompt.items():
+        start, p = len(tokens), len(prompt)
+        tokens.extend(prompt)
+        positions.extend(range(p))
+        prompt_tokens = range(start, start + p)
+        block_queries.append(prompt_tokens)
+        block_context.append(range(0))
+        for i in samples:
+            length, first = resp_len[i], len(tokens)
             if length == 0:
                 continue
-            input_ids[r, start:start + length] = torch.tensor(responses[i][:length], dtype=torch.long)
-            position_ids[r, start:start + length] = torch.arange(p, p + length)
-            segments[r, start:start + length] = k
+            tokens.extend(responses[i][:length])
+            positions.extend(range(p, p + length))
+            block_queries.append(range(first, first + length))
+            block_context.append(prompt_tokens)
             # Token 0 is predicted by the prompt's last token, token j by the sample's token j-1.
-            source[i, 0] = base + p - 1
-            source[i, 1:length] = torch.arange(base + start, base + start + length - 1)
-            start += length
+            source[i, 0] = start + p - 1
+            source[i, 1:length] = torch.arange(first, first + length - 1)
+
+    B = len(block_queries)
+    O = max(len(q) for q in block_queries)
+    K = max(len(c) + len(q) for c, q in zip(block_context, block_queries))
+    queries = torch.zeros((B, O), dtype=torch.long)
+    keys = torch.zeros((B, K), dtype=torch.long)
+    inverse = torch.empty(len(tokens), dtype=torch.long)
+    for b, (c, q) in enumerate(zip(block_context, block_queries)):
+        queries[b, :len(q)] = torch.arange(q.start, q.stop)
+        keys[b, :len(c)] = torch.arange(c.start, c.stop)
+        keys[b, len(c):len(c) + len(q)] = torch.arange(q.start, q.stop)
+        inverse[q.start:q.stop] = b * O + torch.arange(len(q))
+    ctx = torch.tensor([len(c) for c in block_context])[:, None, None]  # [B, 1, 1]
+    own = torch.tensor([len(q) for q in block_queries])[:, None, None]
+    qi, ki = torch.arange(O)[None, :, None], torch.arange(K)[None, None, :]
+    mask = (qi < own) & ((ki < ctx) | ((ki - ctx <= qi) & (ki < ctx + own)))  # [B, O, K]
+    mask |= (qi >= own) & (ki == 0)  # padded queries look at one key: no empty softmax row
     device = prompt_ids.device
-    return PackedRows(input_ids.to(device), position_ids.to(device), segments.to(device), source.to(device))
+    blocks = AttentionBlocks(queries.to(device), keys.to(device), mask[:, None].to(device), inverse.to(device))
+    return PackedBatch(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
+                       source.to(device), blocks)
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     unirl_blocks: AttentionBlocks | None = None, **kwargs):
+    """transformers attention function: block attention over a packed row when ``unirl_blocks`` is
+    given (query [1, H, T, d], key and value [1, H_kv, T, d]), else transformers' ``sdpa``.
+    Returns ``([1, T, H, d], None)`` as ``sdpa`` does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if unirl_blocks is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    blocks = unirl_blocks
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]}")
+    H, T, d = query.shape[1], query.shape[2], query.shape[3]
+    q = query[0].transpose(0, 1)[blocks.queries].transpose(1, 2)  # [B, H, O, d]
+    k = key[0].transpose(0, 1)[blocks.keys].transpose(1, 2)  # [B, H_kv, K, d]
+    v = value[0].transpose(0, 1)[blocks.keys].transpose(1, 2)
+    if k.shape[1] != H:  # grouped-query attention: each key/value head serves H / H_kv query heads
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=blocks.mask, dropout_p=dropout, scale=scaling)
+    out = out.transpose(1, 2).reshape(-1, H, d)[blocks.inverse]  # [T, H, d]
+    return out.unsqueeze(0), None
+
+
+def use_packed_attention(model) -> None:
+    """Register ``packed_attention`` (with ``sdpa``'s masks) with transformers and switch ``model`` to
+    it. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(PACKED_ATTENTION)
 
 
 def check_packable(config) -> None:
-    """Refuse, naming the setting, a model whose attention would not apply the packed rows' mask."""
+    """Refuse, naming the setting, a model whose attention block attention would not reproduce."""
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in PACKABLE_ATTENTION:
-        raise ValueError(f"model.share_prompt=true packs responses behind one copy of their prompt with a custom "
-                         f"4-D attention mask, which attention implementation {impl!r} does not take (it works with "
-                         f"{' or '.join(PACKABLE_ATTENTION)}): set model.share_prompt=false")
+    if impl not in ("sdpa", PACKED_ATTENTION):
+        raise ValueError(f"model.share_prompt=true computes attention per packed block in place of the model's "
+                         f"{impl!r} attention, which it reproduces only for 'sdpa': load the model with sdpa "
+                         f"attention or set model.share_prompt=false")
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in layer_types or (window is not None and not layer_types):
         raise ValueError(f"model.share_prompt=true replaces the model's attention masks, and this model has "
-                         f"sliding-window attention (sliding_window={window}) that the packed mask would not "
+                         f"sliding-window attention (sliding_window={window}) that the packed blocks would not "
                          f"apply: set model.share_prompt=false")
