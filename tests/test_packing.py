@@ -287,3 +287,24 @@ def test_a_checkpoint_of_a_packed_run_loads_with_plain_sdpa(tmp_path):
     model.save_pretrained(tmp_path)
     assert "unirl_packed" not in (tmp_path / "config.json").read_text()
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
+
+
+def test_packed_blocks_reach_the_attention_under_gradient_checkpointing():
+    """Checkpointed layers recompute the forward in backward: the blocks must travel with it."""
+    model = _qwen2("sdpa", 1)
+    model.gradient_checkpointing_enable()
+    prompt_ids, prompt_mask, response_ids, response_mask = _grouped_batch(1)
+    want_logp, _ = _padded_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, 1.0)
+    (want_logp * response_mask).sum().backward()
+    want = _grads(model)
+    use_packed_attention(model)
+    packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask)
+    logp, _ = response_logprobs(model, model.lm_head, packed.input_ids, torch.ones((1, 1, 1, 1), dtype=torch.bool),
+                                packed.position_ids, response_ids, temperature=1.0, chunk_size=4,
+                                source=packed.source, model_kwargs={"unirl_blocks": packed.blocks})
+    mask = response_mask.bool()
+    torch.testing.assert_close(logp[mask], want_logp[mask], **TOL)
+    (logp * response_mask).sum().backward()
+    got = _grads(model)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
