@@ -47,6 +47,10 @@ class AttentionBlocks:
     mask: torch.Tensor  # [B, 1, O, K] bool: True where a query attends
     inverse: torch.Tensor  # [T]
 
+    def to(self, device) -> "AttentionBlocks":
+        return AttentionBlocks(self.queries.to(device), self.keys.to(device), self.mask.to(device),
+                               self.inverse.to(device))
+
 
 @dataclass
 class PackedBatch:
@@ -113,26 +117,32 @@ def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, res
             source[i, 0] = start + p - 1
             source[i, 1:length] = torch.arange(first, first + length - 1)
 
-    B = len(block_queries)
-    O = max(len(q) for q in block_queries)
-    K = max(len(c) + len(q) for c, q in zip(block_context, block_queries))
-    queries = torch.zeros((B, O), dtype=torch.long)
-    keys = torch.zeros((B, K), dtype=torch.long)
-    inverse = torch.empty(len(tokens), dtype=torch.long)
-    for b, (c, q) in enumerate(zip(block_context, block_queries)):
-        queries[b, :len(q)] = torch.arange(q.start, q.stop)
-        keys[b, :len(c)] = torch.arange(c.start, c.stop)
-        keys[b, len(c):len(c) + len(q)] = torch.arange(q.start, q.stop)
+    device = prompt_ids.device
+    blocks = _attention_blocks(block_context, block_queries, len(tokens)).to(device)
+    return PackedBatch(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
+                       source.to(device), blocks)
+
+
+def _attention_blocks(context: list[range], queries: list[range], num_tokens: int) -> AttentionBlocks:
+    """The blocks of a packed row: block b's queries are the tokens ``queries[b]``, which see every
+    token of ``context[b]`` and, causally, each other."""
+    B = len(queries)
+    O = max(len(q) for q in queries)
+    K = max(len(c) + len(q) for c, q in zip(context, queries))
+    query_idx = torch.zeros((B, O), dtype=torch.long)
+    key_idx = torch.zeros((B, K), dtype=torch.long)
+    inverse = torch.empty(num_tokens, dtype=torch.long)
+    for b, (c, q) in enumerate(zip(context, queries)):
+        query_idx[b, :len(q)] = torch.arange(q.start, q.stop)
+        key_idx[b, :len(c)] = torch.arange(c.start, c.stop)
+        key_idx[b, len(c):len(c) + len(q)] = torch.arange(q.start, q.stop)
         inverse[q.start:q.stop] = b * O + torch.arange(len(q))
-    ctx = torch.tensor([len(c) for c in block_context])[:, None, None]  # [B, 1, 1]
-    own = torch.tensor([len(q) for q in block_queries])[:, None, None]
+    ctx = torch.tensor([len(c) for c in context])[:, None, None]  # [B, 1, 1]
+    own = torch.tensor([len(q) for q in queries])[:, None, None]
     qi, ki = torch.arange(O)[None, :, None], torch.arange(K)[None, None, :]
     mask = (qi < own) & ((ki < ctx) | ((ki - ctx <= qi) & (ki < ctx + own)))  # [B, O, K]
     mask |= (qi >= own) & (ki == 0)  # padded queries look at one key: no empty softmax row
-    device = prompt_ids.device
-    blocks = AttentionBlocks(queries.to(device), keys.to(device), mask[:, None].to(device), inverse.to(device))
-    return PackedBatch(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
-                       source.to(device), blocks)
+    return AttentionBlocks(query_idx, key_idx, mask[:, None], inverse)
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
