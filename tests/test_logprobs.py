@@ -290,6 +290,10 @@ def _ddp_worker(rank: int, port: int, out_dir: str):
             if rank == 0:
                 torch.save({n: p.grad for n, p in model.named_parameters()},
                            os.path.join(out_dir, f"ddp-{tied}-{find_unused}.pt"))
+        # Both processes done before either tears gloo down: one leaving while the other still
+        # works aborted it now and then ("terminate called without an active exception", about 1
+        # run in 5 under load; 0 in 30 with this barrier).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

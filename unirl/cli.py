@@ -75,7 +75,12 @@ def train(env_name: str, config: str, overrides: list[str], output_dir: str | No
     env = _import(ENVIRONMENTS[env_name][1])(cfg)
     trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
                       config_dict=resolved)
-    return trainer.train()
+    history = trainer.train()
+    # Several processes leave together: one tearing the process group down while another is still
+    # busy (the main process writing logs) can abort gloo ("terminate called without an active exception").
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.state.destroy_process_group()
+    return history
 
 
 def evaluate(env_name: str, config: str, overrides: list[str], checkpoint: str, output_dir: str | None, n: int,

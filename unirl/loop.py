@@ -129,8 +129,8 @@ class Trainer:
             _restore_signal_handlers(previous)
             if progress is not None:
                 progress.close()
-            if self.cfg.log_with:
-                self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:  # not end_training: the process group is the caller's
+                tracker.finish()
             self.env.close()
         return history
 
