@@ -29,6 +29,7 @@ from unirl.core import (
     group_stats,
     kl_divergence,
     masked_mean,
+    policy_loss_metrics,
     truncated_importance_weights,
 )
 
@@ -509,6 +510,47 @@ def test_dual_clip_by_hand():
     close(loss, (5.0 + 2.0 - 1.2) / 3)
     with pytest.raises(ValueError, match="dual_clip must be None or > 1"):
         clipped_policy_loss(logp, old, adv, mask, dual_clip=1.0)
+
+
+def test_policy_loss_metrics_by_hand():
+    # The hand example's figures, without the loss (a loss computed in pieces logs these once).
+    logp, old, adv, mask = _hand_example()
+    m = policy_loss_metrics(logp.requires_grad_(True), old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
+    close(m["clip_frac"], 0.5)
+    close(m["clip_frac_low"], 0.25)
+    close(m["clip_frac_high"], 0.25)
+    close(m["ratio_mean"], (1.5 + 0.5 + 1.1 + 0.7) / 4)
+    close(m["ratio_max"], 1.5)
+    close(m["ratio_min"], 0.5)
+    close(m["approx_kl"], sum(r - 1 - math.log(r) for r in [1.5, 0.5, 1.1, 0.7]) / 4)
+    close(m["dual_clip_frac"], 0.0)  # no ratio above 3
+    assert all(not v.requires_grad for v in m.values())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+def test_policy_loss_metrics_equal_those_of_the_loss(seed, level, dual_clip):
+    """``with_metrics=False`` gives the same loss and gradient and no figures; ``policy_loss_metrics``
+    gives the loss's figures exactly, for advantages [N] and [N, T]."""
+    g, mask = _random_batch(seed)
+    old = torch.randn(mask.shape, generator=g, dtype=F64) - 2
+    logp = old + 0.4 * torch.randn(mask.shape, generator=g, dtype=F64)
+    logp[~mask] = 99.0  # junk where masked out
+    for adv in (torch.randn(mask.shape[0], generator=g, dtype=F64), torch.randn(mask.shape, generator=g, dtype=F64)):
+        kwargs = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, level=level)
+        agg = "seq-mean-token-mean" if level == "sequence" else "token-mean"
+        x1, x2 = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+        loss, full = clipped_policy_loss(x1, old, adv, mask, agg=agg, **kwargs)
+        bare, none = clipped_policy_loss(x2, old, adv, mask, agg=agg, with_metrics=False, **kwargs)
+        assert none == {}
+        assert torch.equal(bare, loss)
+        loss.backward(), bare.backward()
+        assert torch.equal(x1.grad, x2.grad)
+        alone = policy_loss_metrics(logp, old, adv, mask, **kwargs)
+        assert alone.keys() == full.keys()
+        for name in full:
+            assert torch.equal(alone[name], full[name]), name
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -64,7 +64,11 @@ def test_stepwise_backward_gives_the_whole_gradient(trainer_and_batch, agg):
     # the sums agree to float32 rounding of such terms.
     for name in ("loss/total", "loss/policy", "loss/kl"):
         assert m_steps[name] == pytest.approx(m_whole[name], rel=1e-5, abs=1e-6), name
-    assert m_steps["actor/ratio_max"] == pytest.approx(m_whole["actor/ratio_max"], rel=1e-6)
+    # The ratio figures are computed once over the micro-batch from the pieces' log-probs: the same
+    # figures, up to the float32 rounding of the log-probs' forward in pieces.
+    assert {k for k in m_steps if k.startswith("actor/")} == {k for k in m_whole if k.startswith("actor/")}
+    for name in (k for k in m_whole if k.startswith("actor/")):
+        assert m_steps[name] == pytest.approx(m_whole[name], rel=1e-5, abs=1e-6), name
     scale = max(g.abs().max() for g in whole)
     assert scale > 0
     for a, b in zip(stepwise, whole):

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from rewards.registry import RewardError
-from unirl.core import aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats, truncated_importance_weights
+from unirl.core import (aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats,
+                        policy_loss_metrics, truncated_importance_weights)
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.env import Environment, Rollout
 from unirl.metrics import MetricLog, reduce_over_processes
@@ -382,24 +383,41 @@ class Trainer:
         one piece's graph is alive at a time; the pieces' losses add up to the micro-batch's. DDP
         synchronises gradients in the last backward of the mini-batch (``sync``).
 
+        The ratio figures (``actor/clip_frac`` ...) are computed once over the whole micro-batch from
+        the pieces' detached log-probs, and every figure reaches the host in one transfer at the end
+        (not one per figure and piece: each is a device sync on an accelerator).
+
         ``first_logp``: when the micro-batch has no ``old_logp``, the detached log-probs [n, T] of
         this forward (used as the old ones) are appended to it."""
-        acc = self.accelerator
-        pieces = [slice(None)] if self.algo.level == "sequence" else self.env.column_slices(micro)
+        acc, algo = self.accelerator, self.algo
+        pieces = [slice(None)] if algo.level == "sequence" else self.env.column_slices(micro)
         seq_lengths = None
         if len(pieces) > 1:  # seq-mean-token-mean divides by each whole sequence's length
             seq_lengths = self.env.loss_mask(micro).to(acc.device).sum(dim=-1)
-        log = MetricLog()
-        piece_logp: list[torch.Tensor] = []
+        shares: dict[str, list[torch.Tensor]] = {}  # loss/* and actor/entropy of each piece (they add up)
+        parts: dict[str, list[torch.Tensor]] = {}  # logp, old_logp, advantages, mask of each piece, [n, T']
         for k, columns in enumerate(pieces):
             last = sync and k == len(pieces) - 1
             with contextlib.nullcontext() if last else acc.no_sync(model):
-                loss, m = self._micro_loss(model, micro, denominator, columns, seq_lengths, piece_logp)
+                loss, piece_shares, piece_parts = self._micro_loss(model, micro, denominator, columns, seq_lengths)
                 acc.backward(loss * acc.num_processes)  # DDP's gradient average divides by it again
-            log.add({name: float(v) for name, v in m.items()})
-        if first_logp is not None and piece_logp:
-            first_logp.append(torch.cat(piece_logp, dim=1))
-        return log.result(sum_shares=True)
+            for name, value in piece_shares.items():
+                shares.setdefault(name, []).append(value)
+            for name, value in piece_parts.items():
+                parts.setdefault(name, []).append(value)
+        whole = {name: torch.cat(values, dim=1) for name, values in parts.items()}  # [n, T]
+        if first_logp is not None:
+            first_logp.append(whole["old_logp"].cpu())
+        ratio = policy_loss_metrics(whole["logp"], whole["old_logp"], whole["advantages"], whole["mask"],
+                                    clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                                    level=algo.level)
+        names = [name for name, values in shares.items() for _ in values] + [f"actor/{name}" for name in ratio]
+        values = [v for values in shares.values() for v in values] + list(ratio.values())
+        host = torch.stack([v.float().reshape(()) for v in values]).tolist()  # one host sync
+        out: dict[str, float] = {}
+        for name, value in zip(names, host):  # the pieces' shares add up (in float64, on the host)
+            out[name] = out.get(name, 0.0) + value
+        return out
 
     def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
         local = aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg,
@@ -409,11 +427,12 @@ class Trainer:
         return self.accelerator.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
 
     def _micro_loss(self, model, micro: Rollout, denominator: torch.Tensor, columns: slice = slice(None),
-                    seq_lengths: torch.Tensor | None = None, first_logp: list | None = None):
-        """The loss share of one micro-batch (or of the columns ``columns`` of it) and its metrics.
+                    seq_lengths: torch.Tensor | None = None):
+        """The loss share of one micro-batch (or of the columns ``columns`` of it), its shares of the
+        logged losses (detached), and the detached inputs of its ratio figures, each [n, T']: ``logp``,
+        ``old_logp``, ``advantages`` and ``mask``.
 
-        Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old
-        ones; they are appended to ``first_logp`` when given."""
+        Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones."""
         algo, device = self.algo, self.accelerator.device
         cur = self.env.evaluate(model, micro, columns)
         mask = cur["mask"]  # [n, T']
@@ -421,8 +440,6 @@ class Trainer:
             old_logp = micro.tensors["old_logp"][:, columns].to(device)
         else:
             old_logp = cur["logp"].detach()
-            if first_logp is not None:
-                first_logp.append(old_logp.cpu())
         advantages = micro.tensors["advantages"]
         advantages = (advantages[:, columns] if advantages.ndim == 2 else advantages).to(device)  # [n] or [n, T']
         weights = None
@@ -430,22 +447,25 @@ class Trainer:
             engine_logp = micro.tensors["engine_logp"][:, columns].to(device)
             weights = truncated_importance_weights(old_logp, engine_logp, cap=algo.tis_cap)
         agg = dict(denominator=denominator, seq_lengths=seq_lengths)
-        loss, m = clipped_policy_loss(
+        loss, _ = clipped_policy_loss(
             cur["logp"], old_logp, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip, level=algo.level, agg=algo.loss_agg, weights=weights, **agg,
+            dual_clip=algo.dual_clip, level=algo.level, agg=algo.loss_agg, weights=weights, with_metrics=False, **agg,
         )
-        metrics = {"loss/policy": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
+        shares = {"loss/policy": loss.detach()}
         if algo.kl_coef > 0:
             ref = {k[len("ref/"):]: v[:, columns].to(device) for k, v in micro.tensors.items() if k.startswith("ref/")}
             kl = aggregate(self.env.kl(cur, ref), mask, algo.loss_agg, **agg)
             loss = loss + algo.kl_coef * kl
-            metrics["loss/kl"] = kl.detach()
+            shares["loss/kl"] = kl.detach()
         if algo.entropy_coef > 0 and "entropy" in cur:
             entropy = aggregate(cur["entropy"], mask, algo.loss_agg, **agg)
             loss = loss - algo.entropy_coef * entropy
-            metrics["actor/entropy"] = entropy.detach()
-        metrics["loss/total"] = loss.detach()
-        return loss, metrics
+            shares["actor/entropy"] = entropy.detach()
+        shares["loss/total"] = loss.detach()
+        inputs = {"logp": cur["logp"].detach(), "old_logp": old_logp,
+                  "advantages": advantages.unsqueeze(-1).expand_as(mask) if advantages.ndim == 1 else advantages,
+                  "mask": mask}
+        return loss, shares, inputs
 
     def _optimizer_step(self) -> float:
         acc = self.accelerator

@@ -21,6 +21,7 @@ from unirl.core.losses import (
     clipped_policy_loss,
     entropy_from_logits,
     masked_mean,
+    policy_loss_metrics,
     truncated_importance_weights,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "grpo_advantages",
     "kl_divergence",
     "masked_mean",
+    "policy_loss_metrics",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "truncated_importance_weights",

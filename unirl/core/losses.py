@@ -171,6 +171,7 @@ def clipped_policy_loss(
     weights: torch.Tensor | None = None,
     denominator: torch.Tensor | float | None = None,
     seq_lengths: torch.Tensor | None = None,
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (https://arxiv.org/abs/1707.06347) with its LLM-era variants.
 
@@ -207,6 +208,8 @@ def clipped_policy_loss(
         denominator: mini-batch normaliser for gradient accumulation, see ``aggregate``.
         seq_lengths: [N] whole-sequence lengths when the inputs are a column slice (token level
             only), see ``aggregate``.
+        with_metrics: False skips the metrics (``{}``): a caller that computes the loss piece by
+            piece can compute them once over the whole batch with ``policy_loss_metrics``.
 
     Returns:
         ``(loss, metrics)``; metrics are detached 0-dim tensors averaged over masked-in tokens:
@@ -245,22 +248,13 @@ def clipped_policy_loss(
             f"level='sequence' (GSPO) aggregates with agg='seq-mean-token-mean' (as verl does), got agg={agg!r}"
         )
 
-    # 2. Log-ratios. Masked positions become 0 here so junk there cannot reach values or gradients.
+    # 2. Log-ratios (masked positions are 0, so junk there cannot reach values or gradients).
     mask = _bool_mask(mask)
-    logp = torch.where(mask, logp, torch.zeros_like(logp))  # [N, T]
-    old_logp = torch.where(mask, old_logp.detach(), torch.zeros_like(logp))  # [N, T]
-    token_log_ratio = logp - old_logp  # [N, T]
-    if level == "token":
-        log_ratio = token_log_ratio  # [N, T]
-    else:
-        seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [N]
-        # GSPO-token: value log s_i at every token, gradient d logp_t.
-        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # [N, T]
+    token_log_ratio, log_ratio = _log_ratios(logp, old_logp, mask, level)  # [N, T] each
     ratio = torch.exp(log_ratio)  # [N, T]
 
     # 3. Clipped surrogate, then the optional dual clip and weights.
-    adv = advantages.unsqueeze(-1).expand_as(logp) if advantages.ndim == 1 else advantages  # [N, T]
-    adv = torch.where(mask, adv.detach(), torch.zeros_like(logp))  # [N, T]
+    adv = _masked_advantages(advantages, mask, logp)  # [N, T]
     unclipped = -adv * ratio  # [N, T]
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)  # [N, T]
     per_token = torch.maximum(unclipped, clipped)  # [N, T]
@@ -269,25 +263,82 @@ def clipped_policy_loss(
     if weights is not None:
         per_token = per_token * weights.detach()
     loss = aggregate(per_token, mask, agg, denominator=denominator, seq_lengths=seq_lengths)
+    if not with_metrics:
+        return loss, {}
+    return loss, _ratio_metrics(ratio.detach(), token_log_ratio.detach(), adv, mask, clip_low, clip_high, dual_clip)
 
-    # 4. Metrics (detached, over masked-in tokens).
+
+def policy_loss_metrics(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    level: str = "token",
+) -> dict[str, torch.Tensor]:
+    """The metrics ``clipped_policy_loss`` returns, from the same inputs, without the loss.
+
+    For a loss computed in pieces (``with_metrics=False`` on column slices) this gives the metrics of
+    the whole batch at once, as ``clipped_policy_loss`` would on the whole batch: one set of small
+    reductions (and, on an accelerator, one later host sync) instead of one per piece.
+
+    Args: as ``clipped_policy_loss``; ``logp`` is detached here.
+
+    Returns:
+        detached 0-dim tensors, see ``clipped_policy_loss``.
+    """
+    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
     with torch.no_grad():
-        r = ratio.detach()
-        low = (r < 1 - clip_low) & (adv < 0)  # [N, T]
-        high = (r > 1 + clip_high) & (adv > 0)  # [N, T]
-        metrics = {
-            "clip_frac": masked_mean((low | high).to(r.dtype), mask),
-            "clip_frac_low": masked_mean(low.to(r.dtype), mask),
-            "clip_frac_high": masked_mean(high.to(r.dtype), mask),
-            # CleanRL's approx_kl: (r - 1) - log r, the k3 estimator of KL(old || new).
-            "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
-            "ratio_mean": masked_mean(r, mask),
-            "ratio_max": torch.where(mask, r, torch.full_like(r, -torch.inf)).amax(),
-            "ratio_min": torch.where(mask, r, torch.full_like(r, torch.inf)).amin(),
-        }
-        if dual_clip is not None:
-            metrics["dual_clip_frac"] = masked_mean(((adv < 0) & (r > dual_clip)).to(r.dtype), mask)
-    return loss, metrics
+        mask = _bool_mask(mask)
+        token_log_ratio, log_ratio = _log_ratios(logp.detach(), old_logp, mask, level)
+        adv = _masked_advantages(advantages, mask, logp)
+        return _ratio_metrics(torch.exp(log_ratio), token_log_ratio, adv, mask, clip_low, clip_high, dual_clip)
+
+
+def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_log_ratio, log_ratio)`` [N, T]: ``logp - old_logp`` (0 where masked out) and the
+    log-ratio the loss uses (the same at token level; GSPO's sequence log-ratio at every token)."""
+    logp = torch.where(mask, logp, torch.zeros_like(logp))  # [N, T]
+    old_logp = torch.where(mask, old_logp.detach(), torch.zeros_like(logp))  # [N, T]
+    token_log_ratio = logp - old_logp  # [N, T]
+    if level == "token":
+        return token_log_ratio, token_log_ratio
+    seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [N]
+    # GSPO-token: value log s_i at every token, gradient d logp_t.
+    return token_log_ratio, seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # [N, T]
+
+
+def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Advantages [N] or [N, T] as a detached [N, T], 0 where masked out."""
+    adv = advantages.unsqueeze(-1).expand_as(like) if advantages.ndim == 1 else advantages  # [N, T]
+    return torch.where(mask, adv.detach(), torch.zeros_like(like))
+
+
+@torch.no_grad()
+def _ratio_metrics(r: torch.Tensor, token_log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                   clip_low: float, clip_high: float, dual_clip: float | None) -> dict[str, torch.Tensor]:
+    """Detached metrics over masked-in tokens from the ratio ``r`` the loss used, see ``clipped_policy_loss``."""
+    low = (r < 1 - clip_low) & (adv < 0)  # [N, T]
+    high = (r > 1 + clip_high) & (adv > 0)  # [N, T]
+    metrics = {
+        "clip_frac": masked_mean((low | high).to(r.dtype), mask),
+        "clip_frac_low": masked_mean(low.to(r.dtype), mask),
+        "clip_frac_high": masked_mean(high.to(r.dtype), mask),
+        # CleanRL's approx_kl: (r - 1) - log r, the k3 estimator of KL(old || new).
+        "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
+        "ratio_mean": masked_mean(r, mask),
+        "ratio_max": torch.where(mask, r, torch.full_like(r, -torch.inf)).amax(),
+        "ratio_min": torch.where(mask, r, torch.full_like(r, torch.inf)).amin(),
+    }
+    if dual_clip is not None:
+        metrics["dual_clip_frac"] = masked_mean(((adv < 0) & (r > dual_clip)).to(r.dtype), mask)
+    return metrics
 
 
 def truncated_importance_weights(
