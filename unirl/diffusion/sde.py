@@ -148,12 +148,18 @@ def sde_step(
         noise = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=torch.float32)
         prev_sample = mean + std * noise  # [N, ...]
 
-    # 6. Log-density of prev_sample, reduced over non-batch dimensions.
+    # 6. Log-density of prev_sample, reduced over non-batch dimensions: FlowGRPO's per-element
+    #    -(x - mean)^2 / (2 std^2) - log std - log sqrt(2 pi), reduced. std is constant per sample, so
+    #    the squared distance is reduced first and the per-sample terms applied after (three passes
+    #    over the latent instead of seven; equal to float32 rounding).
+    sq = (prev_sample - mean).square()  # [N, ...]
+    sq = sq.mean(dim=reduce_dims) if reduce == "mean" else sq.sum(dim=reduce_dims)  # [N]
     if sde_type == "flow":
-        log_prob = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+        count = 1 if reduce == "mean" else math.prod(sample.shape[1:])
+        std_n = std.reshape(n)  # [N]
+        log_prob = -sq / (2 * std_n**2) - count * (torch.log(std_n) + math.log(math.sqrt(2 * math.pi)))
     else:
-        log_prob = -((prev_sample - mean) ** 2)  # FlowGRPO's CPS convention, see the module docstring
-    log_prob = log_prob.mean(dim=reduce_dims) if reduce == "mean" else log_prob.sum(dim=reduce_dims)  # [N]
+        log_prob = -sq  # FlowGRPO's CPS convention, see the module docstring
     return prev_sample, log_prob, mean, std
 
 
