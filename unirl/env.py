@@ -41,6 +41,9 @@ class Rollout:
         """Sub-batch by sample indices (used for mini- and micro-batches)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         ids = idx.tolist()
+        if ids == list(range(len(self))):  # all of it, in order (one micro-batch): the same tensors, no copy
+            return Rollout(tensors=dict(self.tensors), group_ids=self.group_ids, prompts=list(self.prompts),
+                           samples=list(self.samples), columns={k: list(v) for k, v in self.columns.items()})
         return Rollout(
             tensors={k: v[idx.to(v.device)] for k, v in self.tensors.items()},
             group_ids=self.group_ids[idx.to(self.group_ids.device)],

@@ -162,6 +162,13 @@ def sample_with_logprob(
         empty = torch.zeros(n, 0, *latents.shape[1:], device=latents.device)
         return SampleOutput(final=latents, latents=empty, next_latents=empty.clone(),
                             logp=torch.zeros(n, 0, device=latents.device))
+    if bool((record == record[:1]).all()):  # every sample keeps the same steps (timestep_selection "first")
+        order = [recorded.index(i) for i in record[0].tolist()]  # [T]
+
+        def stacked(kept: list[torch.Tensor]) -> torch.Tensor:  # one copy into [N, T, ...]
+            return torch.stack([kept[j] for j in order], dim=1)
+
+        return SampleOutput(final=latents, latents=stacked(before), next_latents=stacked(after), logp=stacked(logps))
     # One gather per kept tensor: sample r's column t is recorded step record[r, t] of sample r.
     slot = torch.zeros(len(timesteps), dtype=torch.long)
     slot[recorded] = torch.arange(len(recorded))
@@ -184,12 +191,15 @@ def rescore_steps(
     guidance_scale: float,
     noise_level: float,
     sde_type: str = "flow",
+    check: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Log-probs of stored steps under ``transformer`` (with gradients), the stored next latent as the action.
 
     Args:
         family: the model family's adapter, as in ``sample_with_logprob``.
         latents, next_latents: ``[n, T, *latent]``; ``sigma``, ``sigma_next``, ``timestep``: ``[n, T]``.
+        check: False skips the check of the sigmas (a host sync) for steps taken from a schedule that
+            ``sample_with_logprob`` already checked, as a rollout's are.
 
     Returns:
         ``logp`` [n, T], ``mean`` [n, T, *latent] and ``std`` [n, T] of each step's Gaussian.
@@ -201,7 +211,8 @@ def rescore_steps(
     ones = [1] * (latents.ndim - 2)
     sigma = sigma.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
     sigma_next = sigma_next.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
-    check_sigmas(sigma, sigma_next)  # every stored step at once: the steps below skip the checks
+    if check:
+        check_sigmas(sigma, sigma_next)  # every stored step at once: the steps below skip the checks
     logps, means, stds = [], [], []
     for j in range(T):
         v = guided_velocity(family, transformer, latents[:, j], timestep[:, j], cond, guidance_scale)
