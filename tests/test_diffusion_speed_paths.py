@@ -87,6 +87,7 @@ def test_unchecked_step_equals_the_checked_one(seed, sde_type, noise_level, give
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("window,fraction,selection,sde_type", [
     (0, 1.0, "first", "flow"),  # the tiny config: every step stochastic and recorded
+    (3, 0.67, "first", "flow"),  # the same steps for every sample, not all of them
     (3, 0.67, "random", "flow"),  # a Fast window, a random subset per sample
     (0, 0.5, "random", "cps"),
 ])
@@ -158,3 +159,35 @@ def test_to_pil_equals_the_image_by_image_conversion():
         expected = (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()  # [H, W, 3]
         assert pil.mode == "RGB" and pil.size == (9, 7)
         assert np.array_equal(np.asarray(pil), expected)
+
+
+@pytest.mark.parametrize("max_sequence_length", [4, 16])
+def test_sd3_prompt_encoding_equals_the_pipelines(env, max_sequence_length, monkeypatch):
+    """The family tokenizes each prompt once per tokenizer; the pipeline's ``encode_prompt`` (which
+    tokenizes twice) gives the same embeddings bit for bit, with prompts cut at both lengths, an empty
+    one, and without T5 (zeros in its place)."""
+    from unirl.diffusion.families import sd3
+
+    monkeypatch.setattr(sd3, "_warned", set())  # a fresh run's warnings
+    pipe = env.pipe
+    prompts = ["a red cat", "", "a very long prompt about a blue dog sitting on a green chair " * 6, "a sign"]
+    # The pipeline logs what it cut; the family warns once per run that prompts filled a tokenizer.
+    with pytest.warns(UserWarning, match="may have been truncated"):
+        got = env.family.encode(pipe, prompts, max_sequence_length=max_sequence_length, device="cpu")
+    with torch.no_grad():
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
+                                                  do_classifier_free_guidance=False,
+                                                  max_sequence_length=max_sequence_length)
+    assert got["prompt_embeds"].shape == embeds.shape and got["prompt_embeds"].shape[1] > max_sequence_length
+    assert torch.equal(got["prompt_embeds"], embeds) and torch.equal(got["pooled"], pooled)
+    t5, pipe.text_encoder_3 = pipe.text_encoder_3, None
+    try:
+        got = env.family.encode(pipe, prompts, max_sequence_length=max_sequence_length, device="cpu")
+        with torch.no_grad():
+            embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
+                                                      do_classifier_free_guidance=False,
+                                                      max_sequence_length=max_sequence_length)
+    finally:
+        pipe.text_encoder_3 = t5
+    assert torch.equal(got["prompt_embeds"], embeds) and torch.equal(got["pooled"], pooled)
+    assert not got["prompt_embeds"][:, -max_sequence_length:].any()

@@ -7,6 +7,7 @@ fixed ``shift`` (3.0) gives the sigmas; the transformer is conditioned on ``time
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,11 +36,30 @@ class SD3Family(ModelFamily):
         return sigma_schedule(scheduler, num_steps)
 
     def encode(self, pipe, prompts: list[str], *, max_sequence_length: int, device) -> dict[str, torch.Tensor]:
-        embeds, _, pooled, _ = pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-            do_classifier_free_guidance=False, max_sequence_length=max_sequence_length,
-        )
-        return {"prompt_embeds": embeds, "pooled": pooled}  # [n, L, D], [n, P]
+        """``StableDiffusion3Pipeline.encode_prompt`` for one image per prompt, no CFG and no clip_skip,
+        with each tokenizer run once (the pipeline tokenizes every prompt a second time, untruncated,
+        only to log what was cut, at every call). The same embeddings, tested bit for bit against the
+        pipeline (``tests/test_diffusion_speed_paths.py``); a prompt that fills a tokenizer's length
+        (and may have been cut) is warned about once per run."""
+        embeds, pooled = [], []
+        for tokenizer, encoder in ((pipe.tokenizer, pipe.text_encoder), (pipe.tokenizer_2, pipe.text_encoder_2)):
+            tokens = tokenizer(prompts, padding="max_length", max_length=pipe.tokenizer_max_length, truncation=True,
+                               return_tensors="pt")
+            _warn_if_full(tokens, "CLIP", pipe.tokenizer_max_length)
+            out = encoder(tokens.input_ids.to(device), output_hidden_states=True)
+            pooled.append(out[0])  # [n, P_i]
+            embeds.append(out.hidden_states[-2].to(dtype=pipe.text_encoder.dtype, device=device))  # [n, 77, D_i]
+        clip = torch.cat(embeds, dim=-1)  # [n, 77, D_1 + D_2]
+        if pipe.text_encoder_3 is None:
+            t5 = torch.zeros(len(prompts), max_sequence_length, pipe.transformer.config.joint_attention_dim,
+                             device=device, dtype=pipe.text_encoder.dtype)  # [n, L, 4096]
+        else:
+            tokens = pipe.tokenizer_3(prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
+                                      add_special_tokens=True, return_tensors="pt")
+            _warn_if_full(tokens, "T5 (sampling.max_sequence_length)", max_sequence_length)
+            t5 = pipe.text_encoder_3(tokens.input_ids.to(device))[0].to(dtype=pipe.text_encoder_3.dtype, device=device)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))  # [n, 77, 4096]
+        return {"prompt_embeds": torch.cat([clip, t5], dim=-2), "pooled": torch.cat(pooled, dim=-1)}  # [n, 77 + L, 4096], [n, P]
 
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -51,3 +71,14 @@ class SD3Family(ModelFamily):
     @torch.no_grad()
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
         return vae_decode(pipe.vae, latents)
+
+
+_warned: set[tuple[str, int]] = set()
+
+
+def _warn_if_full(tokens, encoder: str, length: int) -> None:
+    """Once per encoder and length: some prompt used every token position, so it may have been cut."""
+    if (encoder, length) not in _warned and bool(tokens.attention_mask[:, -1].any()):
+        _warned.add((encoder, length))
+        warnings.warn(f"some prompts fill {encoder}'s {length} tokens and may have been truncated there "
+                      f"(said once per run)", stacklevel=3)
