@@ -26,7 +26,8 @@ reward         ``env.score``: the main thread waiting for the reward thread's la
                their own time is printed below the table, not subtracted)
 framework      step - all of the above: the sampler's and the SDE step's tensor work outside the
                transformer, storing the rollout, advantages, batching, the loss math, the LR
-               scheduler, the EMA, metrics, Python
+               scheduler, the EMA, metrics, Python. The SDE step's own share of it (``sde_step``: noise
+               draws, the step's mean and log-prob) is printed below the table
 =============  ==========================================================================================
 
 A second table attributes the framework time to the loop's stages (each stage's wall time minus the
@@ -65,6 +66,7 @@ class Split:
         self.stages: dict[str, float] = defaultdict(float)
         self.column_in_stage: dict[str, float] = defaultdict(float)
         self.reward_thread = 0.0
+        self.sde = 0.0  # inside framework: the SDE step's tensor work (noise draws, mean, log-prob)
         self.stage: str | None = None
         self._open: tuple[str, float] | None = None  # the column being timed (no nesting: the outer one counts)
         self._lock = threading.Lock()
@@ -72,6 +74,7 @@ class Split:
     def reset(self) -> None:
         self.columns.clear(), self.stages.clear(), self.column_in_stage.clear()
         self.reward_thread = 0.0
+        self.sde = 0.0
 
     def begin(self, column: str) -> bool:
         if self._open is not None or threading.current_thread() is not threading.main_thread():
@@ -153,6 +156,23 @@ def instrument(trainer, split: Split):
                 with split._lock:
                     split.reward_thread += time.perf_counter() - start
         return call
+
+    # The SDE step (sampler and re-scoring call it by this module-level name): part of the framework
+    # column, printed on its own line as the algorithm's own tensor work.
+    from unirl.diffusion import sampling
+
+    def sde_timed(fn):
+        def call(*args, **kwargs):
+            split.sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                split.sync()
+                split.sde += time.perf_counter() - start
+        return call
+
+    patch(sampling, "sde_step", sde_timed)
 
     original_fns = list(env.rewards.fns)
     env.rewards.fns = [thread_timed(fn) for fn in original_fns]
@@ -256,7 +276,7 @@ def main() -> None:
                 bare.append(wall)
                 continue
             rows.append({"step": wall, **{c: split.columns.get(c, 0.0) for c in COLUMNS},
-                         "reward thread": split.reward_thread,
+                         "reward thread": split.reward_thread, "sde": split.sde,
                          **{f"stage {s}": split.stages.get(s, 0.0) for s in STAGES},
                          **{f"in {s}": split.column_in_stage.get(s, 0.0) for s in STAGES}})
     finally:
@@ -282,6 +302,11 @@ def main() -> None:
     cells += [f"{statistics.median(framework) * 1000:.1f} ms", f"{share:.1%}"]
     print("| " + " | ".join(cells) + " |")
     print(f"\nreward functions in the reward thread (overlapping the main thread): {med('reward thread') * 1000:.1f} ms")
+    sde_share = statistics.median(r["sde"] / r["step"] for r in rows)
+    rest = statistics.median((f - r["sde"]) / r["step"] for f, r in zip(framework, rows))
+    print(f"of the framework column, the SDE step's tensor work (Gaussian noise drawn from the run's CPU generator, "
+          f"step mean, log-prob; sampler and re-scoring): {med('sde') * 1000:.1f} ms ({sde_share:.1%} of the step); "
+          f"the rest: {rest:.1%} of the step")
 
     # 2. Framework time by loop stage: the stage's wall minus the columns timed inside it.
     print("\n| loop stage | wall | model/optimizer/reward columns inside | framework |")
