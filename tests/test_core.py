@@ -461,6 +461,18 @@ def _hand_example():
     return logp, old, adv, mask
 
 
+def _check_hand_metrics(m):
+    """The hand example's figures with clip_low = clip_high = 0.2: t0 clipped high, t1 clipped low."""
+    close(m["clip_frac"], 0.5)
+    close(m["clip_frac_low"], 0.25)
+    close(m["clip_frac_high"], 0.25)
+    close(m["ratio_mean"], (1.5 + 0.5 + 1.1 + 0.7) / 4)
+    close(m["ratio_max"], 1.5)
+    close(m["ratio_min"], 0.5)
+    close(m["approx_kl"], sum(r - 1 - math.log(r) for r in [1.5, 0.5, 1.1, 0.7]) / 4)
+    assert all(not v.requires_grad for v in m.values())
+
+
 def test_clipped_loss_and_clip_metrics_by_hand():
     logp, old, adv, mask = _hand_example()
     x = logp.clone().requires_grad_(True)
@@ -471,15 +483,8 @@ def test_clipped_loss_and_clip_metrics_by_hand():
     # t3: r 0.7, A  1: max(-0.7, -0.8) = -0.7  (a low ratio with A > 0 is not clipped)
     # token-mean: (-1.2 + 0.8 - 1.1 - 0.7) / 4 = -0.55
     close(loss, -0.55)
-    close(m["clip_frac"], 0.5)
-    close(m["clip_frac_low"], 0.25)
-    close(m["clip_frac_high"], 0.25)
-    close(m["ratio_mean"], (1.5 + 0.5 + 1.1 + 0.7) / 4)
-    close(m["ratio_max"], 1.5)
-    close(m["ratio_min"], 0.5)
-    close(m["approx_kl"], sum(r - 1 - math.log(r) for r in [1.5, 0.5, 1.1, 0.7]) / 4)
+    _check_hand_metrics(m)
     assert "dual_clip_frac" not in m
-    assert all(not v.requires_grad for v in m.values())
     # Gradient: clipped tokens 0; others d(-A r)/d logp / 4 = -A r / 4.
     loss.backward()
     close(x.grad, [[0.0, 0.0, -1.1 / 4, -0.7 / 4, 0.0]])
@@ -516,15 +521,8 @@ def test_policy_loss_metrics_by_hand():
     # The hand example's figures, without the loss (a loss computed in pieces logs these once).
     logp, old, adv, mask = _hand_example()
     m = policy_loss_metrics(logp.requires_grad_(True), old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
-    close(m["clip_frac"], 0.5)
-    close(m["clip_frac_low"], 0.25)
-    close(m["clip_frac_high"], 0.25)
-    close(m["ratio_mean"], (1.5 + 0.5 + 1.1 + 0.7) / 4)
-    close(m["ratio_max"], 1.5)
-    close(m["ratio_min"], 0.5)
-    close(m["approx_kl"], sum(r - 1 - math.log(r) for r in [1.5, 0.5, 1.1, 0.7]) / 4)
+    _check_hand_metrics(m)
     close(m["dual_clip_frac"], 0.0)  # no ratio above 3
-    assert all(not v.requires_grad for v in m.values())
 
 
 @pytest.mark.parametrize("seed", SEEDS)
