@@ -90,6 +90,7 @@ def run(batch_path: Path, work: Path, out_path: Path) -> None:
     if state.is_main_process:
         torch.save(results, out_path)
     state.wait_for_everyone()
+    state.destroy_process_group()  # after the barrier: both processes leave gloo together
 
 
 if __name__ == "__main__":
