@@ -166,13 +166,13 @@ def test_sd3_prompt_encoding_equals_the_pipelines(env, max_sequence_length, monk
     """The family tokenizes each prompt once per tokenizer; the pipeline's ``encode_prompt`` (which
     tokenizes twice) gives the same embeddings bit for bit, with prompts cut at both lengths, an empty
     one, and without T5 (zeros in its place)."""
-    from unirl.diffusion.families import sd3
+    from unirl.diffusion.families import base
 
-    monkeypatch.setattr(sd3, "_warned", set())  # a fresh run's warnings
+    monkeypatch.setattr(base, "_warned", set())  # a fresh run's warnings
     pipe = env.pipe
     prompts = ["a red cat", "", "a very long prompt about a blue dog sitting on a green chair " * 6, "a sign"]
     # The pipeline logs what it cut; the family warns once per run that prompts filled a tokenizer.
-    with pytest.warns(UserWarning, match="may have been truncated"):
+    with pytest.warns(UserWarning, match="may have been truncated"), torch.no_grad():  # as the pipeline runs
         got = env.family.encode(pipe, prompts, max_sequence_length=max_sequence_length, device="cpu")
     with torch.no_grad():
         embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
@@ -182,8 +182,8 @@ def test_sd3_prompt_encoding_equals_the_pipelines(env, max_sequence_length, monk
     assert torch.equal(got["prompt_embeds"], embeds) and torch.equal(got["pooled"], pooled)
     t5, pipe.text_encoder_3 = pipe.text_encoder_3, None
     try:
-        got = env.family.encode(pipe, prompts, max_sequence_length=max_sequence_length, device="cpu")
         with torch.no_grad():
+            got = env.family.encode(pipe, prompts, max_sequence_length=max_sequence_length, device="cpu")
             embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
                                                       do_classifier_free_guidance=False,
                                                       max_sequence_length=max_sequence_length)

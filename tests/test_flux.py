@@ -230,3 +230,33 @@ def test_tiny_flux_run_learns_and_saves(tmp_path):
     lora = load_file(run / "checkpoints" / "step_000060" / "pytorch_lora_weights.safetensors")
     assert lora and all(k.startswith("transformer.") for k in lora)
     assert sum(float(v.abs().sum()) for k, v in lora.items() if "lora_B" in k) > 0
+
+
+@pytest.mark.parametrize("max_sequence_length", [4, 16])
+def test_prompt_encoding_equals_the_pipelines(pipe, max_sequence_length, monkeypatch):
+    """The family tokenizes each prompt once per tokenizer; ``FluxPipeline.encode_prompt`` (which
+    tokenizes twice) gives the same pooled CLIP output and T5 states bit for bit, prompts cut or not."""
+    from unirl.diffusion.families import base
+
+    monkeypatch.setattr(base, "_warned", set())  # a fresh run's warnings
+    prompts = ["a red cat", "", "a very long prompt about a blue house beside a green tree " * 6]
+    with pytest.warns(UserWarning, match="may have been truncated"), torch.no_grad():
+        got = FluxFamily().encode(pipe, prompts, max_sequence_length=max_sequence_length, device="cpu")
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device="cpu",
+                                               max_sequence_length=max_sequence_length)
+    assert got["prompt_embeds"].shape == embeds.shape == (3, max_sequence_length, embeds.shape[-1])
+    assert torch.equal(got["prompt_embeds"], embeds) and torch.equal(got["pooled"], pooled)
+
+
+def test_multi_vector_textual_inversion_tokens_are_expanded_as_the_pipeline_does(pipe):
+    import copy
+
+    from unirl.diffusion.families.flux import _textual_inversion
+
+    prompts = ["a <cat> on a mat", "a dog"]
+    assert _textual_inversion(pipe, prompts, pipe.tokenizer) is prompts  # no such tokens: not re-tokenized
+    tokenizer = copy.deepcopy(pipe.tokenizer)
+    tokenizer.add_tokens(["<cat>", "<cat>_1", "<cat>_2"])
+    expanded = _textual_inversion(pipe, prompts, tokenizer)
+    assert expanded == pipe.maybe_convert_prompt(prompts, tokenizer) == ["a <cat> <cat>_1 <cat>_2 on a mat", "a dog"]

@@ -18,6 +18,7 @@ Shapes: n samples, latents ``[n, *latent_shape]``, L text tokens.
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -89,3 +90,20 @@ def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
 def check_resolution(resolution: int, factor: int) -> None:
     if resolution % factor:
         raise ValueError(f"sampling.resolution={resolution} must be a multiple of {factor} for this model")
+
+
+_warned: set[tuple[str, int]] = set()
+
+
+def tokenize(tokenizer, prompts: list[str], max_length: int, encoder: str, **kwargs) -> torch.Tensor:
+    """Token ids ``[n, max_length]``, padded and cut to ``max_length`` as diffusers' pipelines tokenize
+    for their text encoders, once (the pipelines tokenize every prompt a second time, untruncated, only
+    to log what was cut). A prompt that fills every position, and so may have been cut, is warned
+    about once per run and ``encoder``/length."""
+    tokens = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt",
+                       **kwargs)
+    if (encoder, max_length) not in _warned and bool(tokens.attention_mask[:, -1].any()):
+        _warned.add((encoder, max_length))
+        warnings.warn(f"some prompts fill {encoder}'s {max_length} tokens and may have been truncated there "
+                      f"(said once per run)", stacklevel=3)
+    return tokens.input_ids

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unirl.diffusion.families.base import ModelFamily, check_resolution, vae_decode
+from unirl.diffusion.families.base import ModelFamily, check_resolution, tokenize, vae_decode
 from unirl.diffusion.sampling import sigma_schedule
 
 
@@ -113,9 +113,18 @@ class FluxFamily(ModelFamily):
         return pack_latents(torch.randn((n, channels, side, side), generator=generator))  # [n, tokens, 4C]
 
     def encode(self, pipe, prompts: list[str], *, max_sequence_length: int, device) -> dict[str, torch.Tensor]:
-        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device,
-                                               max_sequence_length=max_sequence_length)
-        return {"prompt_embeds": embeds, "pooled": pooled}  # [n, L, D], [n, P]
+        """``FluxPipeline.encode_prompt`` for one image per prompt, with each tokenizer run once
+        (``base.tokenize``): CLIP's pooled output and T5's last hidden states, the same bit for bit
+        (``tests/test_flux.py``). Multi-vector textual-inversion tokens are expanded as the pipeline
+        does, when the tokenizer has any."""
+        ids = tokenize(pipe.tokenizer, _textual_inversion(pipe, prompts, pipe.tokenizer), pipe.tokenizer_max_length,
+                       "CLIP")  # [n, 77]
+        pooled = pipe.text_encoder(ids.to(device), output_hidden_states=False).pooler_output
+        pooled = pooled.to(dtype=pipe.text_encoder.dtype, device=device)  # [n, P]
+        ids = tokenize(pipe.tokenizer_2, _textual_inversion(pipe, prompts, pipe.tokenizer_2), max_sequence_length,
+                       "T5 (sampling.max_sequence_length)")  # [n, L]
+        embeds = pipe.text_encoder_2(ids.to(device), output_hidden_states=False)[0]
+        return {"prompt_embeds": embeds.to(dtype=pipe.text_encoder_2.dtype, device=device), "pooled": pooled}  # [n, L, D], [n, P]
 
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -138,3 +147,12 @@ class FluxFamily(ModelFamily):
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
         side = _side(latents.shape[1:])
         return vae_decode(pipe.vae, unpack_latents(latents, side, side))
+
+
+def _textual_inversion(pipe, prompts: list[str], tokenizer) -> list[str]:
+    """The pipeline's ``maybe_convert_prompt``, which re-tokenizes every prompt, called only when
+    ``tokenizer`` holds a multi-vector token (``<t>`` with ``<t>_1``), the one case where it changes a prompt."""
+    added = tokenizer.added_tokens_encoder
+    if hasattr(pipe, "maybe_convert_prompt") and any(f"{token}_1" in added for token in added):
+        return pipe.maybe_convert_prompt(prompts, tokenizer)
+    return prompts

@@ -7,12 +7,11 @@ fixed ``shift`` (3.0) gives the sigmas; the transformer is conditioned on ``time
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
-from unirl.diffusion.families.base import ModelFamily, check_resolution, vae_decode
+from unirl.diffusion.families.base import ModelFamily, check_resolution, tokenize, vae_decode
 from unirl.diffusion.sampling import sigma_schedule
 
 
@@ -38,15 +37,12 @@ class SD3Family(ModelFamily):
     def encode(self, pipe, prompts: list[str], *, max_sequence_length: int, device) -> dict[str, torch.Tensor]:
         """``StableDiffusion3Pipeline.encode_prompt`` for one image per prompt, no CFG and no clip_skip,
         with each tokenizer run once (the pipeline tokenizes every prompt a second time, untruncated,
-        only to log what was cut, at every call). The same embeddings, tested bit for bit against the
-        pipeline (``tests/test_diffusion_speed_paths.py``); a prompt that fills a tokenizer's length
-        (and may have been cut) is warned about once per run."""
+        only to log what was cut, at every call; ``base.tokenize``). The same embeddings, tested bit for
+        bit against the pipeline (``tests/test_diffusion_speed_paths.py``)."""
         embeds, pooled = [], []
         for tokenizer, encoder in ((pipe.tokenizer, pipe.text_encoder), (pipe.tokenizer_2, pipe.text_encoder_2)):
-            tokens = tokenizer(prompts, padding="max_length", max_length=pipe.tokenizer_max_length, truncation=True,
-                               return_tensors="pt")
-            _warn_if_full(tokens, "CLIP", pipe.tokenizer_max_length)
-            out = encoder(tokens.input_ids.to(device), output_hidden_states=True)
+            ids = tokenize(tokenizer, prompts, pipe.tokenizer_max_length, "CLIP")  # [n, 77]
+            out = encoder(ids.to(device), output_hidden_states=True)
             pooled.append(out[0])  # [n, P_i]
             embeds.append(out.hidden_states[-2].to(dtype=pipe.text_encoder.dtype, device=device))  # [n, 77, D_i]
         clip = torch.cat(embeds, dim=-1)  # [n, 77, D_1 + D_2]
@@ -54,10 +50,9 @@ class SD3Family(ModelFamily):
             t5 = torch.zeros(len(prompts), max_sequence_length, pipe.transformer.config.joint_attention_dim,
                              device=device, dtype=pipe.text_encoder.dtype)  # [n, L, 4096]
         else:
-            tokens = pipe.tokenizer_3(prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
-                                      add_special_tokens=True, return_tensors="pt")
-            _warn_if_full(tokens, "T5 (sampling.max_sequence_length)", max_sequence_length)
-            t5 = pipe.text_encoder_3(tokens.input_ids.to(device))[0].to(dtype=pipe.text_encoder_3.dtype, device=device)
+            ids = tokenize(pipe.tokenizer_3, prompts, max_sequence_length, "T5 (sampling.max_sequence_length)",
+                           add_special_tokens=True)  # [n, L]
+            t5 = pipe.text_encoder_3(ids.to(device))[0].to(dtype=pipe.text_encoder_3.dtype, device=device)
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))  # [n, 77, 4096]
         return {"prompt_embeds": torch.cat([clip, t5], dim=-2), "pooled": torch.cat(pooled, dim=-1)}  # [n, 77 + L, 4096], [n, P]
 
@@ -71,14 +66,3 @@ class SD3Family(ModelFamily):
     @torch.no_grad()
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
         return vae_decode(pipe.vae, latents)
-
-
-_warned: set[tuple[str, int]] = set()
-
-
-def _warn_if_full(tokens, encoder: str, length: int) -> None:
-    """Once per encoder and length: some prompt used every token position, so it may have been cut."""
-    if (encoder, length) not in _warned and bool(tokens.attention_mask[:, -1].any()):
-        _warned.add((encoder, length))
-        warnings.warn(f"some prompts fill {encoder}'s {length} tokens and may have been truncated there "
-                      f"(said once per run)", stacklevel=3)
