@@ -27,6 +27,20 @@ def shared_data(*parts: str) -> Path:
     return path
 
 
+def text_env(tmp_path: Path, *overrides: str):
+    """A set-up ``TextEnvironment`` on the tiny text config with the transformers engine and
+    ``overrides`` (batch shape, LoRA, lengths ...), writing under ``tmp_path``."""
+    from accelerate import Accelerator
+
+    from unirl.cli import load_run_config
+    from unirl.text.env import TextEnvironment
+
+    cfg = load_run_config("text", "tiny", ["rollout.engine=hf", *overrides], output_dir=str(tmp_path / "run"))
+    env = TextEnvironment(cfg)
+    env.setup(Accelerator(cpu=True))
+    return env
+
+
 @pytest.fixture(scope="session")
 def tiny_lm_dir() -> Path:
     from unirl.text.tiny import build_tiny_lm

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import text_env
 from unirl.core import entropy_from_logits
 from unirl.text.logprobs import response_logprobs, token_logprobs
 
@@ -152,18 +153,8 @@ def _padded_batch(vocab: int, seed: int, n: int = 5, P: int = 6, R: int = 7) -> 
 
 
 def _text_env(tmp_path, *overrides):
-    from accelerate import Accelerator
-
-    from unirl.cli import load_run_config
-    from unirl.text.env import TextEnvironment
-
-    cfg = load_run_config("text", "tiny", [
-        "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=2", "trainer.mini_batch_size=8",
-        "trainer.micro_batch_size=8", "rollout.temperature=0.8", "algo.entropy_coef=0.01", *overrides,
-    ], output_dir=str(tmp_path / "run"))
-    env = TextEnvironment(cfg)
-    env.setup(Accelerator(cpu=True))
-    return env
+    return text_env(tmp_path, "trainer.prompts_per_step=4", "trainer.group_size=2", "trainer.mini_batch_size=8",
+                    "trainer.micro_batch_size=8", "rollout.temperature=0.8", "algo.entropy_coef=0.01", *overrides)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:

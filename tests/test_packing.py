@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import text_env
 from unirl.core import entropy_from_logits
 from unirl.text.logprobs import response_logprobs
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
@@ -165,18 +166,8 @@ def test_the_switched_model_generates_as_before():
 
 
 def _text_env(tmp_path, *overrides):
-    from accelerate import Accelerator
-
-    from unirl.cli import load_run_config
-    from unirl.text.env import TextEnvironment
-
-    cfg = load_run_config("text", "tiny", [
-        "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
-        "trainer.micro_batch_size=16", "rollout.max_new_tokens=10", "algo.entropy_coef=0.01", *overrides,
-    ], output_dir=str(tmp_path / "run"))
-    env = TextEnvironment(cfg)
-    env.setup(Accelerator(cpu=True))
-    return env
+    return text_env(tmp_path, "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
+                    "trainer.micro_batch_size=16", "rollout.max_new_tokens=10", "algo.entropy_coef=0.01", *overrides)
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
