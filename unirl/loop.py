@@ -411,13 +411,7 @@ class Trainer:
         ratio = policy_loss_metrics(whole["logp"], whole["old_logp"], whole["advantages"], whole["mask"],
                                     clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                                     level=algo.level)
-        names = [name for name, values in shares.items() for _ in values] + [f"actor/{name}" for name in ratio]
-        values = [v for values in shares.values() for v in values] + list(ratio.values())
-        host = torch.stack([v.float().reshape(()) for v in values]).tolist()  # one host sync
-        out: dict[str, float] = {}
-        for name, value in zip(names, host):  # the pieces' shares add up (in float64, on the host)
-            out[name] = out.get(name, 0.0) + value
-        return out
+        return _on_host({**shares, **{f"actor/{name}": [value] for name, value in ratio.items()}})
 
     def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
         local = aggregate_denominator(self.env.loss_mask(mini).to(self.accelerator.device), self.algo.loss_agg,
@@ -600,6 +594,17 @@ def _scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> tor
             out[idx, : v.shape[1]] = v
         else:
             out[idx] = v
+    return out
+
+
+def _on_host(figures: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Each figure's 0-dim values summed (the pieces' shares of a loss add up), read in one transfer
+    (one device sync) and summed in float64 on the host."""
+    names = [name for name, values in figures.items() for _ in values]
+    host = torch.stack([v.float().reshape(()) for values in figures.values() for v in values]).tolist()
+    out: dict[str, float] = {}
+    for name, value in zip(names, host):
+        out[name] = out.get(name, 0.0) + value
     return out
 
 

@@ -158,23 +158,30 @@ def sample_with_logprob(
         if i in recorded:
             before.append(latents), after.append(nxt), logps.append(logp)
         latents = nxt
+    return _kept(latents, record, recorded, before, after, logps)
+
+
+def _kept(final: torch.Tensor, record: torch.Tensor, recorded: list[int], before: list[torch.Tensor],
+          after: list[torch.Tensor], logps: list[torch.Tensor]) -> SampleOutput:
+    """The sampler's output: sample r's column t is step ``record[r, t]``, taken from the per-step lists
+    (``before``/``after`` [N, *latent], ``logps`` [N]) of the steps in ``recorded`` (sorted)."""
+    n = final.shape[0]
     if not recorded:
-        empty = torch.zeros(n, 0, *latents.shape[1:], device=latents.device)
-        return SampleOutput(final=latents, latents=empty, next_latents=empty.clone(),
-                            logp=torch.zeros(n, 0, device=latents.device))
+        empty = torch.zeros(n, 0, *final.shape[1:], device=final.device)
+        return SampleOutput(final=final, latents=empty, next_latents=empty.clone(), logp=torch.zeros(n, 0, device=final.device))
     if bool((record == record[:1]).all()):  # every sample keeps the same steps (timestep_selection "first")
         order = [recorded.index(i) for i in record[0].tolist()]  # [T]
 
         def stacked(kept: list[torch.Tensor]) -> torch.Tensor:  # one copy into [N, T, ...]
             return torch.stack([kept[j] for j in order], dim=1)
 
-        return SampleOutput(final=latents, latents=stacked(before), next_latents=stacked(after), logp=stacked(logps))
-    # One gather per kept tensor: sample r's column t is recorded step record[r, t] of sample r.
-    slot = torch.zeros(len(timesteps), dtype=torch.long)
+        return SampleOutput(final=final, latents=stacked(before), next_latents=stacked(after), logp=stacked(logps))
+    # One gather per kept tensor.
+    slot = torch.zeros(int(record.max()) + 1, dtype=torch.long)
     slot[recorded] = torch.arange(len(recorded))
-    where = slot[record].to(latents.device)  # [N, T] position of each recorded step in the lists above
-    rows = torch.arange(n, device=latents.device).unsqueeze(1)  # [N, 1]
-    return SampleOutput(final=latents, latents=torch.stack(before)[where, rows],  # [N, T, *latent]
+    where = slot[record].to(final.device)  # [N, T] position of each recorded step in the lists
+    rows = torch.arange(n, device=final.device).unsqueeze(1)  # [N, 1]
+    return SampleOutput(final=final, latents=torch.stack(before)[where, rows],  # [N, T, *latent]
                         next_latents=torch.stack(after)[where, rows], logp=torch.stack(logps)[where, rows])
 
 
