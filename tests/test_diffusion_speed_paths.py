@@ -18,7 +18,7 @@ from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.sampling import guided_velocity, rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
-from unirl.diffusion.sde import per_sample_sigma, sde_step, sde_step_with_logprob
+from unirl.diffusion.sde import sde_step, sde_step_with_logprob, step_coefficients
 from unirl.diffusion.tiny import build_tiny_sd3
 
 SEEDS = [0, 1, 2]
@@ -72,16 +72,33 @@ def _reference_sampler(env, noise, cond, stochastic, record, sde_type, generator
 @pytest.mark.parametrize("noise_level", [0.0, 0.7])
 @pytest.mark.parametrize("given", [False, True])
 def test_unchecked_step_equals_the_checked_one(seed, sde_type, noise_level, given):
+    """The sampler's path (constants of a whole schedule computed once, step i's taken as 0-d tensors
+    shared by the batch) and the re-scoring's (per-sample constants of [n, T] stored steps, column j
+    taken) give bit for bit what the checked step gives for that step alone."""
     g = torch.Generator().manual_seed(seed)
-    v, x, prev = (torch.randn(5, 4, 3, 3, generator=g) for _ in range(3))
-    for sigma, sigma_next in [(torch.tensor(1.0), torch.tensor(0.8)), (torch.rand(5, generator=g) * 0.5 + 0.4,
-                                                                       torch.rand(5, generator=g) * 0.3)]:
-        kwargs = dict(noise_level=noise_level, sde_type=sde_type, prev_sample=prev if given else None)
-        checked = sde_step_with_logprob(v, x, sigma, sigma_next, generator=torch.Generator().manual_seed(9), **kwargs)
-        fast = sde_step(v, x, per_sample_sigma(sigma, "sigma", 5, x), per_sample_sigma(sigma_next, "sigma_next", 5, x),
-                        generator=torch.Generator().manual_seed(9), **kwargs)
+    n = 20  # more than one vector of 8 or 16 floats: vectorised and scalar tails both run
+    v, x, prev = (torch.randn(n, 4, 3, 3, generator=g) for _ in range(3))
+    schedule = torch.cat([torch.ones(1), torch.sort(torch.rand(9, generator=g), descending=True).values, torch.zeros(1)])
+    sigma, sigma_next = schedule[:-1], schedule[1:]  # [S] with S = 10, from sigma = 1 down to 0
+    whole = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
+    kwargs = dict(noise_level=noise_level, sde_type=sde_type, prev_sample=prev if given else None)
+    for i in range(len(sigma)):
+        checked = sde_step_with_logprob(v, x, sigma[i], sigma_next[i], generator=torch.Generator().manual_seed(9), **kwargs)
+        fast = sde_step(v, x, whole.at(i), prev_sample=kwargs["prev_sample"], generator=torch.Generator().manual_seed(9))
+        for a, b in zip(checked[:3], fast[:3], strict=True):
+            assert torch.equal(a, b), f"step {i}"
+        assert torch.equal(checked[3].flatten(), fast[3].expand(n)), f"step {i}"
+    # Per-sample sigmas, stored as [n, T] (the re-scoring's layout), column j against the checked step.
+    index = torch.randint(0, len(sigma), (n, 3), generator=g)  # [n, T]
+    stored = step_coefficients(sigma[index].reshape(n, 3, 1, 1, 1), sigma_next[index].reshape(n, 3, 1, 1, 1),
+                               noise_level=noise_level, sde_type=sde_type)
+    for j in range(3):
+        checked = sde_step_with_logprob(v, x, sigma[index[:, j]], sigma_next[index[:, j]],
+                                        generator=torch.Generator().manual_seed(9), **kwargs)
+        fast = sde_step(v, x, stored.at((slice(None), j)), prev_sample=kwargs["prev_sample"],
+                        generator=torch.Generator().manual_seed(9))
         for a, b in zip(checked, fast, strict=True):
-            assert torch.equal(a, b)
+            assert torch.equal(a, b), f"column {j}"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -133,6 +150,43 @@ def test_rescoring_equals_the_checked_step_per_column(env):
                                                        prev_sample=next_latents[:, j])
             assert torch.equal(out["logp"][:, j], logp) and torch.equal(out["mean"][:, j], mean)
             assert torch.equal(out["std"][:, j], std.flatten())
+
+
+def test_rescoring_with_given_constants_equals_computing_them(env):
+    n, T = 4, 3
+    g = torch.Generator().manual_seed(5)
+    latents, next_latents = torch.randn(n, T, *env.latent_shape, generator=g), torch.randn(n, T, *env.latent_shape, generator=g)
+    index = torch.randint(0, 5, (n, T), generator=g)
+    sigma, sigma_next, timestep = env.train_sigmas[index], env.train_sigmas[index + 1], env.train_timesteps[index]
+    coef = step_coefficients(sigma.reshape(n, T, 1, 1, 1), sigma_next.reshape(n, T, 1, 1, 1), noise_level=0.7, sde_type="flow")
+    cond = _cond(env, n)
+    with torch.no_grad():
+        computed = rescore_steps(env.family, env.model, latents, next_latents, sigma, sigma_next, timestep, cond,
+                                 guidance_scale=1.0, noise_level=0.7)
+        given = rescore_steps(env.family, env.model, latents, next_latents, sigma, sigma_next, timestep, cond,
+                              guidance_scale=1.0, noise_level=0.7, check=False, coefficients=coef)
+    assert computed.keys() == given.keys()
+    assert all(torch.equal(computed[k], given[k]) for k in computed)
+
+
+def test_evaluate_column_by_column_equals_the_whole_and_caches_per_batch(env):
+    """The loop scores a micro-batch one trained step at a time; ``evaluate`` moves the batch to the
+    device and computes its steps' constants once (in ``batch.cache``), and each column equals what
+    scoring all columns at once gives. A selection of the batch starts with an empty cache."""
+    env._step = 3
+    rows = env.next_prompts(3)[:2]
+    rollout = env.rollout(rows, 3)
+    env.score(rollout)
+    micro = rollout.select(torch.tensor([4, 0, 2, 5]))
+    assert micro.cache == {}
+    with torch.no_grad():
+        whole = env.evaluate(env.model, rollout.select(torch.tensor([4, 0, 2, 5])))
+        T = whole["logp"].shape[1]
+        pieces = [env.evaluate(env.model, micro, slice(j, j + 1)) for j in range(T)]
+    assert set(micro.cache) == {"stored_steps"}
+    for key in ("logp", "mean", "std", "mask", "sigma", "sigma_next"):
+        assert torch.equal(torch.cat([p[key] for p in pieces], dim=1), whole[key]), key
+    assert rollout.select(torch.tensor([1, 2])).cache == {}
 
 
 def test_bad_sigmas_are_still_refused_once_for_all_steps(env):

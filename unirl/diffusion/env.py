@@ -37,7 +37,7 @@ import torch
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.families import ModelFamily, family_for
 from unirl.diffusion.sampling import rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
-from unirl.diffusion.sde import step_kl
+from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
 
@@ -310,17 +310,32 @@ class DiffusionEnvironment(Environment):
     # ------------------------------------------------------------- log-probs
     def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Re-score the trained steps ``columns`` with the stored next latent as the action (gradients flow)."""
-        s, device = self.cfg.sampling, self.accelerator.device
-        t = {k: batch.tensors[k][:, columns].to(device) for k in
-             ("latents", "next_latents", "sigma", "sigma_next", "timestep")}  # [n, T', ...]
-        cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
+        s = self.cfg.sampling
+        stored = batch.cache.get("stored_steps")
+        if stored is None:  # once per batch, however many pieces the loop scores it in
+            stored = batch.cache["stored_steps"] = self._stored_steps(batch)
+        t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
         # The sigmas are the rollout's, from the schedule its sampler checked: no second check per piece.
-        out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"], t["timestep"], cond,
-                            guidance_scale=self.train_guidance, noise_level=s.noise_level, sde_type=s.sde_type,
-                            check=False)
+        out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"],
+                            t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
+                            sde_type=s.sde_type, check=False, coefficients=stored["coef"].at((slice(None), columns)))
         out["mask"] = torch.ones_like(out["logp"])  # [n, T]: every stored step is trained
-        out["sigma"], out["sigma_next"] = t["sigma"].float(), t["sigma_next"].float()  # [n, T], for the KL
+        out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T], for the KL
         return out
+
+    def _stored_steps(self, batch: Rollout) -> dict:
+        """The batch's stored steps on the device (``steps``: latents, next latents [n, T, *latent], float32
+        sigmas and timesteps [n, T]), its conditioning (``cond``) and the steps' constants (``coef``,
+        [n, T, 1, ..., 1] each): what every piece of ``evaluate`` slices instead of recomputing."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
+        steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
+        ones = [1] * (steps["latents"].ndim - 2)
+        coef = step_coefficients(steps["sigma"].reshape(*steps["sigma"].shape, *ones),
+                                 steps["sigma_next"].reshape(*steps["sigma_next"].shape, *ones),
+                                 noise_level=s.noise_level, sde_type=s.sde_type)
+        cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
+        return {"steps": steps, "cond": cond, "coef": coef}
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.tensors["old_logp"])  # [n, T]

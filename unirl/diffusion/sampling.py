@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unirl.diffusion.sde import check_sigmas, check_step_inputs, per_sample_sigma, sde_step
+from unirl.diffusion.sde import StepCoefficients, check_sigmas, check_step_inputs, sde_step, step_coefficients
 
 
 @dataclass
@@ -141,7 +141,11 @@ def sample_with_logprob(
     record = torch.zeros(n, 0, dtype=torch.long) if record is None else record.cpu()
     if record.numel() and not bool(stochastic[record].all()):
         raise ValueError("only stochastic steps can be recorded (an ODE step has no density)")
-    check_sigmas(sigmas[:-1].float(), sigmas[1:].float())  # the whole schedule at once: the steps below skip the checks
+    sigma, sigma_next = sigmas[:-1].float(), sigmas[1:].float()  # [S] each
+    check_sigmas(sigma, sigma_next)  # the whole schedule at once: the steps below skip the checks
+    # The constants of every step at once (SDE and ODE forms); step i takes its entries.
+    sde_coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
+    ode_coef = step_coefficients(sigma, sigma_next, noise_level=0.0, sde_type=sde_type)
     is_sde = stochastic.tolist()  # [S] python bools: no tensor read per step
     recorded = record.unique().tolist()  # the steps some sample records
     latents = noise.float()  # [N, *latent]
@@ -150,11 +154,8 @@ def sample_with_logprob(
         v = guided_velocity(family, transformer, latents, timesteps[i].expand(n), cond, guidance_scale)
         if i == 0:
             check_step_inputs(v, latents, None, noise_level, sde_type, "mean")
-        nxt, logp, _, _ = sde_step(
-            v, latents, per_sample_sigma(sigmas[i], "sigma", n, latents),
-            per_sample_sigma(sigmas[i + 1], "sigma_next", n, latents),
-            noise_level=noise_level if is_sde[i] else 0.0, generator=generator, sde_type=sde_type,
-        )
+        coef = (sde_coef if is_sde[i] else ode_coef).at(i)  # 0-d each: shared by the batch
+        nxt, logp, _, _ = sde_step(v, latents, coef, generator=generator)
         if i in recorded:
             before.append(latents), after.append(nxt), logps.append(logp)
         latents = nxt
@@ -199,6 +200,7 @@ def rescore_steps(
     noise_level: float,
     sde_type: str = "flow",
     check: bool = True,
+    coefficients: StepCoefficients | None = None,
 ) -> dict[str, torch.Tensor]:
     """Log-probs of stored steps under ``transformer`` (with gradients), the stored next latent as the action.
 
@@ -207,6 +209,9 @@ def rescore_steps(
         latents, next_latents: ``[n, T, *latent]``; ``sigma``, ``sigma_next``, ``timestep``: ``[n, T]``.
         check: False skips the check of the sigmas (a host sync) for steps taken from a schedule that
             ``sample_with_logprob`` already checked, as a rollout's are.
+        coefficients: the steps' constants (``step_coefficients`` of ``sigma``, ``sigma_next`` shaped
+            ``[n, T, 1, ..., 1]``, ``noise_level`` and ``sde_type``) when the caller already has them;
+            computed here when None.
 
     Returns:
         ``logp`` [n, T], ``mean`` [n, T, *latent] and ``std`` [n, T] of each step's Gaussian.
@@ -215,20 +220,21 @@ def rescore_steps(
     if sigma.shape != (n, T) or sigma_next.shape != (n, T) or timestep.shape != (n, T):
         raise ValueError(f"sigma, sigma_next and timestep must be [n, T] = [{n}, {T}], got {tuple(sigma.shape)}, "
                          f"{tuple(sigma_next.shape)}, {tuple(timestep.shape)}")
-    ones = [1] * (latents.ndim - 2)
-    sigma = sigma.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
-    sigma_next = sigma_next.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
-    if check:
-        check_sigmas(sigma, sigma_next)  # every stored step at once: the steps below skip the checks
+    coef = coefficients
+    if check or coef is None:
+        ones = [1] * (latents.ndim - 2)
+        sigma = sigma.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
+        sigma_next = sigma_next.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
+        if check:
+            check_sigmas(sigma, sigma_next)  # every stored step at once: the steps below skip the checks
+        if coef is None:
+            coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)  # [n, T, 1, ..., 1]
     logps, means, stds = [], [], []
     for j in range(T):
         v = guided_velocity(family, transformer, latents[:, j], timestep[:, j], cond, guidance_scale)
         if j == 0:
             check_step_inputs(v, latents[:, j], next_latents[:, j], noise_level, sde_type, "mean")
-        _, logp, mean, std = sde_step(
-            v, latents[:, j], sigma[:, j], sigma_next[:, j], noise_level=noise_level,
-            prev_sample=next_latents[:, j], sde_type=sde_type,
-        )
+        _, logp, mean, std = sde_step(v, latents[:, j], coef.at((slice(None), j)), prev_sample=next_latents[:, j])
         logps.append(logp)  # [n]
         means.append(mean)  # [n, *latent]
         stds.append(std.flatten())  # [n]

@@ -41,6 +41,7 @@ shape works); ``log_prob`` is reduced over all non-batch dimensions (``"mean"``,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields, replace
 from numbers import Real
 
 import torch
@@ -90,77 +91,115 @@ def sde_step_with_logprob(
     sigma = per_sample_sigma(sigma, "sigma", n, sample)  # [N, 1, ..., 1]
     sigma_next = per_sample_sigma(sigma_next, "sigma_next", n, sample)  # [N, 1, ..., 1]
     check_sigmas(sigma, sigma_next)
-    return sde_step(velocity, sample, sigma, sigma_next, noise_level=noise_level, prev_sample=prev_sample,
-                    generator=generator, sde_type=sde_type, reduce=reduce)
+    # 2. The step's constants, then the step.
+    coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
+    return sde_step(velocity, sample, coef, prev_sample=prev_sample, generator=generator, reduce=reduce)
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    """The constants of Gaussian steps ``sigma -> sigma_next``, float32, each shaped like the sigmas
+    they came from: ``[N, 1, ..., 1]`` for one step of N samples, ``[S]`` for a whole schedule (then
+    ``at(i)`` is step i), ``[n, T, 1, ..., 1]`` for stored steps (``at((slice(None), j))``).
+
+    ``mean = sample_weight * x + velocity_weight * v`` (the module docstring's formulas, with the
+    sigma terms gathered into the two weights), ``std`` the step's std, and for ``"flow"`` the
+    log-density ``-||x' - mean||^2 * inv_two_var - count * log_norm``. The ODE step
+    (``noise_level == 0``) keeps only ``dt``: its mean is ``x + dt * v``, diffusers' Euler step.
+    """
+
+    sde_type: str
+    ode: bool
+    dt: torch.Tensor  # sigma_next - sigma, negative
+    std: torch.Tensor  # the step's std (0 for the ODE step)
+    sample_weight: torch.Tensor | None = None
+    velocity_weight: torch.Tensor | None = None
+    inv_two_var: torch.Tensor | None = None  # 1 / (2 std^2), flow only
+    log_norm: torch.Tensor | None = None  # log std + log sqrt(2 pi), flow only
+
+    def at(self, index) -> "StepCoefficients":
+        """The coefficients of the steps ``index`` (any tensor index, e.g. ``i`` or ``(slice(None), j)``)."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sde_type", "ode")}
+        return replace(self, **{k: None if v is None else v[index] for k, v in tensors.items()})
+
+
+def step_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, *, noise_level: float,
+                      sde_type: str = "flow") -> StepCoefficients:
+    """``StepCoefficients`` of the steps ``sigma -> sigma_next`` (float32 tensors of any one shape,
+    already checked: ``check_sigmas``), computed once for many steps so that each step only does the
+    latent-sized work. Element by element the same operations whatever the shape, so the
+    coefficients of a whole schedule indexed at step i equal those computed for step i alone."""
+    dt = sigma_next - sigma
+    if noise_level == 0:
+        return StepCoefficients(sde_type=sde_type, ode=True, dt=dt, std=torch.zeros_like(sigma))
+    s, std = sde_diffusion_coefficient(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
+    if sde_type == "flow":
+        # FlowGRPO eq. 9 (s is sigma_t of the SDE, std = s sqrt(|dt|) the step's std).
+        sample_weight = 1 + s**2 / (2 * sigma) * dt
+        velocity_weight = (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+        return StepCoefficients(sde_type=sde_type, ode=False, dt=dt, std=std, sample_weight=sample_weight,
+                                velocity_weight=velocity_weight, inv_two_var=1 / (2 * std**2),
+                                log_norm=torch.log(std) + math.log(math.sqrt(2 * math.pi)))
+    # Coefficient-preserving: the next latent is (1 - sigma_next) x0 + sigma_next * (unit noise), split
+    # between the predicted noise x1 = x + (1 - sigma) v and fresh noise so that their squared weights
+    # sum to sigma_next^2; with x0 = x - sigma v the mean is linear in x and v.
+    keep = torch.sqrt((sigma_next**2 - std**2).clamp_min(0))  # weight of x1
+    return StepCoefficients(sde_type=sde_type, ode=False, dt=dt, std=std, sample_weight=(1 - sigma_next) + keep,
+                            velocity_weight=keep * (1 - sigma) - sigma * (1 - sigma_next))
 
 
 def sde_step(
     velocity: torch.Tensor,
     sample: torch.Tensor,
-    sigma: torch.Tensor,
-    sigma_next: torch.Tensor,
+    coef: StepCoefficients,
     *,
-    noise_level: float,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
-    sde_type: str = "flow",
     reduce: str = "mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``sde_step_with_logprob`` without its checks, for loops that check their inputs once.
+    """``sde_step_with_logprob`` without its checks and with its constants given, for loops that
+    check their inputs once and compute the constants of all their steps at once.
 
-    ``sigma`` and ``sigma_next`` must already be float32 ``[N, 1, ..., 1]`` on ``sample``'s device
-    (``per_sample_sigma``) and valid (``check_sigmas``), and the other arguments valid
-    (``check_step_inputs``): the sampler checks its whole schedule before the first step, the
-    re-scoring all stored steps at once, instead of paying three host syncs at every step. The
-    operations are those of ``sde_step_with_logprob`` (which calls this), so results are identical.
+    ``coef`` (``step_coefficients``) must hold this step's constants, each ``[N, 1, ..., 1]`` or 0-d
+    (one step shared by the batch), from sigmas checked by ``check_sigmas``, and the other arguments
+    must be valid (``check_step_inputs``): the sampler checks its whole schedule before the first
+    step, the re-scoring all stored steps at once, instead of paying three host syncs and a dozen
+    small operations at every step. ``sde_step_with_logprob`` calls this, so results are identical.
+    Returns what ``sde_step_with_logprob`` returns (``std`` shaped like ``coef.std``).
     """
     n = sample.shape[0]
-    # 2. Upcast: the mean overflows in bf16.
+    # Upcast: the mean overflows in bf16.
     velocity = velocity.float()  # [N, ...]
     sample = sample.float()  # [N, ...]
     if prev_sample is not None:
         prev_sample = prev_sample.detach().float()  # [N, ...]
-    dt = sigma_next - sigma  # [N, 1, ..., 1], negative
     reduce_dims = tuple(range(1, sample.ndim))
 
-    # 3. noise_level 0: the Euler ODE step, written as diffusers writes it so the two agree bit for bit.
-    if noise_level == 0:
-        mean = sample + dt * velocity  # [N, ...]
-        std = torch.zeros_like(sigma)  # [N, 1, ..., 1]
+    # noise_level 0: the Euler ODE step, written as diffusers writes it so the two agree bit for bit.
+    if coef.ode:
+        mean = sample + coef.dt * velocity  # [N, ...]
         if prev_sample is None:
             prev_sample = mean
-        return prev_sample, torch.zeros(n, device=sample.device), mean, std
+        return prev_sample, torch.zeros(n, device=sample.device), mean, coef.std
 
-    # 4. Mean and standard deviation of the Gaussian step.
-    s, std = sde_diffusion_coefficient(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)  # [N, 1, ..., 1]
-    if sde_type == "flow":
-        # FlowGRPO eq. 9 (s is sigma_t of the SDE, std = s sqrt(|dt|) the step's std).
-        mean = sample * (1 + s**2 / (2 * sigma) * dt) + velocity * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
-    else:
-        # Coefficient-preserving: the next latent is (1 - sigma_next) x0 + sigma_next * (unit noise),
-        # split between the predicted noise x1 and fresh noise so their squared weights sum to sigma_next^2.
-        x0 = sample - sigma * velocity  # [N, ...]
-        x1 = sample + velocity * (1 - sigma)  # [N, ...]
-        mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
-
-    # 5. Draw the next sample unless it was given.
+    # The Gaussian step's mean; draw the next sample unless it was given.
+    mean = sample * coef.sample_weight + velocity * coef.velocity_weight  # [N, ...]
     if prev_sample is None:
         noise = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=torch.float32)
-        prev_sample = mean + std * noise  # [N, ...]
+        prev_sample = mean + coef.std * noise  # [N, ...]
 
-    # 6. Log-density of prev_sample, reduced over non-batch dimensions: FlowGRPO's per-element
-    #    -(x - mean)^2 / (2 std^2) - log std - log sqrt(2 pi), reduced. std is constant per sample, so
-    #    the squared distance is reduced first and the per-sample terms applied after (three passes
-    #    over the latent instead of seven; equal to float32 rounding).
+    # Log-density of prev_sample, reduced over non-batch dimensions: FlowGRPO's per-element
+    # -(x - mean)^2 / (2 std^2) - log std - log sqrt(2 pi), reduced. std is constant per sample, so
+    # the squared distance is reduced first and the per-sample terms applied after (three passes
+    # over the latent instead of seven; equal to float32 rounding).
     sq = (prev_sample - mean).square()  # [N, ...]
     sq = sq.mean(dim=reduce_dims) if reduce == "mean" else sq.sum(dim=reduce_dims)  # [N]
-    if sde_type == "flow":
+    if coef.sde_type == "flow":
         count = 1 if reduce == "mean" else math.prod(sample.shape[1:])
-        std_n = std.reshape(n)  # [N]
-        log_prob = -sq / (2 * std_n**2) - count * (torch.log(std_n) + math.log(math.sqrt(2 * math.pi)))
+        log_prob = -sq * coef.inv_two_var.reshape(-1) - count * coef.log_norm.reshape(-1)  # [N]
     else:
         log_prob = -sq  # FlowGRPO's CPS convention, see the module docstring
-    return prev_sample, log_prob, mean, std
+    return prev_sample, log_prob, mean, coef.std
 
 
 def check_step_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce) -> None:
