@@ -350,10 +350,13 @@ class Trainer:
                                "forward gives them only on-policy: one mini-batch, trainer.ppo_epochs=1)")
         recorded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rollout rows, their first-forward log-probs)
         # As many mini-batches as B*G / mini_batch_size (fewer samples when zero advantages were dropped).
-        mini_size = -(-len(rollout) // self._num_mini_batches())
+        num_mini = self._num_mini_batches()
+        mini_size = -(-len(rollout) // num_mini)
         model.train()
         for _ in range(self.cfg.ppo_epochs):
-            order = torch.randperm(len(rollout), generator=generator)
+            # A single mini-batch is the whole rollout in any order (its loss is a sum over samples):
+            # it is taken as it is, without a shuffled copy of every stored tensor.
+            order = torch.randperm(len(rollout), generator=generator) if num_mini > 1 else torch.arange(len(rollout))
             for mini_idx in order.split(mini_size):
                 mini_batch = rollout.select(mini_idx)
                 # The global mini-batch's normaliser, so micro and process shares add up to its loss.
