@@ -8,6 +8,7 @@ at every step, index assignment), on the toy SD3 where a model is needed.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.env import DiffusionEnvironment
-from unirl.diffusion.sampling import guided_velocity, rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
+from unirl.diffusion.sampling import forward_module, guided_velocity, rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
 from unirl.diffusion.sde import sde_step, sde_step_with_logprob, step_coefficients
 from unirl.diffusion.tiny import build_tiny_sd3
 
@@ -187,6 +188,27 @@ def test_evaluate_column_by_column_equals_the_whole_and_caches_per_batch(env):
     for key in ("logp", "mean", "std", "mask", "sigma", "sigma_next"):
         assert torch.equal(torch.cat([p[key] for p in pieces], dim=1), whole[key]), key
     assert rollout.select(torch.tensor([1, 2])).cache == {}
+
+
+def test_forward_module_skips_only_pefts_plain_wrapper(env):
+    """The base model of a LoRA ``PeftModel`` gives the wrapper's velocity bit for bit, with the
+    adapter on and off (the reference); other modules are called as they are."""
+    from peft import PeftModel
+
+    model = env.model
+    assert type(model) is PeftModel and forward_module(model) is model.get_base_model()
+    n = 4
+    latents = torch.randn(n, *env.latent_shape, generator=torch.Generator().manual_seed(1))
+    timestep, cond = torch.full((n,), 700.0), _cond(env, n)
+    with torch.no_grad():
+        for adapter_on in (True, False):
+            with contextlib.nullcontext() if adapter_on else model.disable_adapter():
+                wrapped = env.family.velocity(model, latents, timestep, cond)
+                direct = guided_velocity(env.family, model, latents, timestep, cond, 1.0)
+            assert torch.equal(wrapped, direct)
+        assert not torch.equal(env.family.velocity(model, latents, timestep, cond), direct)  # the LoRA acts
+    other = torch.nn.Linear(2, 2)
+    assert forward_module(other) is other
 
 
 def test_bad_sigmas_are_still_refused_once_for_all_steps(env):

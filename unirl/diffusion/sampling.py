@@ -100,12 +100,29 @@ def guided_velocity(family, transformer, latents: torch.Tensor, timestep: torch.
     when ``guidance_scale > 1``: classifier-free guidance ``v_u + g (v_c - v_u)``
     (https://arxiv.org/abs/2207.12598) with one batched forward, negative first, as the SD3 pipeline does.
     """
+    transformer = forward_module(transformer)
     if guidance_scale > 1:
         both = {k: torch.cat([cond["neg_" + k], cond[k]]) for k in family.cond_keys}  # [2n, ...]
         v = family.velocity(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         v_uncond, v_cond = v.chunk(2)
         return v_uncond + guidance_scale * (v_cond - v_uncond)
     return family.velocity(transformer, latents, timestep, {k: cond[k] for k in family.cond_keys})  # [n, *latent]
+
+
+def forward_module(transformer):
+    """The module to call for a forward of ``transformer``.
+
+    PEFT's ``PeftModel`` wrapping a LoRA transformer hands a forward's arguments on to its base
+    model, where the LoRA layers live (its other work, routing ``adapter_names`` for mixed-adapter
+    batches, is not used here), so the base model is called directly: the same computation (tested
+    bit for bit) without PEFT's Python on each forward, 0.05-0.1 ms on the development CPU, 16
+    forwards a step on the tiny config. Enabling or disabling the adapter acts on the base model's
+    LoRA layers, so the reference (``disable_adapter``) is unchanged. Any other module, a DDP or FSDP
+    wrapper included (their forward does the gradient bookkeeping), is called as it is.
+    """
+    from peft import PeftModel
+
+    return transformer.get_base_model() if type(transformer) is PeftModel else transformer
 
 
 # ----------------------------------------------------------------------------- sampling
