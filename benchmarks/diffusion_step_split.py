@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/diffusion_step_split.py                      # tiny config, 12 steps
     .venv/bin/python benchmarks/diffusion_step_split.py --steps 20 sampling.max_sequence_length=128
     .venv/bin/python benchmarks/diffusion_step_split.py --hook-check         # cost of the instrumentation
+    .venv/bin/python benchmarks/diffusion_step_split.py --against ../before  # another commit, step by step
 
 Runs ``configs/diffusion/<config>.yaml`` (default ``tiny``: 8 prompts x 4 = 32 images, 8 SDE steps
 all trained, CFG off, LoRA r8, one mini-batch, so one optimizer step) in this process with
@@ -36,6 +37,13 @@ are device time plus launch; that synchronisation is itself a cost the uninstrum
 pay. ``--hook-check`` alternates instrumented and bare steps and prints both medians: the
 difference is what the instrumentation costs.
 
+``--against CHECKOUT`` compares with another commit without the machine's drift in between: make a
+worktree of it (``git worktree add ../before <commit>``), and the script runs this checkout and that
+one's ``unirl`` (through ``PYTHONPATH``, with this script's instrumentation) in two processes that take
+their steps in turn, the order swapped at every step; it prints both tables and the step-by-step
+difference of their framework time. On the development VM, whose speed drifts by a third within
+minutes, separate runs could not show a 2 ms change that this shows.
+
 Timed runs on a shared machine: ``flock /tmp/bench.lock .venv/bin/python benchmarks/...``.
 """
 
@@ -43,9 +51,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -237,7 +247,7 @@ def machine() -> str:
             f"device {device}, Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="config overrides key=value")
     parser.add_argument("--config", default="tiny", help="diffusion config name or path (default tiny)")
@@ -245,50 +255,58 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps run first and not counted (default 2)")
     parser.add_argument("--hook-check", action="store_true",
                         help="alternate instrumented and bare steps and compare their medians")
-    args = parser.parse_args()
+    parser.add_argument("--against", metavar="CHECKOUT",
+                        help="also run the unirl package of another checkout (a git worktree of an older commit), "
+                             "in a second process, the two taking steps in turn; prints both tables and the "
+                             "step-by-step difference of their framework time")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one side of --against
+    return parser.parse_args(argv)
 
-    import diffusers
-    import torch
-    import transformers
 
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    run_dir = Path(tempfile.mkdtemp(prefix="unirl-diffusion-split-")) / "run"
-    trainer, cfg = build_trainer(args.config, args.overrides, run_dir)
-    split = Split(torch.cuda.synchronize if trainer.accelerator.device.type == "cuda" else (lambda: None))
-    rows, bare, checks = [], [], []
-    try:
-        for i in range(args.warmup + args.steps):
-            hooked = not (args.hook_check and i % 2)
-            remove = instrument(trainer, split) if hooked else None
-            split.reset()
-            split.sync()
-            start = time.perf_counter()
-            metrics = trainer.train_step()
-            split.sync()
-            wall = time.perf_counter() - start
-            if remove is not None:
-                remove()
-            checks.append((metrics["reward/mean"], metrics.get("loss/total", float("nan"))))
-            if i < args.warmup:
-                continue
-            if not hooked:
-                bare.append(wall)
-                continue
-            rows.append({"step": wall, **{c: split.columns.get(c, 0.0) for c in COLUMNS},
-                         "reward thread": split.reward_thread, "sde": split.sde,
-                         **{f"stage {s}": split.stages.get(s, 0.0) for s in STAGES},
-                         **{f"in {s}": split.column_in_stage.get(s, 0.0) for s in STAGES}})
-    finally:
-        trainer.env.close()
+class StepRunner:
+    """The trainer of one configuration and its instrumentation; ``step()`` runs and splits one step."""
 
-    # 1. The table: median over the timed steps of each column, and the framework share.
+    def __init__(self, args):
+        import diffusers
+        import torch
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+        run_dir = Path(tempfile.mkdtemp(prefix="unirl-diffusion-split-")) / "run"
+        self.trainer, self.cfg = build_trainer(args.config, args.overrides, run_dir)
+        cuda = self.trainer.accelerator.device.type == "cuda"
+        self.split = Split(torch.cuda.synchronize if cuda else (lambda: None))
+
+    def step(self, hooked: bool = True) -> dict:
+        split = self.split
+        remove = instrument(self.trainer, split) if hooked else None
+        split.reset()
+        split.sync()
+        start = time.perf_counter()
+        metrics = self.trainer.train_step()
+        split.sync()
+        wall = time.perf_counter() - start
+        if remove is not None:
+            remove()
+        return {"step": wall, "hooked": hooked, **{c: split.columns.get(c, 0.0) for c in COLUMNS},
+                "reward thread": split.reward_thread, "sde": split.sde,
+                **{f"stage {s}": split.stages.get(s, 0.0) for s in STAGES},
+                **{f"in {s}": split.column_in_stage.get(s, 0.0) for s in STAGES},
+                "check": (metrics["reward/mean"], metrics.get("loss/total", float("nan")))}
+
+    def close(self) -> None:
+        self.trainer.env.close()
+
+
+def report(rows: list[dict], bare: list[dict], checks: list[tuple], args, cfg, label: str = "") -> None:
+    """The tables of one run: the medians of ``rows`` (instrumented timed steps) and the checks of every step."""
     def med(key):
         return statistics.median(r[key] for r in rows)
 
     framework = [r["step"] - sum(r[c] for c in COLUMNS) for r in rows]
     s, b = cfg.sampling, cfg.trainer
-    print(f"\n{sys.executable} {' '.join(sys.argv)}")
+    print(f"\n{label}{sys.executable} {' '.join(sys.argv)}")
     print(f"config {args.config}: {b.prompts_per_step} prompts x {b.group_size} = {b.prompts_per_step * b.group_size} "
           f"images at {s.resolution} px, {s.num_steps} steps (timestep_fraction {s.timestep_fraction}), guidance "
           f"{s.guidance_scale} (train_cfg {s.train_cfg}), max_sequence_length {s.max_sequence_length}, LoRA "
@@ -308,7 +326,7 @@ def main() -> None:
           f"step mean, log-prob; sampler and re-scoring): {med('sde') * 1000:.1f} ms ({sde_share:.1%} of the step); "
           f"the rest: {rest:.1%} of the step")
 
-    # 2. Framework time by loop stage: the stage's wall minus the columns timed inside it.
+    # Framework time by loop stage: the stage's wall minus the columns timed inside it.
     print("\n| loop stage | wall | model/optimizer/reward columns inside | framework |")
     print("|---|---|---|---|")
     for stage in STAGES:
@@ -319,10 +337,90 @@ def main() -> None:
     print(f"| between stages (metrics, loop glue) | {statistics.median(glue) * 1000:.1f} ms | | "
           f"{statistics.median(glue) * 1000:.1f} ms |")
 
-    if args.hook_check:
+    if bare:
         print(f"\nhook check: instrumented steps median {med('step') * 1000:.1f} ms ({len(rows)}), bare steps median "
-              f"{statistics.median(bare) * 1000:.1f} ms ({len(bare)})")
+              f"{statistics.median(r['step'] for r in bare) * 1000:.1f} ms ({len(bare)})")
     print("\nreward/mean, loss/total per step:", ", ".join(f"{r:.4f}/{l:.4g}" for r, l in checks))
+
+
+def framework_of(row: dict) -> float:
+    return row["step"] - sum(row[c] for c in COLUMNS)
+
+
+def worker(args) -> None:
+    """One side of ``--against``: a step per line read from stdin, its row written as JSON to stdout."""
+    runner = StepRunner(args)
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        for _ in sys.stdin:
+            print(json.dumps(runner.step()), flush=True)
+    finally:
+        runner.close()
+
+
+def read_json(proc: subprocess.Popen, dead: str) -> dict:
+    """The worker's next JSON line (anything else a library printed to stdout is passed on)."""
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{dead} (exit status {proc.wait()})")
+        if line.startswith("{"):
+            return json.loads(line)
+        sys.stdout.write(line)
+
+
+def against(args) -> None:
+    """This checkout and ``args.against`` in two processes, taking their steps in turn (the order
+    swapped at every step), so a drift of the machine's speed reaches both sides alike."""
+    here = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", args.config, *args.overrides]
+    other_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(args.against).resolve()),
+                                                                             os.environ.get("PYTHONPATH")]))}
+    sides = {"this checkout": os.environ, f"--against {args.against}": other_env}
+    procs = {name: subprocess.Popen(here, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for name, env in sides.items()}
+    rows: dict[str, list[dict]] = {name: [] for name in procs}
+    try:
+        for name, proc in procs.items():
+            read_json(proc, f"the {name} worker exited before its first step")
+        for i in range(args.warmup + args.steps):
+            for name in (list(procs) if i % 2 == 0 else list(procs)[::-1]):
+                procs[name].stdin.write("step\n")
+                procs[name].stdin.flush()
+                rows[name].append(read_json(procs[name], f"the {name} worker exited at step {i}"))
+    finally:
+        for proc in procs.values():
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            proc.wait()
+    from unirl.cli import load_run_config
+
+    cfg = load_run_config("diffusion", args.config, list(args.overrides))
+    for name, side in rows.items():
+        report(side[args.warmup:], [], [tuple(r["check"]) for r in side], args, cfg, label=f"[{name}] ")
+    timed = {name: side[args.warmup:] for name, side in rows.items()}
+    (a, a_rows), (b, b_rows) = timed.items()
+    diff = [framework_of(x) - framework_of(y) for x, y in zip(a_rows, b_rows)]
+    print(f"\nframework time, {a} minus {b}, step by step: median {statistics.median(diff) * 1000:+.2f} ms, "
+          f"mean {statistics.mean(diff) * 1000:+.2f} ms over {len(diff)} step pairs")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    if args.against:
+        return against(args)
+    runner = StepRunner(args)
+    rows, bare, checks = [], [], []
+    try:
+        for i in range(args.warmup + args.steps):
+            row = runner.step(hooked=not (args.hook_check and i % 2))
+            checks.append(row["check"])
+            if i >= args.warmup:
+                (rows if row["hooked"] else bare).append(row)
+    finally:
+        runner.close()
+    report(rows, bare, checks, args, runner.cfg)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ family's transformer takes them (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -120,9 +121,19 @@ def forward_module(transformer):
     LoRA layers, so the reference (``disable_adapter``) is unchanged. Any other module, a DDP or FSDP
     wrapper included (their forward does the gradient bookkeeping), is called as it is.
     """
-    from peft import PeftModel
+    if type(transformer).__name__ == "PeftModel":  # cheap test first: this runs at every forward
+        peft_model, tuner = _peft_classes()
+        if type(transformer) is peft_model and isinstance(transformer.base_model, tuner):
+            return transformer.base_model.model  # the tuner (LoraModel) wraps the LoRA-injected transformer
+    return transformer
 
-    return transformer.get_base_model() if type(transformer) is PeftModel else transformer
+
+@functools.cache
+def _peft_classes() -> tuple[type, type]:
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    return PeftModel, BaseTuner
 
 
 # ----------------------------------------------------------------------------- sampling
