@@ -164,6 +164,27 @@ def test_param_ema_by_hand():
     assert torch.equal(other.shadow[0], ema.shadow[0])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_param_ema_equals_flowgrpos_update_per_tensor(seed):
+    """The fused update (one operation over all tensors) gives FlowGRPO's per-parameter
+    ``ema.add_((1 - d) * (param - ema))`` bit for bit, over several steps and mixed shapes."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(3, 4), (7,), (2, 2, 5)]]
+    ema = ParamEMA(params, decay=0.95, update_every=2)
+    expected = [p.detach().clone() for p in params]
+    for k in range(1, 9):
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=g))
+        ema.step(k)
+        if (k + 1) % 2 == 0:
+            d = min((1 + k) / (10 + k), 0.95)
+            for e, p in zip(expected, params):
+                e.add_((1 - d) * (p.detach() - e))
+        for e, s in zip(expected, ema.shadow, strict=True):
+            assert torch.equal(e, s), k
+
+
 def test_saved_lora_loads_into_a_stock_pipeline_and_changes_its_output(tiny_sd3_dir, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 

@@ -119,8 +119,10 @@ class ParamEMA:
         if (optimizer_step + 1) % self.update_every:
             return
         d = self.decay_at(optimizer_step)
-        for s, p in zip(self.shadow, self.params):
-            s.add_((1 - d) * (p.detach().float() - s))
+        # shadow <- shadow + (1 - d) (param - shadow), each operation over all tensors at once.
+        step = torch._foreach_sub([p.detach().float() for p in self.params], self.shadow)
+        torch._foreach_mul_(step, 1 - d)
+        torch._foreach_add_(self.shadow, step)
 
     @contextlib.contextmanager
     def swapped(self):

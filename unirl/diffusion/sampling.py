@@ -266,6 +266,8 @@ def rescore_steps(
         logps.append(logp)  # [n]
         means.append(mean)  # [n, *latent]
         stds.append(std.flatten())  # [n]
+    if T == 1:  # one column (the loop scores a step at a time): views, not copies of the mean and its gradient
+        return {"logp": logps[0].unsqueeze(1), "mean": means[0].unsqueeze(1), "std": stds[0].unsqueeze(1)}
     return {"logp": torch.stack(logps, 1), "mean": torch.stack(means, 1), "std": torch.stack(stds, 1)}
 
 

@@ -41,7 +41,7 @@ shape works); ``log_prob`` is reduced over all non-batch dimensions (``"mean"``,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from numbers import Real
 
 import torch
@@ -119,8 +119,11 @@ class StepCoefficients:
 
     def at(self, index) -> "StepCoefficients":
         """The coefficients of the steps ``index`` (any tensor index, e.g. ``i`` or ``(slice(None), j)``)."""
-        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sde_type", "ode")}
-        return replace(self, **{k: None if v is None else v[index] for k, v in tensors.items()})
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return StepCoefficients(self.sde_type, self.ode, pick(self.dt), pick(self.std), pick(self.sample_weight),
+                                pick(self.velocity_weight), pick(self.inv_two_var), pick(self.log_norm))
 
 
 def step_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, *, noise_level: float,
