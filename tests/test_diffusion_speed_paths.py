@@ -237,6 +237,37 @@ def test_to_pil_equals_the_image_by_image_conversion():
         assert np.array_equal(np.asarray(pil), expected)
 
 
+PROMPTS = ["a red cat", "", "  A  Red   CAT, on a mat!  ", "a very long prompt about a blue dog on a green chair " * 6,
+           "caf\u00e9 \u00fcber na\u00efve \u65e5\u672c", "<|endoftext|> in the text", "</s> and <pad> too", "x" * 300]
+
+
+@pytest.mark.parametrize("name,max_length", [("tokenizer", 77), ("tokenizer", 8), ("tokenizer_3", 16), ("tokenizer_3", 4)])
+def test_tokenize_gives_the_tokenizers_own_ids(env, name, max_length):
+    """``tokenize`` calls the fast tokenizer's backend through a copy set up once; the ids equal the
+    tokenizer's own padded, cut call (special tokens, odd spacing, unicode, cut and empty prompts),
+    also after a token is added to the tokenizer (the copy is rebuilt)."""
+    import copy
+    import warnings
+
+    from unirl.diffusion.families.base import tokenize
+
+    tokenizer = copy.deepcopy(getattr(env.pipe, name))  # a token is added below
+    assert tokenizer.backend_tokenizer is not None  # the fast path is the one under test
+
+    def reference(prompts):
+        return tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt",
+                         add_special_tokens=True).input_ids
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the once-per-run warning about cut prompts
+        assert torch.equal(tokenize(tokenizer, PROMPTS, max_length, "test"), reference(PROMPTS))
+        assert tokenize(tokenizer, [], max_length, "test").shape == (0, max_length)
+        tokenizer.add_tokens(["<cat-token>"])
+        prompts = ["a <cat-token> on a mat", "<cat-token>"]
+        got = tokenize(tokenizer, prompts, max_length, "test")
+    assert torch.equal(got, reference(prompts)) and int(got.max()) == len(tokenizer) - 1
+
+
 @pytest.mark.parametrize("max_sequence_length", [4, 16])
 def test_sd3_prompt_encoding_equals_the_pipelines(env, max_sequence_length, monkeypatch):
     """The family tokenizes each prompt once per tokenizer; the pipeline's ``encode_prompt`` (which
