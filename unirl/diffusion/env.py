@@ -321,7 +321,7 @@ class DiffusionEnvironment(Environment):
         out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"],
                             t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
                             sde_type=s.sde_type, check=False, coefficients=stored["coef"].at((slice(None), columns)))
-        out["mask"] = torch.ones_like(out["logp"])  # [n, T]: every stored step is trained
+        out["mask"] = torch.ones_like(out["logp"], dtype=torch.bool)  # [n, T]: every stored step is trained
         out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T], for the KL
         return out
 

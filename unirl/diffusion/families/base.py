@@ -113,7 +113,9 @@ def tokenize(tokenizer, prompts: list[str], max_length: int, encoder: str, add_s
                            add_special_tokens=add_special_tokens)
         ids, filled = tokens.input_ids, bool(tokens.attention_mask[:, -1].any())
     else:
-        encodings = backend.encode_batch(prompts, add_special_tokens=add_special_tokens)
+        # One prompt at a time: encode_batch spreads a batch over a thread pool, whose threads competed
+        # with torch's for the cores (0.8 ms a call inside a training step against 0.3 ms alone).
+        encodings = [backend.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
         ids = torch.tensor([e.ids for e in encodings], dtype=torch.long).reshape(len(prompts), max_length)
         filled = any(e.attention_mask[-1] for e in encodings)
     if (encoder, max_length) not in _warned and filled:
