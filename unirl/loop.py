@@ -403,7 +403,8 @@ class Trainer:
             last = sync and k == len(pieces) - 1
             with contextlib.nullcontext() if last else acc.no_sync(model):
                 loss, piece_shares, piece_parts = self._micro_loss(model, micro, denominator, columns, seq_lengths)
-                acc.backward(loss * acc.num_processes)  # DDP's gradient average divides by it again
+                # DDP's gradient average divides by the number of processes again.
+                acc.backward(loss * acc.num_processes if acc.num_processes > 1 else loss)
             for name, value in piece_shares.items():
                 shares.setdefault(name, []).append(value)
             for name, value in piece_parts.items():

@@ -317,7 +317,7 @@ class DiffusionEnvironment(Environment):
         if stored is None:  # once per batch, however many pieces the loop scores it in
             stored = batch.cache["stored_steps"] = self._stored_steps(batch)
         t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
-        # The sigmas are the rollout's, from the schedule its sampler checked: no second check per piece.
+        # The steps are the rollout's, from the schedule and settings its sampler checked: no check per piece.
         out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"],
                             t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
                             sde_type=s.sde_type, check=False, coefficients=stored["coef"].at((slice(None), columns)))

@@ -123,8 +123,9 @@ def forward_module(transformer):
     """
     if type(transformer).__name__ == "PeftModel":  # cheap test first: this runs at every forward
         peft_model, tuner = _peft_classes()
-        if type(transformer) is peft_model and isinstance(transformer.base_model, tuner):
-            return transformer.base_model.model  # the tuner (LoraModel) wraps the LoRA-injected transformer
+        base = transformer._modules["base_model"]  # not through PEFT's __getattr__ fallbacks
+        if type(transformer) is peft_model and isinstance(base, tuner):
+            return base._modules["model"]  # the tuner (LoraModel) wraps the LoRA-injected transformer
     return transformer
 
 
@@ -235,8 +236,8 @@ def rescore_steps(
     Args:
         family: the model family's adapter, as in ``sample_with_logprob``.
         latents, next_latents: ``[n, T, *latent]``; ``sigma``, ``sigma_next``, ``timestep``: ``[n, T]``.
-        check: False skips the check of the sigmas (a host sync) for steps taken from a schedule that
-            ``sample_with_logprob`` already checked, as a rollout's are.
+        check: False skips the checks of the sigmas (a host sync) and of the other inputs for steps a
+            rollout stored, whose schedule and settings ``sample_with_logprob`` already checked.
         coefficients: the steps' constants (``step_coefficients`` of ``sigma``, ``sigma_next`` shaped
             ``[n, T, 1, ..., 1]``, ``noise_level`` and ``sde_type``) when the caller already has them;
             computed here when None.
@@ -260,7 +261,7 @@ def rescore_steps(
     logps, means, stds = [], [], []
     for j in range(T):
         v = guided_velocity(family, transformer, latents[:, j], timestep[:, j], cond, guidance_scale)
-        if j == 0:
+        if j == 0 and check:
             check_step_inputs(v, latents[:, j], next_latents[:, j], noise_level, sde_type, "mean")
         _, logp, mean, std = sde_step(v, latents[:, j], coef.at((slice(None), j)), prev_sample=next_latents[:, j])
         logps.append(logp)  # [n]
