@@ -59,7 +59,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, 
     """
     _check_same_shape(values=values, mask=mask)
     mask = _bool_mask(mask)
-    total = torch.where(mask, values, torch.zeros_like(values))
+    total = torch.where(mask, values, 0.0)
     if dim is None:
         return total.sum() / mask.sum().clamp_min(1)
     return total.sum(dim) / mask.sum(dim).clamp_min(1)
@@ -147,7 +147,7 @@ def aggregate(
     mask = _bool_mask(mask)
     if denominator is None:
         denominator = aggregate_denominator(mask, mode, norm_length=norm_length)
-    masked = torch.where(mask, values, torch.zeros_like(values))  # [N, T]
+    masked = torch.where(mask, values, 0.0)  # [N, T]
     if mode == "token-mean":
         return masked.sum() / denominator
     seq_sums = masked.sum(dim=-1)  # [N]
@@ -304,8 +304,8 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, 
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(token_log_ratio, log_ratio)`` [N, T]: ``logp - old_logp`` (0 where masked out) and the
     log-ratio the loss uses (the same at token level; GSPO's sequence log-ratio at every token)."""
-    logp = torch.where(mask, logp, torch.zeros_like(logp))  # [N, T]
-    old_logp = torch.where(mask, old_logp.detach(), torch.zeros_like(logp))  # [N, T]
+    logp = torch.where(mask, logp, 0.0)  # [N, T]
+    old_logp = torch.where(mask, old_logp.detach(), 0.0)  # [N, T]
     token_log_ratio = logp - old_logp  # [N, T]
     if level == "token":
         return token_log_ratio, token_log_ratio
@@ -317,7 +317,7 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, 
 def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Advantages [N] or [N, T] as a detached [N, T], 0 where masked out."""
     adv = advantages.unsqueeze(-1).expand_as(like) if advantages.ndim == 1 else advantages  # [N, T]
-    return torch.where(mask, adv.detach(), torch.zeros_like(like))
+    return torch.where(mask, adv.detach(), 0.0)
 
 
 @torch.no_grad()
@@ -333,8 +333,8 @@ def _ratio_metrics(r: torch.Tensor, token_log_ratio: torch.Tensor, adv: torch.Te
         # CleanRL's approx_kl: (r - 1) - log r, the k3 estimator of KL(old || new).
         "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
         "ratio_mean": masked_mean(r, mask),
-        "ratio_max": torch.where(mask, r, torch.full_like(r, -torch.inf)).amax(),
-        "ratio_min": torch.where(mask, r, torch.full_like(r, torch.inf)).amin(),
+        "ratio_max": torch.where(mask, r, -math.inf).amax(),
+        "ratio_min": torch.where(mask, r, math.inf).amin(),
     }
     if dual_clip is not None:
         metrics["dual_clip_frac"] = masked_mean(((adv < 0) & (r > dual_clip)).to(r.dtype), mask)
