@@ -41,7 +41,9 @@ difference is what the instrumentation costs.
 worktree of it (``git worktree add ../before <commit>``), and the script runs this checkout and that
 one's ``unirl`` (through ``PYTHONPATH``, with this script's instrumentation) in two processes that take
 their steps in turn, the order swapped at every step; it prints both tables and the step-by-step
-difference of their framework time. On the development VM, whose speed drifts by a third within
+difference of their framework time. Compare the framework columns only: two processes of the same
+code ran their model columns 4% apart (355 and 370 ms steps; the speed of a process's kernels depends
+on where its memory landed) while their framework times differed by +0.02 ms (median of 30 pairs). On the development VM, whose speed drifts by a third within
 minutes, separate runs could not show a 2 ms change that this shows.
 
 Timed runs on a shared machine: ``flock /tmp/bench.lock .venv/bin/python benchmarks/...``.
