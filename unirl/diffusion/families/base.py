@@ -133,7 +133,7 @@ def _padded_backend(tokenizer, max_length: int):
     settings ``transformers`` gives its own backend for ``padding="max_length", truncation=True``), or
     None when the tokenizer has no such backend."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    if backend is None or tokenizer.pad_token is None:  # the tokenizer's own call says what is missing
         return None
     # Rebuilt when the tokenizer changes in a way the copy would miss (tokens added, e.g. by textual
     # inversion; another pad token or side).
