@@ -81,22 +81,22 @@ def test_unchecked_step_equals_the_checked_one(seed, sde_type, noise_level, give
     v, x, prev = (torch.randn(n, 4, 3, 3, generator=g) for _ in range(3))
     schedule = torch.cat([torch.ones(1), torch.sort(torch.rand(9, generator=g), descending=True).values, torch.zeros(1)])
     sigma, sigma_next = schedule[:-1], schedule[1:]  # [S] with S = 10, from sigma = 1 down to 0
-    whole = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
+    whole = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type).unbind()  # S x 0-d
     kwargs = dict(noise_level=noise_level, sde_type=sde_type, prev_sample=prev if given else None)
     for i in range(len(sigma)):
         checked = sde_step_with_logprob(v, x, sigma[i], sigma_next[i], generator=torch.Generator().manual_seed(9), **kwargs)
-        fast = sde_step(v, x, whole.at(i), prev_sample=kwargs["prev_sample"], generator=torch.Generator().manual_seed(9))
+        fast = sde_step(v, x, whole[i], prev_sample=kwargs["prev_sample"], generator=torch.Generator().manual_seed(9))
         for a, b in zip(checked[:3], fast[:3], strict=True):
             assert torch.equal(a, b), f"step {i}"
         assert torch.equal(checked[3].flatten(), fast[3].expand(n)), f"step {i}"
     # Per-sample sigmas, stored as [n, T] (the re-scoring's layout), column j against the checked step.
     index = torch.randint(0, len(sigma), (n, 3), generator=g)  # [n, T]
-    stored = step_coefficients(sigma[index].reshape(n, 3, 1, 1, 1), sigma_next[index].reshape(n, 3, 1, 1, 1),
-                               noise_level=noise_level, sde_type=sde_type)
+    stored = step_coefficients(sigma[index], sigma_next[index], noise_level=noise_level, sde_type=sde_type,
+                               latent_ndim=3).unbind(1)  # T x [n]
     for j in range(3):
         checked = sde_step_with_logprob(v, x, sigma[index[:, j]], sigma_next[index[:, j]],
                                         generator=torch.Generator().manual_seed(9), **kwargs)
-        fast = sde_step(v, x, stored.at((slice(None), j)), prev_sample=kwargs["prev_sample"],
+        fast = sde_step(v, x, stored[j], prev_sample=kwargs["prev_sample"],
                         generator=torch.Generator().manual_seed(9))
         for a, b in zip(checked, fast, strict=True):
             assert torch.equal(a, b), f"column {j}"
@@ -159,7 +159,7 @@ def test_rescoring_with_given_constants_equals_computing_them(env):
     latents, next_latents = torch.randn(n, T, *env.latent_shape, generator=g), torch.randn(n, T, *env.latent_shape, generator=g)
     index = torch.randint(0, 5, (n, T), generator=g)
     sigma, sigma_next, timestep = env.train_sigmas[index], env.train_sigmas[index + 1], env.train_timesteps[index]
-    coef = step_coefficients(sigma.reshape(n, T, 1, 1, 1), sigma_next.reshape(n, T, 1, 1, 1), noise_level=0.7, sde_type="flow")
+    coef = step_coefficients(sigma, sigma_next, noise_level=0.7, sde_type="flow", latent_ndim=3).unbind(1)
     cond = _cond(env, n)
     with torch.no_grad():
         computed = rescore_steps(env.family, env.model, latents, next_latents, sigma, sigma_next, timestep, cond,

@@ -605,7 +605,8 @@ def _on_host(figures: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     """Each figure's 0-dim values summed (the pieces' shares of a loss add up), read in one transfer
     (one device sync) and summed in float64 on the host."""
     names = [name for name, values in figures.items() for _ in values]
-    host = torch.stack([v.float().reshape(()) for values in figures.values() for v in values]).tolist()
+    host = torch.stack([v.float() if v.ndim == 0 else v.float().reshape(()) for values in figures.values()
+                        for v in values]).tolist()
     out: dict[str, float] = {}
     for name, value in zip(names, host):
         out[name] = out.get(name, 0.0) + value

@@ -36,7 +36,7 @@ import torch
 
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.families import ModelFamily, family_for
-from unirl.diffusion.sampling import rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
+from unirl.diffusion.sampling import rescore_step, rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
@@ -110,6 +110,7 @@ class ParamEMA:
     def __init__(self, params: list[torch.nn.Parameter], decay: float, update_every: int = 1):
         self.params, self.decay, self.update_every = list(params), decay, update_every
         self.shadow = [p.detach().clone().float() for p in self.params]
+        self._upcast = any(p.dtype != torch.float32 for p in self.params)  # bf16 parameters, float32 averages
 
     def decay_at(self, optimizer_step: int) -> float:
         return min((1 + optimizer_step) / (10 + optimizer_step), self.decay)
@@ -120,7 +121,7 @@ class ParamEMA:
             return
         d = self.decay_at(optimizer_step)
         # shadow <- shadow + (1 - d) (param - shadow), each operation over all tensors at once.
-        step = torch._foreach_sub([p.detach().float() for p in self.params], self.shadow)
+        step = torch._foreach_sub([p.float() for p in self.params] if self._upcast else self.params, self.shadow)
         torch._foreach_mul_(step, 1 - d)
         torch._foreach_add_(self.shadow, step)
 
@@ -316,28 +317,38 @@ class DiffusionEnvironment(Environment):
         stored = batch.cache.get("stored_steps")
         if stored is None:  # once per batch, however many pieces the loop scores it in
             stored = batch.cache["stored_steps"] = self._stored_steps(batch)
-        t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
-        # The steps are the rollout's, from the schedule and settings its sampler checked: no check per piece.
-        out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"],
-                            t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
-                            sde_type=s.sde_type, check=False, coefficients=stored["coef"].at((slice(None), columns)))
-        out["mask"] = torch.ones_like(out["logp"], dtype=torch.bool)  # [n, T]: every stored step is trained
-        out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T], for the KL
+        picked = range(*columns.indices(stored["steps"]["sigma"].shape[1]))
+        if len(picked) == 1:  # the loop's pieces, one trained step each: views made once per batch
+            j = picked[0]
+            one = {k: v[j] for k, v in stored["columns"].items()}  # [n, ...]: column j of each
+            logp, mean, std = rescore_step(self.family, model, one["latents"], one["next_latents"], one["timestep"],
+                                           stored["cond"], stored["coef"][j], guidance_scale=self.train_guidance)
+            out = {"logp": logp.unsqueeze(1), "mean": mean.unsqueeze(1), "std": std.reshape(-1, 1),
+                   "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j]}  # [n, 1, ...]
+        else:
+            t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
+            # The steps are the rollout's, from the schedule and settings its sampler checked: no check here.
+            out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"],
+                                t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
+                                sde_type=s.sde_type, check=False, coefficients=stored["coef"][columns])
+            out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T'], for the KL
+        out["mask"] = torch.ones_like(out["logp"], dtype=torch.bool)  # [n, T']: every stored step is trained
         return out
 
     def _stored_steps(self, batch: Rollout) -> dict:
         """The batch's stored steps on the device (``steps``: latents, next latents [n, T, *latent], float32
-        sigmas and timesteps [n, T]), its conditioning (``cond``) and the steps' constants (``coef``,
-        [n, T, 1, ..., 1] each): what every piece of ``evaluate`` slices instead of recomputing."""
+        sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
+        [n, *latent] and timesteps [n]; ``narrow``: sigmas [n, 1]), its conditioning (``cond``) and the
+        columns' constants (``coef``): what each piece of ``evaluate`` takes instead of slicing, moving
+        and recomputing them (one operation per tensor for the whole batch, not one per piece)."""
         s, device = self.cfg.sampling, self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
         steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
-        ones = [1] * (steps["latents"].ndim - 2)
-        coef = step_coefficients(steps["sigma"].reshape(*steps["sigma"].shape, *ones),
-                                 steps["sigma_next"].reshape(*steps["sigma_next"].shape, *ones),
-                                 noise_level=s.noise_level, sde_type=s.sde_type)
+        coef = step_coefficients(steps["sigma"], steps["sigma_next"], noise_level=s.noise_level, sde_type=s.sde_type,
+                                 latent_ndim=steps["latents"].ndim - 2).unbind(1)  # T x [n]
         cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
-        return {"steps": steps, "cond": cond, "coef": coef}
+        return {"steps": steps, "columns": {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep")},
+                "narrow": {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}, "cond": cond, "coef": coef}
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.tensors["old_logp"])  # [n, T]

@@ -173,8 +173,8 @@ def sample_with_logprob(
     sigma, sigma_next = sigmas[:-1].float(), sigmas[1:].float()  # [S] each
     check_sigmas(sigma, sigma_next)  # the whole schedule at once: the steps below skip the checks
     # The constants of every step at once (SDE and ODE forms); step i takes its entries.
-    sde_coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
-    ode_coef = step_coefficients(sigma, sigma_next, noise_level=0.0, sde_type=sde_type)
+    sde_coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type).unbind()  # [S] x 0-d
+    ode_coef = step_coefficients(sigma, sigma_next, noise_level=0.0, sde_type=sde_type).unbind()
     is_sde = stochastic.tolist()  # [S] python bools: no tensor read per step
     recorded = record.unique().tolist()  # the steps some sample records
     latents = noise.float()  # [N, *latent]
@@ -183,8 +183,7 @@ def sample_with_logprob(
         v = guided_velocity(family, transformer, latents, timesteps[i].expand(n), cond, guidance_scale)
         if i == 0:
             check_step_inputs(v, latents, None, noise_level, sde_type, "mean")
-        coef = (sde_coef if is_sde[i] else ode_coef).at(i)  # 0-d each: shared by the batch
-        nxt, logp, _, _ = sde_step(v, latents, coef, generator=generator)
+        nxt, logp, _, _ = sde_step(v, latents, (sde_coef if is_sde[i] else ode_coef)[i], generator=generator)
         if i in recorded:
             before.append(latents), after.append(nxt), logps.append(logp)
         latents = nxt
@@ -229,7 +228,7 @@ def rescore_steps(
     noise_level: float,
     sde_type: str = "flow",
     check: bool = True,
-    coefficients: StepCoefficients | None = None,
+    coefficients: list[StepCoefficients] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Log-probs of stored steps under ``transformer`` (with gradients), the stored next latent as the action.
 
@@ -238,8 +237,8 @@ def rescore_steps(
         latents, next_latents: ``[n, T, *latent]``; ``sigma``, ``sigma_next``, ``timestep``: ``[n, T]``.
         check: False skips the checks of the sigmas (a host sync) and of the other inputs for steps a
             rollout stored, whose schedule and settings ``sample_with_logprob`` already checked.
-        coefficients: the steps' constants (``step_coefficients`` of ``sigma``, ``sigma_next`` shaped
-            ``[n, T, 1, ..., 1]``, ``noise_level`` and ``sde_type``) when the caller already has them;
+        coefficients: the T columns' constants when the caller already has them
+            (``step_coefficients(sigma, sigma_next, ..., latent_ndim=latents.ndim - 2).unbind(1)``);
             computed here when None.
 
     Returns:
@@ -249,27 +248,39 @@ def rescore_steps(
     if sigma.shape != (n, T) or sigma_next.shape != (n, T) or timestep.shape != (n, T):
         raise ValueError(f"sigma, sigma_next and timestep must be [n, T] = [{n}, {T}], got {tuple(sigma.shape)}, "
                          f"{tuple(sigma_next.shape)}, {tuple(timestep.shape)}")
-    coef = coefficients
-    if check or coef is None:
-        ones = [1] * (latents.ndim - 2)
-        sigma = sigma.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
-        sigma_next = sigma_next.to(latents.device, torch.float32).reshape(n, T, *ones)  # [n, T, 1, ..., 1]
-        if check:
-            check_sigmas(sigma, sigma_next)  # every stored step at once: the steps below skip the checks
-        if coef is None:
-            coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)  # [n, T, 1, ..., 1]
+    if check:
+        check_sigmas(sigma, sigma_next)  # every stored step at once: the steps below skip the checks
+    if coefficients is None:
+        coefficients = step_coefficients(sigma.to(latents.device, torch.float32), sigma_next.to(latents.device, torch.float32),
+                                         noise_level=noise_level, sde_type=sde_type, latent_ndim=latents.ndim - 2).unbind(1)
+    if len(coefficients) != T:
+        raise ValueError(f"coefficients must hold the T = {T} columns' constants, got {len(coefficients)}")
     logps, means, stds = [], [], []
-    for j in range(T):
-        v = guided_velocity(family, transformer, latents[:, j], timestep[:, j], cond, guidance_scale)
+    columns = zip(latents.unbind(1), next_latents.unbind(1), timestep.unbind(1), coefficients)  # one view per column
+    for j, (x, x_next, t, coef) in enumerate(columns):
         if j == 0 and check:
-            check_step_inputs(v, latents[:, j], next_latents[:, j], noise_level, sde_type, "mean")
-        _, logp, mean, std = sde_step(v, latents[:, j], coef.at((slice(None), j)), prev_sample=next_latents[:, j])
+            v = guided_velocity(family, transformer, x, t, cond, guidance_scale)
+            check_step_inputs(v, x, x_next, noise_level, sde_type, "mean")
+            _, logp, mean, std = sde_step(v, x, coef, prev_sample=x_next)
+        else:
+            logp, mean, std = rescore_step(family, transformer, x, x_next, t, cond, coef, guidance_scale=guidance_scale)
         logps.append(logp)  # [n]
         means.append(mean)  # [n, *latent]
         stds.append(std.flatten())  # [n]
-    if T == 1:  # one column (the loop scores a step at a time): views, not copies of the mean and its gradient
+    if T == 1:  # one column: views, not copies of the mean and its gradient
         return {"logp": logps[0].unsqueeze(1), "mean": means[0].unsqueeze(1), "std": stds[0].unsqueeze(1)}
     return {"logp": torch.stack(logps, 1), "mean": torch.stack(means, 1), "std": torch.stack(stds, 1)}
+
+
+def rescore_step(family, transformer, latents: torch.Tensor, next_latents: torch.Tensor, timestep: torch.Tensor,
+                 cond: dict[str, torch.Tensor], coef: StepCoefficients, *, guidance_scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stored step of ``rescore_steps``, unchecked: ``latents``, ``next_latents`` ``[n, *latent]``,
+    ``timestep`` ``[n]``, ``coef`` its constants (``[n]``, latent-facing ``[n, 1, ..., 1]``). Returns the
+    step's ``logp`` [n], ``mean`` [n, *latent] and ``std`` (shaped like ``coef.std``)."""
+    v = guided_velocity(family, transformer, latents, timestep, cond, guidance_scale)
+    _, logp, mean, std = sde_step(v, latents, coef, prev_sample=next_latents)
+    return logp, mean, std
 
 
 # ------------------------------------------------------------------------------ images

@@ -92,20 +92,23 @@ def sde_step_with_logprob(
     sigma_next = per_sample_sigma(sigma_next, "sigma_next", n, sample)  # [N, 1, ..., 1]
     check_sigmas(sigma, sigma_next)
     # 2. The step's constants, then the step.
-    coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
+    coef = step_coefficients(sigma.flatten(), sigma_next.flatten(), noise_level=noise_level, sde_type=sde_type,
+                             latent_ndim=sample.ndim - 1)
     return sde_step(velocity, sample, coef, prev_sample=prev_sample, generator=generator, reduce=reduce)
 
 
 @dataclass(frozen=True)
 class StepCoefficients:
-    """The constants of Gaussian steps ``sigma -> sigma_next``, float32, each shaped like the sigmas
-    they came from: ``[N, 1, ..., 1]`` for one step of N samples, ``[S]`` for a whole schedule (then
-    ``at(i)`` is step i), ``[n, T, 1, ..., 1]`` for stored steps (``at((slice(None), j))``).
+    """The constants of Gaussian steps ``sigma -> sigma_next``, float32, for steps of any shape
+    ``lead``: ``[N]`` for one step of N samples, ``[S]`` for a whole schedule, ``[n, T]`` for stored
+    steps, 0-d for one step shared by a batch (``unbind`` gives those of a schedule's steps).
 
     ``mean = sample_weight * x + velocity_weight * v`` (the module docstring's formulas, with the
-    sigma terms gathered into the two weights), ``std`` the step's std, and for ``"flow"`` the
-    log-density ``-||x' - mean||^2 * inv_two_var - count * log_norm``. The ODE step
-    (``noise_level == 0``) keeps only ``dt``: its mean is ``x + dt * v``, diffusers' Euler step.
+    sigma terms gathered into the two weights), ``std`` the step's std: these, and ``dt``, are shaped
+    ``lead`` followed by one 1 per latent dimension, to broadcast against ``[*lead, *latent]``. For
+    ``"flow"`` the log-density is ``||x' - mean||^2 * neg_inv_two_var - count * log_norm`` with those
+    two ``lead``-shaped. The ODE step (``noise_level == 0``) keeps only ``dt``: its mean is
+    ``x + dt * v``, diffusers' Euler step.
     """
 
     sde_type: str
@@ -114,41 +117,49 @@ class StepCoefficients:
     std: torch.Tensor  # the step's std (0 for the ODE step)
     sample_weight: torch.Tensor | None = None
     velocity_weight: torch.Tensor | None = None
-    inv_two_var: torch.Tensor | None = None  # 1 / (2 std^2), flow only
+    neg_inv_two_var: torch.Tensor | None = None  # -1 / (2 std^2), flow only
     log_norm: torch.Tensor | None = None  # log std + log sqrt(2 pi), flow only
 
-    def at(self, index) -> "StepCoefficients":
-        """The coefficients of the steps ``index`` (any tensor index, e.g. ``i`` or ``(slice(None), j)``)."""
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[index]
-
-        return StepCoefficients(self.sde_type, self.ode, pick(self.dt), pick(self.std), pick(self.sample_weight),
-                                pick(self.velocity_weight), pick(self.inv_two_var), pick(self.log_norm))
+    def unbind(self, dim: int = 0) -> list["StepCoefficients"]:
+        """The steps along ``dim`` (of ``lead``), one object each, as views: one operation per
+        constant whatever the number of steps, where indexing step by step costs one per step."""
+        names = ("dt", "std", "sample_weight", "velocity_weight", "neg_inv_two_var", "log_norm")
+        columns = [None if getattr(self, k) is None else getattr(self, k).unbind(dim) for k in names]
+        count = self.dt.shape[dim]
+        return [StepCoefficients(self.sde_type, self.ode, *(None if c is None else c[i] for c in columns))
+                for i in range(count)]
 
 
 def step_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, *, noise_level: float,
-                      sde_type: str = "flow") -> StepCoefficients:
-    """``StepCoefficients`` of the steps ``sigma -> sigma_next`` (float32 tensors of any one shape,
-    already checked: ``check_sigmas``), computed once for many steps so that each step only does the
-    latent-sized work. Element by element the same operations whatever the shape, so the
-    coefficients of a whole schedule indexed at step i equal those computed for step i alone."""
+                      sde_type: str = "flow", latent_ndim: int = 0) -> StepCoefficients:
+    """``StepCoefficients`` of the steps ``sigma -> sigma_next`` (float32 tensors of one shape
+    ``lead``, already checked: ``check_sigmas``), the latent-facing ones followed by ``latent_ndim``
+    1s. Computed once for many steps, so that each step only does the latent-sized work. Element by
+    element the same operations whatever the shape, so the constants of a whole schedule taken at
+    step i equal those computed for step i alone (tested bit for bit)."""
+    ones = (1,) * latent_ndim
+
+    def latent_facing(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*t.shape, *ones) if latent_ndim else t
+
     dt = sigma_next - sigma
     if noise_level == 0:
-        return StepCoefficients(sde_type=sde_type, ode=True, dt=dt, std=torch.zeros_like(sigma))
+        return StepCoefficients(sde_type=sde_type, ode=True, dt=latent_facing(dt), std=latent_facing(torch.zeros_like(sigma)))
     s, std = sde_diffusion_coefficient(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type)
     if sde_type == "flow":
         # FlowGRPO eq. 9 (s is sigma_t of the SDE, std = s sqrt(|dt|) the step's std).
         sample_weight = 1 + s**2 / (2 * sigma) * dt
         velocity_weight = (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
-        return StepCoefficients(sde_type=sde_type, ode=False, dt=dt, std=std, sample_weight=sample_weight,
-                                velocity_weight=velocity_weight, inv_two_var=1 / (2 * std**2),
-                                log_norm=torch.log(std) + math.log(math.sqrt(2 * math.pi)))
+        return StepCoefficients(sde_type=sde_type, ode=False, dt=latent_facing(dt), std=latent_facing(std),
+                                sample_weight=latent_facing(sample_weight), velocity_weight=latent_facing(velocity_weight),
+                                neg_inv_two_var=-(1 / (2 * std**2)), log_norm=torch.log(std) + math.log(math.sqrt(2 * math.pi)))
     # Coefficient-preserving: the next latent is (1 - sigma_next) x0 + sigma_next * (unit noise), split
     # between the predicted noise x1 = x + (1 - sigma) v and fresh noise so that their squared weights
     # sum to sigma_next^2; with x0 = x - sigma v the mean is linear in x and v.
     keep = torch.sqrt((sigma_next**2 - std**2).clamp_min(0))  # weight of x1
-    return StepCoefficients(sde_type=sde_type, ode=False, dt=dt, std=std, sample_weight=(1 - sigma_next) + keep,
-                            velocity_weight=keep * (1 - sigma) - sigma * (1 - sigma_next))
+    return StepCoefficients(sde_type=sde_type, ode=False, dt=latent_facing(dt), std=latent_facing(std),
+                            sample_weight=latent_facing((1 - sigma_next) + keep),
+                            velocity_weight=latent_facing(keep * (1 - sigma) - sigma * (1 - sigma_next)))
 
 
 def sde_step(
@@ -163,12 +174,13 @@ def sde_step(
     """``sde_step_with_logprob`` without its checks and with its constants given, for loops that
     check their inputs once and compute the constants of all their steps at once.
 
-    ``coef`` (``step_coefficients``) must hold this step's constants, each ``[N, 1, ..., 1]`` or 0-d
-    (one step shared by the batch), from sigmas checked by ``check_sigmas``, and the other arguments
-    must be valid (``check_step_inputs``): the sampler checks its whole schedule before the first
-    step, the re-scoring all stored steps at once, instead of paying three host syncs and a dozen
-    small operations at every step. ``sde_step_with_logprob`` calls this, so results are identical.
-    Returns what ``sde_step_with_logprob`` returns (``std`` shaped like ``coef.std``).
+    ``coef`` (``step_coefficients``) must hold this step's constants, ``[N]`` (latent-facing ones
+    ``[N, 1, ..., 1]``) or 0-d (one step shared by the batch), from sigmas checked by
+    ``check_sigmas``, and the other arguments must be valid (``check_step_inputs``): the sampler
+    checks its whole schedule before the first step, the re-scoring all stored steps at once, instead
+    of paying three host syncs and a dozen small operations at every step. ``sde_step_with_logprob``
+    calls this, so results are identical. Returns what ``sde_step_with_logprob`` returns (``std``
+    shaped like ``coef.std``).
     """
     n = sample.shape[0]
     # Upcast: the mean overflows in bf16.
@@ -199,7 +211,7 @@ def sde_step(
     sq = sq.mean(dim=reduce_dims) if reduce == "mean" else sq.sum(dim=reduce_dims)  # [N]
     if coef.sde_type == "flow":
         count = 1 if reduce == "mean" else math.prod(sample.shape[1:])
-        log_prob = -sq * coef.inv_two_var.reshape(-1) - count * coef.log_norm.reshape(-1)  # [N]
+        log_prob = sq * coef.neg_inv_two_var - (coef.log_norm if count == 1 else count * coef.log_norm)  # [N]
     else:
         log_prob = -sq  # FlowGRPO's CPS convention, see the module docstring
     return prev_sample, log_prob, mean, coef.std
