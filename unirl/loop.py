@@ -401,7 +401,8 @@ class Trainer:
         parts: dict[str, list[torch.Tensor]] = {}  # logp, old_logp, advantages, mask of each piece, [n, T']
         for k, columns in enumerate(pieces):
             last = sync and k == len(pieces) - 1
-            with contextlib.nullcontext() if last else acc.no_sync(model):
+            # One process has no gradients to hold back, and accelerate's no_sync costs ~0.1 ms a piece.
+            with acc.no_sync(model) if not last and acc.num_processes > 1 else contextlib.nullcontext():
                 loss, piece_shares, piece_parts = self._micro_loss(model, micro, denominator, columns, seq_lengths)
                 # DDP's gradient average divides by the number of processes again.
                 acc.backward(loss * acc.num_processes if acc.num_processes > 1 else loss)
