@@ -198,7 +198,7 @@ def sde_step(
         return prev_sample, torch.zeros(n, device=sample.device), mean, coef.std
 
     # The Gaussian step's mean; draw the next sample unless it was given.
-    mean = sample * coef.sample_weight + velocity * coef.velocity_weight  # [N, ...]
+    mean = torch.addcmul(sample * coef.sample_weight, velocity, coef.velocity_weight)  # [N, ...]: x a + v b
     if prev_sample is None:
         noise = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=torch.float32)
         prev_sample = mean + coef.std * noise  # [N, ...]
