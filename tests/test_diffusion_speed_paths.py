@@ -211,6 +211,31 @@ def test_forward_module_skips_only_pefts_plain_wrapper(env):
     assert forward_module(other) is other
 
 
+def test_forward_module_keeps_a_wrapped_or_hooked_peft_model(env):
+    """``trainer.mixed_precision`` makes accelerate wrap the prepared model's forward in autocast (on
+    the instance); skipping the PeftModel would silently drop it. Hooks on it must run too."""
+    model = env.model
+    n = 2
+    latents = torch.randn(n, *env.latent_shape, generator=torch.Generator().manual_seed(2))
+    timestep, cond = torch.full((n,), 500.0), _cond(env, n)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # as accelerate's prepare does
+    try:
+        assert forward_module(model) is model
+        with torch.no_grad():
+            autocast = guided_velocity(env.family, model, latents, timestep, cond, 1.0)
+            plain = env.family.velocity(model.get_base_model(), latents, timestep, cond)
+        assert autocast.dtype == torch.bfloat16 and plain.dtype == torch.float32  # autocast ran
+    finally:
+        del model.forward
+    assert forward_module(model) is model.get_base_model()
+    handle = model.register_forward_pre_hook(lambda module, args: None)
+    try:
+        assert forward_module(model) is model
+    finally:
+        handle.remove()
+    assert forward_module(model) is model.get_base_model()
+
+
 def test_bad_sigmas_are_still_refused_once_for_all_steps(env):
     noise = torch.randn(2, *env.latent_shape)
     rising = env.train_sigmas.clone()

@@ -119,12 +119,18 @@ def forward_module(transformer):
     bit for bit) without PEFT's Python on each forward, 0.05-0.1 ms on the development CPU, 16
     forwards a step on the tiny config. Enabling or disabling the adapter acts on the base model's
     LoRA layers, so the reference (``disable_adapter``) is unchanged. Any other module, a DDP or FSDP
-    wrapper included (their forward does the gradient bookkeeping), is called as it is.
+    wrapper included (their forward does the gradient bookkeeping), and a PeftModel whose forward was
+    wrapped (``trainer.mixed_precision``: accelerate puts autocast around the prepared model's
+    forward) or carries hooks, is called as it is.
     """
     if type(transformer).__name__ == "PeftModel":  # cheap test first: this runs at every forward
         peft_model, tuner = _peft_classes()
         base = transformer._modules["base_model"]  # not through PEFT's __getattr__ fallbacks
-        if type(transformer) is peft_model and isinstance(base, tuner):
+        # Only the plain wrapper: a forward replaced on the instance (accelerate's mixed-precision
+        # autocast wraps the prepared model's forward so) or hooks on it must run.
+        plain = ("forward" not in transformer.__dict__ and not transformer._forward_hooks
+                 and not transformer._forward_pre_hooks)
+        if type(transformer) is peft_model and isinstance(base, tuner) and plain:
             return base._modules["model"]  # the tuner (LoraModel) wraps the LoRA-injected transformer
     return transformer
 
