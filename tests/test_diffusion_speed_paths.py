@@ -9,6 +9,7 @@ at every step, index assignment), on the toy SD3 where a model is needed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 
 import numpy as np
@@ -188,6 +189,7 @@ def test_evaluate_column_by_column_equals_the_whole_and_caches_per_batch(env):
     for key in ("logp", "mean", "std", "mask", "sigma", "sigma_next"):
         assert torch.equal(torch.cat([p[key] for p in pieces], dim=1), whole[key]), key
     assert rollout.select(torch.tensor([1, 2])).cache == {}
+    assert dataclasses.replace(micro).cache == {}  # a copy (the text env's trim_padding) starts its own
 
 
 def test_forward_module_skips_only_pefts_plain_wrapper(env):

@@ -34,8 +34,9 @@ class Rollout:
     samples: list[Any]  # [N]
     columns: dict[str, list] = field(default_factory=dict)  # name -> [N]
     # What an environment derives from this batch and reuses between its pieces (e.g. device copies
-    # scored one column at a time); never selected or copied: ``select`` starts an empty one.
-    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # scored one column at a time); never selected or copied: ``select`` and ``dataclasses.replace``
+    # start an empty one (not an __init__ argument).
+    cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -397,12 +397,14 @@ class Trainer:
         seq_lengths = None
         if len(pieces) > 1:  # seq-mean-token-mean divides by each whole sequence's length
             seq_lengths = self.env.loss_mask(micro).to(acc.device).sum(dim=-1)
+        hold_back = acc.num_processes > 1 or acc.is_fsdp2  # gradient sync deferred to the last piece
         shares: dict[str, list[torch.Tensor]] = {}  # loss/* and actor/entropy of each piece (they add up)
         parts: dict[str, list[torch.Tensor]] = {}  # logp, old_logp, advantages, mask of each piece, [n, T']
         for k, columns in enumerate(pieces):
             last = sync and k == len(pieces) - 1
-            # One process has no gradients to hold back, and accelerate's no_sync costs ~0.1 ms a piece.
-            with acc.no_sync(model) if not last and acc.num_processes > 1 else contextlib.nullcontext():
+            # One process (without FSDP2's sharded gradients) holds nothing back, and accelerate's
+            # no_sync costs ~0.1 ms a piece.
+            with acc.no_sync(model) if not last and hold_back else contextlib.nullcontext():
                 loss, piece_shares, piece_parts = self._micro_loss(model, micro, denominator, columns, seq_lengths)
                 # DDP's gradient average divides by the number of processes again.
                 acc.backward(loss * acc.num_processes if acc.num_processes > 1 else loss)

@@ -117,13 +117,13 @@ class ParamEMA:
 
     @torch.no_grad()
     def step(self, optimizer_step: int) -> None:
-        if (optimizer_step + 1) % self.update_every:
+        if (optimizer_step + 1) % self.update_every or not self.shadow:
             return
         d = self.decay_at(optimizer_step)
         # shadow <- shadow + (1 - d) (param - shadow), each operation over all tensors at once.
-        step = torch._foreach_sub([p.float() for p in self.params] if self._upcast else self.params, self.shadow)
-        torch._foreach_mul_(step, 1 - d)
-        torch._foreach_add_(self.shadow, step)
+        delta = torch._foreach_sub([p.float() for p in self.params] if self._upcast else self.params, self.shadow)
+        torch._foreach_mul_(delta, 1 - d)
+        torch._foreach_add_(self.shadow, delta)
 
     @contextlib.contextmanager
     def swapped(self):

@@ -130,17 +130,16 @@ def forward_module(transformer):
         # autocast wraps the prepared model's forward so) or hooks on it must run.
         plain = ("forward" not in transformer.__dict__ and not transformer._forward_hooks
                  and not transformer._forward_pre_hooks)
-        if type(transformer) is peft_model and isinstance(base, tuner) and plain:
+        if type(transformer) is peft_model and type(base) is tuner and plain:  # LoRA's tuner, not a subclass
             return base._modules["model"]  # the tuner (LoraModel) wraps the LoRA-injected transformer
     return transformer
 
 
 @functools.cache
 def _peft_classes() -> tuple[type, type]:
-    from peft import PeftModel
-    from peft.tuners.tuners_utils import BaseTuner
+    from peft import LoraModel, PeftModel
 
-    return PeftModel, BaseTuner
+    return PeftModel, LoraModel
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -176,7 +175,8 @@ def sample_with_logprob(
     record = torch.zeros(n, 0, dtype=torch.long) if record is None else record.cpu()
     if record.numel() and not bool(stochastic[record].all()):
         raise ValueError("only stochastic steps can be recorded (an ODE step has no density)")
-    sigma, sigma_next = sigmas[:-1].float(), sigmas[1:].float()  # [S] each
+    sigmas = sigmas.to(noise.device, torch.float32)  # the constants below meet the latents in addcmul
+    sigma, sigma_next = sigmas[:-1], sigmas[1:]  # [S] each
     check_sigmas(sigma, sigma_next)  # the whole schedule at once: the steps below skip the checks
     # The constants of every step at once (SDE and ODE forms); step i takes its entries.
     sde_coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type).unbind()  # [S] x 0-d
@@ -245,7 +245,8 @@ def rescore_steps(
             rollout stored, whose schedule and settings ``sample_with_logprob`` already checked.
         coefficients: the T columns' constants when the caller already has them
             (``step_coefficients(sigma, sigma_next, ..., latent_ndim=latents.ndim - 2).unbind(1)``);
-            computed here when None.
+            computed here when None. Given ones are used as they are: ``noise_level`` and ``sde_type``
+            must be the ones they were computed with.
 
     Returns:
         ``logp`` [n, T], ``mean`` [n, T, *latent] and ``std`` [n, T] of each step's Gaussian.

@@ -137,12 +137,18 @@ def _padded_backend(tokenizer, max_length: int):
         return None
     # Rebuilt when the tokenizer changes in a way the copy would miss (tokens added, e.g. by textual
     # inversion; another pad token or side).
-    key = (max_length, len(tokenizer), tokenizer.pad_token_id, tokenizer.padding_side, tokenizer.truncation_side)
+    key = (max_length, len(tokenizer), tokenizer.pad_token_id, tokenizer.padding_side, tokenizer.truncation_side,
+           getattr(tokenizer, "split_special_tokens", False), getattr(tokenizer, "add_bos_token", None),
+           getattr(tokenizer, "add_eos_token", None))
     per_length = _backends.setdefault(tokenizer, {})
     if key not in per_length:
         from tokenizers import Tokenizer
 
-        copy = Tokenizer.from_str(backend.to_str())
+        try:
+            copy = Tokenizer.from_str(backend.to_str())
+        except Exception:  # e.g. a custom Python pre-tokenizer does not serialise: the tokenizer's own call
+            per_length[key] = None
+            return None
         copy.enable_truncation(max_length=max_length, stride=0, strategy="longest_first",
                                direction=tokenizer.truncation_side)
         copy.enable_padding(length=max_length, direction=tokenizer.padding_side, pad_id=tokenizer.pad_token_id,
