@@ -265,12 +265,10 @@ def rescore_steps(
     logps, means, stds = [], [], []
     columns = zip(latents.unbind(1), next_latents.unbind(1), timestep.unbind(1), coefficients)  # one view per column
     for j, (x, x_next, t, coef) in enumerate(columns):
+        v = guided_velocity(family, transformer, x, t, cond, guidance_scale)
         if j == 0 and check:
-            v = guided_velocity(family, transformer, x, t, cond, guidance_scale)
             check_step_inputs(v, x, x_next, noise_level, sde_type, "mean")
-            _, logp, mean, std = sde_step(v, x, coef, prev_sample=x_next)
-        else:
-            logp, mean, std = rescore_step(family, transformer, x, x_next, t, cond, coef, guidance_scale=guidance_scale)
+        _, logp, mean, std = sde_step(v, x, coef, prev_sample=x_next)
         logps.append(logp)  # [n]
         means.append(mean)  # [n, *latent]
         stds.append(std.flatten())  # [n]
@@ -282,7 +280,8 @@ def rescore_steps(
 def rescore_step(family, transformer, latents: torch.Tensor, next_latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor], coef: StepCoefficients, *, guidance_scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One stored step of ``rescore_steps``, unchecked: ``latents``, ``next_latents`` ``[n, *latent]``,
+    """One stored step as ``rescore_steps`` scores it, unchecked (for a caller holding one column's views):
+    ``latents``, ``next_latents`` ``[n, *latent]``,
     ``timestep`` ``[n]``, ``coef`` its constants (``[n]``, latent-facing ``[n, 1, ..., 1]``). Returns the
     step's ``logp`` [n], ``mean`` [n, *latent] and ``std`` (shaped like ``coef.std``)."""
     v = guided_velocity(family, transformer, latents, timestep, cond, guidance_scale)
