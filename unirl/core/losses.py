@@ -254,12 +254,13 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)  # [N, T]
 
     # 3. Clipped surrogate, then the optional dual clip and weights.
-    adv = _masked_advantages(advantages, mask, logp)  # [N, T]
-    unclipped = -adv * ratio  # [N, T]
-    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)  # [N, T]
+    adv = _masked_advantages(advantages, mask)  # [N, T]
+    neg_adv = -adv  # [N, T]
+    unclipped = neg_adv * ratio  # [N, T]
+    clipped = neg_adv * ratio.clamp(1 - clip_low, 1 + clip_high)  # [N, T]
     per_token = torch.maximum(unclipped, clipped)  # [N, T]
     if dual_clip is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)  # [N, T]
+        per_token = torch.where(adv < 0, torch.minimum(per_token, neg_adv * dual_clip), per_token)  # [N, T]
     if weights is not None:
         per_token = per_token * weights.detach()
     loss = aggregate(per_token, mask, agg, denominator=denominator, seq_lengths=seq_lengths)
@@ -296,7 +297,7 @@ def policy_loss_metrics(
     with torch.no_grad():
         mask = _bool_mask(mask)
         token_log_ratio, log_ratio = _log_ratios(logp.detach(), old_logp, mask, level)
-        adv = _masked_advantages(advantages, mask, logp)
+        adv = _masked_advantages(advantages, mask)
         return _ratio_metrics(torch.exp(log_ratio), token_log_ratio, adv, mask, clip_low, clip_high, dual_clip)
 
 
@@ -304,20 +305,23 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, 
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(token_log_ratio, log_ratio)`` [N, T]: ``logp - old_logp`` (0 where masked out) and the
     log-ratio the loss uses (the same at token level; GSPO's sequence log-ratio at every token)."""
-    logp = torch.where(mask, logp, 0.0)  # [N, T]
+    if level == "token":
+        # Masked after the difference (one where instead of one per input): 0 there in value and in
+        # gradient (where's backward sends 0 to the masked positions) whatever junk either side holds.
+        token_log_ratio = torch.where(mask, logp - old_logp.detach(), 0.0)  # [N, T]
+        return token_log_ratio, token_log_ratio
+    logp = torch.where(mask, logp, 0.0)  # [N, T]: GSPO uses the masked log-probs themselves below
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # [N, T]
     token_log_ratio = logp - old_logp  # [N, T]
-    if level == "token":
-        return token_log_ratio, token_log_ratio
     seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [N]
     # GSPO-token: value log s_i at every token, gradient d logp_t.
     return token_log_ratio, seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # [N, T]
 
 
-def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Advantages [N] or [N, T] as a detached [N, T], 0 where masked out."""
-    adv = advantages.unsqueeze(-1).expand_as(like) if advantages.ndim == 1 else advantages  # [N, T]
-    return torch.where(mask, adv.detach(), 0.0)
+    adv = advantages.detach()
+    return torch.where(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv, 0.0)  # [N, T]: where broadcasts [N, 1]
 
 
 @torch.no_grad()
