@@ -324,7 +324,8 @@ class DiffusionEnvironment(Environment):
             logp, mean, std = rescore_step(self.family, model, one["latents"], one["next_latents"], one["timestep"],
                                            stored["cond"], stored["coef"][j], guidance_scale=self.train_guidance)
             out = {"logp": logp.unsqueeze(1), "mean": mean.unsqueeze(1), "std": std.reshape(-1, 1),
-                   "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j]}  # [n, 1, ...]
+                   "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j],
+                   "mask": stored["column_mask"]}  # [n, 1, ...]
         else:
             t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
             # The steps are the rollout's, from the schedule and settings its sampler checked: no check here.
@@ -332,14 +333,14 @@ class DiffusionEnvironment(Environment):
                                 t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
                                 sde_type=s.sde_type, check=False, coefficients=stored["coef"][columns])
             out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T'], for the KL
-        out["mask"] = torch.ones_like(out["logp"], dtype=torch.bool)  # [n, T']: every stored step is trained
+            out["mask"] = torch.ones_like(out["logp"], dtype=torch.bool)  # [n, T']: every stored step is trained
         return out
 
     def _stored_steps(self, batch: Rollout) -> dict:
         """The batch's stored steps on the device (``steps``: latents, next latents [n, T, *latent], float32
         sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
         [n, *latent] and timesteps [n]; ``narrow``: sigmas [n, 1]), its conditioning (``cond``) and the
-        columns' constants (``coef``): what each piece of ``evaluate`` takes instead of slicing, moving
+        columns' constants (``coef``), and one column's mask (``column_mask`` [n, 1], all True): what each piece of ``evaluate`` takes instead of slicing, moving
         and recomputing them (one operation per tensor for the whole batch, not one per piece)."""
         s, device = self.cfg.sampling, self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
@@ -348,7 +349,8 @@ class DiffusionEnvironment(Environment):
                                  latent_ndim=steps["latents"].ndim - 2).unbind(1)  # T x [n]
         cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
         return {"steps": steps, "columns": {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep")},
-                "narrow": {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}, "cond": cond, "coef": coef}
+                "narrow": {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}, "cond": cond, "coef": coef,
+                "column_mask": torch.ones_like(steps["sigma"][:, :1], dtype=torch.bool)}  # [n, 1]: every stored step is trained
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.tensors["old_logp"])  # [n, T]

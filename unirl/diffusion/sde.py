@@ -201,7 +201,7 @@ def sde_step(
     mean = torch.addcmul(sample * coef.sample_weight, velocity, coef.velocity_weight)  # [N, ...]: x a + v b
     if prev_sample is None:
         noise = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=torch.float32)
-        prev_sample = mean + coef.std * noise  # [N, ...]
+        prev_sample = noise.mul_(coef.std).add_(mean)  # [N, ...]: mean + std * noise, in the noise's memory
 
     # Log-density of prev_sample, reduced over non-batch dimensions: FlowGRPO's per-element
     # -(x - mean)^2 / (2 std^2) - log std - log sqrt(2 pi), reduced. std is constant per sample, so
