@@ -94,3 +94,27 @@ def test_on_policy_first_mini_batch_has_ratio_one(tmp_path, tiny_lm_dir):
         assert metrics["actor/clip_frac"] == 0.0
     finally:
         trainer.env.close()
+
+
+def test_update_trains_in_training_mode_and_sampling_restores_it(tmp_path, tiny_lm_dir):
+    """The update sets training mode only when the model is not in it (a walk over every submodule
+    otherwise paid at every step): a model left in eval mode is switched, every submodule with it, and
+    the HF engine's eval-mode sampling hands training mode back for the next update."""
+    trainer = _trainer(tmp_path, 16, "token-mean", 0.0)
+    model = trainer.env.model
+    modes = []  # (gradients on, every submodule in training mode) at each forward
+    model.register_forward_pre_hook(
+        lambda module, args: modes.append((torch.is_grad_enabled(), all(m.training for m in module.modules()))))
+    try:
+        model.eval()
+        for _ in range(2):
+            rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+            rewards, _ = trainer.env.score(rollout)
+            trainer.advantages(rollout, rewards)
+            trainer.old_and_reference(rollout)
+            trainer.update(rollout)
+            assert all(m.training for m in model.modules())
+        update_modes = [training for grad, training in modes if grad]
+        assert len(update_modes) >= 2 and all(update_modes)  # both updates' forwards ran in training mode
+    finally:
+        trainer.env.close()

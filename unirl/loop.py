@@ -352,7 +352,10 @@ class Trainer:
         # As many mini-batches as B*G / mini_batch_size (fewer samples when zero advantages were dropped).
         num_mini = self._num_mini_batches()
         mini_size = -(-len(rollout) // num_mini)
-        model.train()
+        # train() walks every submodule (0.5 ms a step for the tiny SD3 with LoRA), so it runs only when the model
+        # is not in training mode: an environment that samples in eval mode switches back (the HF engine does).
+        if not model.training:
+            model.train()
         for _ in range(self.cfg.ppo_epochs):
             # A single mini-batch is the whole rollout in any order (its loss is a sum over samples):
             # it is taken as it is, without a shuffled copy of every stored tensor.
