@@ -325,3 +325,21 @@ def test_sd3_prompt_encoding_equals_the_pipelines(env, max_sequence_length, monk
         pipe.text_encoder_3 = t5
     assert torch.equal(got["prompt_embeds"], embeds) and torch.equal(got["pooled"], pooled)
     assert not got["prompt_embeds"][:, -max_sequence_length:].any()
+
+
+def test_compute_dtype_follows_the_module_through_to():
+    """The families cast inputs to ``compute_dtype(transformer)``, which keeps the module's first
+    parameter after the first call: a later ``.to(dtype)`` (in place on the same parameters) must show,
+    in either direction, for a plain module and for a LoRA-wrapped one."""
+    from peft import LoraConfig, get_peft_model
+
+    from unirl.diffusion.families.base import compute_dtype
+
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    wrapped = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(r=2, target_modules=["0"]))
+    for module in (plain, wrapped):
+        assert compute_dtype(module) == torch.float32
+        module.to(torch.bfloat16)
+        assert compute_dtype(module) == torch.bfloat16 == next(module.parameters()).dtype
+        module.to(torch.float64)
+        assert compute_dtype(module) == torch.float64

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unirl.diffusion.families.base import ModelFamily, check_resolution, tokenize, vae_decode
+from unirl.diffusion.families.base import ModelFamily, check_resolution, compute_dtype, tokenize, vae_decode
 from unirl.diffusion.sampling import sigma_schedule
 
 
@@ -128,7 +128,7 @@ class FluxFamily(ModelFamily):
 
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        dtype = next(p.dtype for p in transformer.parameters())
+        dtype = compute_dtype(transformer)
         n, device = latents.shape[0], latents.device
         side = _side(latents.shape[1:])
         embeds = cond["prompt_embeds"]  # [n, L, D]
