@@ -19,7 +19,8 @@ import torch
 from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.env import DiffusionEnvironment
-from unirl.diffusion.sampling import forward_module, guided_velocity, rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
+from unirl.diffusion.sampling import (forward_module, guided_velocity, rescore_steps, sample_with_logprob, schedule_coefficients,
+                                     stochastic_steps, to_pil, trained_steps)
 from unirl.diffusion.sde import sde_step, sde_step_with_logprob, step_coefficients
 from unirl.diffusion.tiny import build_tiny_sd3
 
@@ -125,6 +126,14 @@ def test_sampler_keeps_what_a_per_step_loop_keeps(env, seed, window, fraction, s
     assert torch.equal(out.final, final)
     assert torch.equal(out.latents, kept_in) and torch.equal(out.next_latents, kept_out)
     assert torch.equal(out.logp, kept_logp)
+    # The constants computed once (as the environment keeps them for every rollout) change nothing.
+    given = sample_with_logprob(env.family, env.model, noise, env.train_sigmas, env.train_timesteps, cond,
+                                guidance_scale=1.0, noise_level=0.7, stochastic=stochastic, record=record,
+                                sde_type=sde_type, generator=torch.Generator().manual_seed(100 + seed),
+                                coefficients=schedule_coefficients(env.train_sigmas, noise_level=0.7, sde_type=sde_type))
+    for a, b in zip((out.final, out.latents, out.next_latents, out.logp),
+                    (given.final, given.latents, given.next_latents, given.logp), strict=True):
+        assert torch.equal(a, b)
     assert kept_in.flatten(2).abs().sum(-1).gt(0).all()  # every recorded slot was written (not zeros compared)
 
 
@@ -245,6 +254,10 @@ def test_bad_sigmas_are_still_refused_once_for_all_steps(env):
     with pytest.raises(ValueError, match="sigma_next must be smaller than sigma"):
         sample_with_logprob(env.family, env.model, noise, rising, env.train_timesteps, _cond(env, 2),
                             guidance_scale=1.0, noise_level=0.7, stochastic=torch.ones(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="constants of the 6 steps, got 5"):
+        short = schedule_coefficients(env.train_sigmas[1:], noise_level=0.7)
+        sample_with_logprob(env.family, env.model, noise, env.train_sigmas, env.train_timesteps, _cond(env, 2),
+                            guidance_scale=1.0, noise_level=0.7, stochastic=torch.ones(6, dtype=torch.bool), coefficients=short)
     latents = torch.randn(2, 2, *env.latent_shape)
     sigma = torch.tensor([[0.9, 0.5], [0.9, 0.5]])
     with pytest.raises(ValueError, match="sigma_next must be smaller than sigma"):

@@ -36,7 +36,7 @@ import torch
 
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.families import ModelFamily, family_for
-from unirl.diffusion.sampling import rescore_step, rescore_steps, sample_with_logprob, stochastic_steps, to_pil, trained_steps
+from unirl.diffusion.sampling import rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients, stochastic_steps, to_pil, trained_steps
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
@@ -202,6 +202,9 @@ class DiffusionEnvironment(Environment):
         self.negative = {"neg_" + k: v for k, v in negative.items()}  # each [1, ...]
         self.train_sigmas, self.train_timesteps = self.family.schedule(self.scheduler, s.num_steps, self.latent_shape)
         self.eval_sigmas, self.eval_timesteps = self.family.schedule(self.scheduler, s.eval_num_steps, self.latent_shape)
+        # The training schedule's step constants, once for every rollout.
+        self.train_coefficients = schedule_coefficients(self.train_sigmas.to(device), noise_level=s.noise_level,
+                                                        sde_type=s.sde_type)
         # 4. Data and rewards.
         from unirl.text.data import PromptSampler
 
@@ -275,7 +278,7 @@ class DiffusionEnvironment(Environment):
             out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=self.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
-                                      generator=generator)
+                                      generator=generator, coefficients=self.train_coefficients)
             chunk_images = to_pil(self.family.decode(self.pipe, out.final))
             futures.append(self.rewards.submit(chunk_images, prompts=prompts[lo:hi],
                                                columns={k: v[lo:hi] for k, v in columns.items()}))

@@ -143,6 +143,20 @@ def _peft_classes() -> tuple[type, type]:
 
 
 # ----------------------------------------------------------------------------- sampling
+def schedule_coefficients(sigmas: torch.Tensor, *, noise_level: float, sde_type: str = "flow"
+                          ) -> tuple[list[StepCoefficients], list[StepCoefficients]]:
+    """The constants of every step of the schedule ``sigmas`` [S + 1] (checked, float32, on ``sigmas``'
+    device): ``(sde, ode)``, S 0-d ``StepCoefficients`` each, of the SDE step (``noise_level``) and of
+    the ODE step. ``sample_with_logprob`` computes them at each call unless it is given them: a caller
+    that samples one schedule at every rollout computes them once (two dozen small operations and a
+    host sync a rollout)."""
+    sigmas = sigmas.float()
+    sigma, sigma_next = sigmas[:-1], sigmas[1:]  # [S] each
+    check_sigmas(sigma, sigma_next)  # the whole schedule at once: the steps skip the checks
+    return (step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type).unbind(),
+            step_coefficients(sigma, sigma_next, noise_level=0.0, sde_type=sde_type).unbind())
+
+
 @torch.no_grad()
 def sample_with_logprob(
     family,
@@ -158,6 +172,7 @@ def sample_with_logprob(
     record: torch.Tensor | None = None,
     sde_type: str = "flow",
     generator: torch.Generator | None = None,
+    coefficients: tuple[list[StepCoefficients], list[StepCoefficients]] | None = None,
 ) -> SampleOutput:
     """Run the S denoising steps from ``noise`` [N, *latent], keeping the recorded steps.
 
@@ -170,17 +185,19 @@ def sample_with_logprob(
         record: ``[N, T]`` step indices whose input latent, next latent and log-prob are kept
             (each must be a stochastic step); None keeps nothing (T = 0).
         generator: CPU generator for the SDE noise.
+        coefficients: ``schedule_coefficients(sigmas, noise_level=..., sde_type=...)`` on the latents'
+            device when the caller keeps them; computed here when None. Given ones are used as they
+            are: they must come from these sigmas and settings.
     """
     n = noise.shape[0]
     record = torch.zeros(n, 0, dtype=torch.long) if record is None else record.cpu()
     if record.numel() and not bool(stochastic[record].all()):
         raise ValueError("only stochastic steps can be recorded (an ODE step has no density)")
-    sigmas = sigmas.to(noise.device, torch.float32)  # the constants below meet the latents in addcmul
-    sigma, sigma_next = sigmas[:-1], sigmas[1:]  # [S] each
-    check_sigmas(sigma, sigma_next)  # the whole schedule at once: the steps below skip the checks
-    # The constants of every step at once (SDE and ODE forms); step i takes its entries.
-    sde_coef = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type).unbind()  # [S] x 0-d
-    ode_coef = step_coefficients(sigma, sigma_next, noise_level=0.0, sde_type=sde_type).unbind()
+    if coefficients is None:  # the constants meet the latents in addcmul: on their device
+        coefficients = schedule_coefficients(sigmas.to(noise.device), noise_level=noise_level, sde_type=sde_type)
+    sde_coef, ode_coef = coefficients  # step i takes entry i of one of them
+    if len(sde_coef) != len(timesteps) or len(ode_coef) != len(timesteps):
+        raise ValueError(f"coefficients must hold the constants of the {len(timesteps)} steps, got {len(sde_coef)} and {len(ode_coef)}")
     is_sde = stochastic.tolist()  # [S] python bools: no tensor read per step
     recorded = record.unique().tolist()  # the steps some sample records
     latents = noise.float()  # [N, *latent]
