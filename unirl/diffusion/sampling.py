@@ -107,7 +107,7 @@ def guided_velocity(family, transformer, latents: torch.Tensor, timestep: torch.
         v = family.velocity(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         v_uncond, v_cond = v.chunk(2)
         return v_uncond + guidance_scale * (v_cond - v_uncond)
-    return family.velocity(transformer, latents, timestep, {k: cond[k] for k in family.cond_keys})  # [n, *latent]
+    return family.velocity(transformer, latents, timestep, cond)  # [n, *latent]: the family reads its cond_keys
 
 
 def forward_module(transformer):

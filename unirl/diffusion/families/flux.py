@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unirl.diffusion.families.base import ModelFamily, check_resolution, compute_dtype, tokenize, vae_decode
+from unirl.diffusion.families.base import ModelFamily, cast, check_resolution, compute_dtype, tokenize, vae_decode
 from unirl.diffusion.sampling import sigma_schedule
 
 
@@ -136,8 +136,8 @@ class FluxFamily(ModelFamily):
         if _module_config(transformer).guidance_embeds:
             guidance = torch.full((n,), self.guidance, device=device, dtype=torch.float32)  # [n]
         return transformer(
-            hidden_states=latents.to(dtype), timestep=timestep / 1000, guidance=guidance,
-            pooled_projections=cond["pooled"].to(dtype), encoder_hidden_states=embeds.to(dtype),
+            hidden_states=cast(latents, dtype), timestep=timestep / 1000, guidance=guidance,
+            pooled_projections=cast(cond["pooled"], dtype), encoder_hidden_states=cast(embeds, dtype),
             txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),  # [L, 3]
             img_ids=latent_image_ids(side, side, device, dtype),  # [tokens, 3]
             return_dict=False,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.diffusion.families.base import ModelFamily, check_resolution, compute_dtype, tokenize, vae_decode
+from unirl.diffusion.families.base import ModelFamily, cast, check_resolution, compute_dtype, tokenize, vae_decode
 from unirl.diffusion.sampling import sigma_schedule
 
 
@@ -59,9 +59,9 @@ class SD3Family(ModelFamily):
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor]) -> torch.Tensor:
         dtype = compute_dtype(transformer)
-        return transformer(hidden_states=latents.to(dtype), timestep=timestep,
-                           encoder_hidden_states=cond["prompt_embeds"].to(dtype),
-                           pooled_projections=cond["pooled"].to(dtype), return_dict=False)[0]  # [n, C, h, w]
+        return transformer(hidden_states=cast(latents, dtype), timestep=timestep,
+                           encoder_hidden_states=cast(cond["prompt_embeds"], dtype),
+                           pooled_projections=cast(cond["pooled"], dtype), return_dict=False)[0]  # [n, C, h, w]
 
     @torch.no_grad()
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
