@@ -415,7 +415,7 @@ class Trainer:
                 shares.setdefault(name, []).append(value)
             for name, value in piece_parts.items():
                 parts.setdefault(name, []).append(value)
-        whole = {name: torch.cat(values, dim=1) for name, values in parts.items()}  # [n, T]
+        whole = {name: values[0] if len(values) == 1 else torch.cat(values, dim=1) for name, values in parts.items()}  # [n, T]
         if first_logp is not None:
             first_logp.append(whole["old_logp"].cpu())
         ratio = policy_loss_metrics(whole["logp"], whole["old_logp"], whole["advantages"], whole["mask"],
@@ -611,8 +611,8 @@ def _on_host(figures: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     """Each figure's 0-dim values summed (the pieces' shares of a loss add up), read in one transfer
     (one device sync) and summed in float64 on the host."""
     names = [name for name, values in figures.items() for _ in values]
-    host = torch.stack([v.float() if v.ndim == 0 else v.float().reshape(()) for values in figures.values()
-                        for v in values]).tolist()
+    host = torch.stack([v if v.ndim == 0 and v.dtype == torch.float32 else v.float().reshape(())
+                        for values in figures.values() for v in values]).tolist()
     out: dict[str, float] = {}
     for name, value in zip(names, host):
         out[name] = out.get(name, 0.0) + value
