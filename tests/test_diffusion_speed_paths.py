@@ -188,15 +188,23 @@ def test_evaluate_column_by_column_equals_the_whole_and_caches_per_batch(env):
     rows = env.next_prompts(3)[:2]
     rollout = env.rollout(rows, 3)
     env.score(rollout)
-    micro = rollout.select(torch.tensor([4, 0, 2, 5]))
-    assert micro.cache == {}
-    with torch.no_grad():
-        whole = env.evaluate(env.model, rollout.select(torch.tensor([4, 0, 2, 5])))
-        T = whole["logp"].shape[1]
-        pieces = [env.evaluate(env.model, micro, slice(j, j + 1)) for j in range(T)]
-    assert set(micro.cache) == {"stored_steps"}
-    for key in ("logp", "mean", "std", "mask", "sigma", "sigma_next"):
-        assert torch.equal(torch.cat([p[key] for p in pieces], dim=1), whole[key]), key
+    algo = env.cfg.algo
+    try:
+        # Without a KL the pieces compute no mean (nothing reads it); with one they give it.
+        for kl_coef, keys in ((0.0, ("logp", "std", "mask", "sigma", "sigma_next")), (0.1, ("mean",))):
+            env.cfg.algo = dataclasses.replace(algo, kl_coef=kl_coef)
+            micro = rollout.select(torch.tensor([4, 0, 2, 5]))
+            assert micro.cache == {}
+            with torch.no_grad():
+                whole = env.evaluate(env.model, rollout.select(torch.tensor([4, 0, 2, 5])))
+                T = whole["logp"].shape[1]
+                pieces = [env.evaluate(env.model, micro, slice(j, j + 1)) for j in range(T)]
+            assert set(micro.cache) == {"stored_steps"}
+            assert all(("mean" in p) == (kl_coef > 0) for p in pieces)
+            for key in keys:
+                assert torch.equal(torch.cat([p[key] for p in pieces], dim=1), whole[key]), key
+    finally:
+        env.cfg.algo = algo
     assert rollout.select(torch.tensor([1, 2])).cache == {}
     assert dataclasses.replace(micro).cache == {}  # a copy (the text env's trim_padding) starts its own
 

@@ -324,11 +324,15 @@ class DiffusionEnvironment(Environment):
         if len(picked) == 1:  # the loop's pieces, one trained step each: views made once per batch
             j = picked[0]
             one = {k: v[j] for k, v in stored["columns"].items()}  # [n, ...]: column j of each
-            logp, mean, std = rescore_step(self.family, model, one["latents"], one["next_latents"], one["timestep"],
-                                           stored["cond"], stored["coef"][j], guidance_scale=self.train_guidance)
-            out = {"logp": logp.unsqueeze(1), "mean": mean.unsqueeze(1), "std": std.reshape(-1, 1),
+            # The mean only for a KL: without one nothing reads it.
+            logp, mean, _ = rescore_step(self.family, model, one["latents"], one["next_latents"], one["timestep"],
+                                         stored["cond"], stored["coef"][j], guidance_scale=self.train_guidance,
+                                         offset=one.get("offset"), with_mean=self.cfg.algo.kl_coef > 0)
+            out = {"logp": logp.unsqueeze(1), "std": stored["narrow"]["std"][j],
                    "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j],
                    "mask": stored["column_mask"]}  # [n, 1, ...]
+            if mean is not None:
+                out["mean"] = mean.unsqueeze(1)  # [n, 1, *latent]
         else:
             t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
             # The steps are the rollout's, from the schedule and settings its sampler checked: no check here.
@@ -342,17 +346,23 @@ class DiffusionEnvironment(Environment):
     def _stored_steps(self, batch: Rollout) -> dict:
         """The batch's stored steps on the device (``steps``: latents, next latents [n, T, *latent], float32
         sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
-        [n, *latent] and timesteps [n]; ``narrow``: sigmas [n, 1]), its conditioning (``cond``) and the
+        [n, *latent] and timesteps [n], the steps' offsets ``step_log_prob`` takes; ``narrow``: sigmas and
+        stds [n, 1]), its conditioning (``cond``) and the
         columns' constants (``coef``), and one column's mask (``column_mask`` [n, 1], all True): what each piece of ``evaluate`` takes instead of slicing, moving
         and recomputing them (one operation per tensor for the whole batch, not one per piece)."""
         s, device = self.cfg.sampling, self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
         steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
-        coef = step_coefficients(steps["sigma"], steps["sigma_next"], noise_level=s.noise_level, sde_type=s.sde_type,
-                                 latent_ndim=steps["latents"].ndim - 2).unbind(1)  # T x [n]
+        whole = step_coefficients(steps["sigma"], steps["sigma_next"], noise_level=s.noise_level, sde_type=s.sde_type,
+                                  latent_ndim=steps["latents"].ndim - 2)  # [n, T], latent-facing [n, T, 1, ...]
+        columns = {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep")}
+        if not whole.ode:  # every step's offset x' - a x at once (step_log_prob), not once a piece with gradients on
+            columns["offset"] = (steps["next_latents"].float() - steps["latents"].float() * whole.sample_weight).unbind(1)
+        n, T = steps["sigma"].shape
+        narrow = {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}
+        narrow["std"] = whole.std.reshape(n, T).split(1, dim=1)
         cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
-        return {"steps": steps, "columns": {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep")},
-                "narrow": {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}, "cond": cond, "coef": coef,
+        return {"steps": steps, "columns": columns, "narrow": narrow, "cond": cond, "coef": whole.unbind(1),  # T x [n]
                 "column_mask": torch.ones_like(steps["sigma"][:, :1], dtype=torch.bool)}  # [n, 1]: every stored step is trained
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unirl.diffusion.sde import StepCoefficients, check_sigmas, check_step_inputs, sde_step, step_coefficients
+from unirl.diffusion.sde import StepCoefficients, check_sigmas, check_step_inputs, sde_step, step_coefficients, step_log_prob
 
 
 @dataclass
@@ -295,15 +295,26 @@ def rescore_steps(
 
 
 def rescore_step(family, transformer, latents: torch.Tensor, next_latents: torch.Tensor, timestep: torch.Tensor,
-                 cond: dict[str, torch.Tensor], coef: StepCoefficients, *, guidance_scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 cond: dict[str, torch.Tensor], coef: StepCoefficients, *, guidance_scale: float,
+                 offset: torch.Tensor | None = None, with_mean: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One stored step as ``rescore_steps`` scores it, unchecked (for a caller holding one column's views):
-    ``latents``, ``next_latents`` ``[n, *latent]``,
-    ``timestep`` ``[n]``, ``coef`` its constants (``[n]``, latent-facing ``[n, 1, ..., 1]``). Returns the
-    step's ``logp`` [n], ``mean`` [n, *latent] and ``std`` (shaped like ``coef.std``)."""
+    ``latents``, ``next_latents`` ``[n, *latent]``, ``timestep`` ``[n]``, ``coef`` its constants (``[n]``,
+    latent-facing ``[n, 1, ..., 1]``). Returns the step's ``logp`` [n], ``mean`` [n, *latent] and ``std``
+    (shaped like ``coef.std``).
+
+    ``offset``: ``next_latents - coef.sample_weight * latents`` (float32) when the caller computed it
+    for all its stored steps at once; the log-prob then comes from ``step_log_prob`` (the same bits as
+    ``sde_step``'s, with two fewer operations carrying gradients), and the mean is computed only when
+    ``with_mean`` (a KL needs it; otherwise it is None)."""
     v = guided_velocity(family, transformer, latents, timestep, cond, guidance_scale)
-    _, logp, mean, std = sde_step(v, latents, coef, prev_sample=next_latents)
-    return logp, mean, std
+    if offset is None or coef.ode:
+        _, logp, mean, std = sde_step(v, latents, coef, prev_sample=next_latents)
+        return logp, mean, std
+    v = v.float()  # sde_step's upcast
+    logp = step_log_prob(v, offset, coef)
+    mean = torch.addcmul(latents.float() * coef.sample_weight, v, coef.velocity_weight) if with_mean else None  # as sde_step
+    return logp, mean, coef.std
 
 
 # ------------------------------------------------------------------------------ images

@@ -106,8 +106,8 @@ class StepCoefficients:
     ``mean = sample_weight * x + velocity_weight * v`` (the module docstring's formulas, with the
     sigma terms gathered into the two weights), ``std`` the step's std: these, and ``dt``, are shaped
     ``lead`` followed by one 1 per latent dimension, to broadcast against ``[*lead, *latent]``. For
-    ``"flow"`` the log-density is ``||x' - mean||^2 * neg_inv_two_var - count * log_norm`` with those
-    two ``lead``-shaped. The ODE step (``noise_level == 0``) keeps only ``dt``: its mean is
+    ``"flow"`` the log-density is ``||x' - mean||^2 * neg_inv_two_var + count * neg_log_norm`` with
+    those two ``lead``-shaped. The ODE step (``noise_level == 0``) keeps only ``dt``: its mean is
     ``x + dt * v``, diffusers' Euler step.
     """
 
@@ -118,12 +118,12 @@ class StepCoefficients:
     sample_weight: torch.Tensor | None = None
     velocity_weight: torch.Tensor | None = None
     neg_inv_two_var: torch.Tensor | None = None  # -1 / (2 std^2), flow only
-    log_norm: torch.Tensor | None = None  # log std + log sqrt(2 pi), flow only
+    neg_log_norm: torch.Tensor | None = None  # -(log std + log sqrt(2 pi)), flow only
 
     def unbind(self, dim: int = 0) -> list["StepCoefficients"]:
         """The steps along ``dim`` (of ``lead``), one object each, as views: one operation per
         constant whatever the number of steps, where indexing step by step costs one per step."""
-        names = ("dt", "std", "sample_weight", "velocity_weight", "neg_inv_two_var", "log_norm")
+        names = ("dt", "std", "sample_weight", "velocity_weight", "neg_inv_two_var", "neg_log_norm")
         columns = [None if getattr(self, k) is None else getattr(self, k).unbind(dim) for k in names]
         count = self.dt.shape[dim]
         return [StepCoefficients(self.sde_type, self.ode, *(None if c is None else c[i] for c in columns))
@@ -152,7 +152,7 @@ def step_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, *, noise_le
         velocity_weight = (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
         return StepCoefficients(sde_type=sde_type, ode=False, dt=latent_facing(dt), std=latent_facing(std),
                                 sample_weight=latent_facing(sample_weight), velocity_weight=latent_facing(velocity_weight),
-                                neg_inv_two_var=-(1 / (2 * std**2)), log_norm=torch.log(std) + math.log(math.sqrt(2 * math.pi)))
+                                neg_inv_two_var=-(1 / (2 * std**2)), neg_log_norm=-(torch.log(std) + math.log(math.sqrt(2 * math.pi))))
     # Coefficient-preserving: the next latent is (1 - sigma_next) x0 + sigma_next * (unit noise), split
     # between the predicted noise x1 = x + (1 - sigma) v and fresh noise so that their squared weights
     # sum to sigma_next^2; with x0 = x - sigma v the mean is linear in x and v.
@@ -188,7 +188,6 @@ def sde_step(
     sample = sample.float()  # [N, ...]
     if prev_sample is not None:
         prev_sample = prev_sample.detach().float()  # [N, ...]
-    reduce_dims = tuple(range(1, sample.ndim))
 
     # noise_level 0: the Euler ODE step, written as diffusers writes it so the two agree bit for bit.
     if coef.ode:
@@ -198,23 +197,36 @@ def sde_step(
         return prev_sample, torch.zeros(n, device=sample.device), mean, coef.std
 
     # The Gaussian step's mean; draw the next sample unless it was given.
-    mean = torch.addcmul(sample * coef.sample_weight, velocity, coef.velocity_weight)  # [N, ...]: x a + v b
+    scaled = sample * coef.sample_weight  # [N, ...]
+    mean = torch.addcmul(scaled, velocity, coef.velocity_weight)  # [N, ...]: x a + v b
     if prev_sample is None:
         noise = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=torch.float32)
         prev_sample = noise.mul_(coef.std).add_(mean)  # [N, ...]: mean + std * noise, in the noise's memory
-
-    # Log-density of prev_sample, reduced over non-batch dimensions: FlowGRPO's per-element
-    # -(x - mean)^2 / (2 std^2) - log std - log sqrt(2 pi), reduced. std is constant per sample, so
-    # the squared distance is reduced first and the per-sample terms applied after (three passes
-    # over the latent instead of seven; equal to float32 rounding).
-    sq = (prev_sample - mean).square()  # [N, ...]
-    sq = sq.mean(dim=reduce_dims) if reduce == "mean" else sq.sum(dim=reduce_dims)  # [N]
-    if coef.sde_type == "flow":
-        count = 1 if reduce == "mean" else math.prod(sample.shape[1:])
-        log_prob = sq * coef.neg_inv_two_var - (coef.log_norm if count == 1 else count * coef.log_norm)  # [N]
-    else:
-        log_prob = -sq  # FlowGRPO's CPS convention, see the module docstring
+    log_prob = step_log_prob(velocity, prev_sample - scaled, coef, reduce=reduce)
     return prev_sample, log_prob, mean, coef.std
+
+
+def step_log_prob(velocity: torch.Tensor, offset: torch.Tensor, coef: StepCoefficients, *, reduce: str = "mean"
+                  ) -> torch.Tensor:
+    """Log-density ``[N]`` of a Gaussian step's next latent ``x'`` given ``offset = x' - sample_weight * x``,
+    the part of ``x' - mean`` that does not depend on the model: ``x' - mean = offset - velocity_weight
+    * v``. ``sde_step`` computes it so, and a loop re-scoring stored steps computes every step's offset
+    at once (one operation for all of them, no gradient) and leaves two of the six operations per step
+    that carry gradients, with the same bits as ``sde_step``'s (tested). ``coef`` must be an SDE
+    step's (not ``ode``); ``velocity`` float32, as ``sde_step`` makes it.
+
+    FlowGRPO's per-element ``-(x' - mean)^2 / (2 std^2) - log std - log sqrt(2 pi)``, reduced over the
+    non-batch dimensions. std is constant per sample, so the squared distance is reduced first and
+    the per-sample terms applied after (equal to float32 rounding)."""
+    diff = torch.addcmul(offset, velocity, coef.velocity_weight, value=-1)  # [N, ...]: x' - mean
+    reduce_dims = tuple(range(1, diff.ndim))
+    sq = diff.square()  # [N, ...]
+    sq = sq.mean(dim=reduce_dims) if reduce == "mean" else sq.sum(dim=reduce_dims)  # [N]
+    if coef.sde_type != "flow":
+        return -sq  # FlowGRPO's CPS convention, see the module docstring
+    if reduce == "mean":
+        return torch.addcmul(coef.neg_log_norm, sq, coef.neg_inv_two_var)  # [N]
+    return torch.addcmul(math.prod(diff.shape[1:]) * coef.neg_log_norm, sq, coef.neg_inv_two_var)  # [N]
 
 
 def check_step_inputs(velocity, sample, prev_sample, noise_level, sde_type, reduce) -> None:
