@@ -440,22 +440,27 @@ class Trainer:
         algo, device = self.algo, self.accelerator.device
         cur = self.env.evaluate(model, micro, columns)
         mask = cur["mask"]  # [n, T']
-        if "old_logp" in micro.tensors:
-            old_logp = micro.tensors["old_logp"][:, columns].to(device)
-        else:
-            old_logp = cur["logp"].detach()
-        advantages = micro.tensors["advantages"]
-        advantages = (advantages[:, columns] if advantages.ndim == 2 else advantages).to(device)  # [n] or [n, T']
+        logp = cur["logp"].detach()  # [n, T']
+        old_logp = micro.tensors["old_logp"][:, columns].to(device) if "old_logp" in micro.tensors else logp
+        advantages = micro.tensors["advantages"]  # [n] or [n, T]
+        if advantages.ndim == 2:
+            advantages = advantages[:, columns].to(device)  # [n, T']
+        else:  # one per sample: the [n, 1] column made once per micro-batch, not once a piece
+            column = micro.cache.get("advantages_column")
+            if column is None:
+                column = micro.cache["advantages_column"] = advantages.to(device).unsqueeze(-1)  # [n, 1]
+            advantages = column if column.shape == mask.shape else column.expand_as(mask)  # [n, T']
         weights = None
         if algo.tis_cap is not None and "engine_logp" in micro.tensors:
             engine_logp = micro.tensors["engine_logp"][:, columns].to(device)
             weights = truncated_importance_weights(old_logp, engine_logp, cap=algo.tis_cap)
         agg = dict(denominator=denominator, seq_lengths=seq_lengths)
-        loss, _ = clipped_policy_loss(
+        policy_loss, _ = clipped_policy_loss(
             cur["logp"], old_logp, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
             dual_clip=algo.dual_clip, level=algo.level, agg=algo.loss_agg, weights=weights, with_metrics=False, **agg,
         )
-        shares = {"loss/policy": loss.detach()}
+        loss = policy_loss
+        shares = {"loss/policy": policy_loss.detach()}
         if algo.kl_coef > 0:
             ref = {k[len("ref/"):]: v[:, columns].to(device) for k, v in micro.tensors.items() if k.startswith("ref/")}
             kl = aggregate(self.env.kl(cur, ref), mask, algo.loss_agg, **agg)
@@ -465,10 +470,8 @@ class Trainer:
             entropy = aggregate(cur["entropy"], mask, algo.loss_agg, **agg)
             loss = loss - algo.entropy_coef * entropy
             shares["actor/entropy"] = entropy.detach()
-        shares["loss/total"] = loss.detach()
-        inputs = {"logp": cur["logp"].detach(), "old_logp": old_logp,
-                  "advantages": advantages.unsqueeze(-1).expand_as(mask) if advantages.ndim == 1 else advantages,
-                  "mask": mask}
+        shares["loss/total"] = shares["loss/policy"] if loss is policy_loss else loss.detach()
+        inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
         return loss, shares, inputs
 
     def _optimizer_step(self) -> float:

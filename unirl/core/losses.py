@@ -308,7 +308,7 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, 
     if level == "token":
         # Masked after the difference (one where instead of one per input): 0 there in value and in
         # gradient (where's backward sends 0 to the masked positions) whatever junk either side holds.
-        token_log_ratio = torch.where(mask, logp - old_logp.detach(), 0.0)  # [N, T]
+        token_log_ratio = torch.where(mask, logp - _detached(old_logp), 0.0)  # [N, T]
         return token_log_ratio, token_log_ratio
     logp = torch.where(mask, logp, 0.0)  # [N, T]: GSPO uses the masked log-probs themselves below
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # [N, T]
@@ -320,8 +320,14 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, 
 
 def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Advantages [N] or [N, T] as a detached [N, T], 0 where masked out."""
-    adv = advantages.detach()
+    adv = _detached(advantages)
     return torch.where(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv, 0.0)  # [N, T]: where broadcasts [N, 1]
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without gradient: ``t.detach()`` only when it has one (the loss's inputs other than
+    ``logp`` usually have none; a detach is an operation, a few a piece)."""
+    return t.detach() if t.requires_grad else t
 
 
 @torch.no_grad()
