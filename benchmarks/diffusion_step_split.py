@@ -27,8 +27,8 @@ reward         ``env.score``: the main thread waiting for the reward thread's la
                their own time is printed below the table, not subtracted)
 framework      step - all of the above: the sampler's and the SDE step's tensor work outside the
                transformer, storing the rollout, advantages, batching, the loss math, the LR
-               scheduler, the EMA, metrics, Python. The SDE step's own share of it (``sde_step``: noise
-               draws, the step's mean and log-prob) is printed below the table
+               scheduler, the EMA, metrics, Python. The SDE step's own share of it (``sde_step`` and
+               ``step_log_prob``: noise draws, the step's mean and log-prob) is printed below the table
 =============  ==========================================================================================
 
 A second table attributes the framework time to the loop's stages (each stage's wall time minus the
@@ -169,7 +169,8 @@ def instrument(trainer, split: Split):
                     split.reward_thread += time.perf_counter() - start
         return call
 
-    # The SDE step (sampler and re-scoring call it by this module-level name): part of the framework
+    # The SDE step (sampler and re-scoring call it by these module-level names: sde_step, and
+    # step_log_prob where a piece re-scores a stored step from its offset): part of the framework
     # column, printed on its own line as the algorithm's own tensor work.
     from unirl.diffusion import sampling
 
@@ -185,6 +186,8 @@ def instrument(trainer, split: Split):
         return call
 
     patch(sampling, "sde_step", sde_timed)
+    if hasattr(sampling, "step_log_prob"):  # absent in an --against checkout older than it
+        patch(sampling, "step_log_prob", sde_timed)
 
     original_fns = list(env.rewards.fns)
     env.rewards.fns = [thread_timed(fn) for fn in original_fns]

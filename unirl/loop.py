@@ -222,8 +222,12 @@ class Trainer:
         local = adv[rank * n:(rank + 1) * n]  # every process has N samples here (before any drop)
         rollout.tensors["advantages"] = local[:, : mask.shape[1]] if local.ndim == 2 else local
         rollout.tensors["rewards"] = rewards
-        return {"adv/mean": per_token[all_mask].mean().item(), "adv/abs_mean": per_token[all_mask].abs().mean().item(),
-                **{f"adv/{k}": v.item() for k, v in stats.items()}}
+        # Every figure in one host transfer: the masked means as sums over the mask, no boolean indexing.
+        masked = torch.where(all_mask, per_token, 0.0)  # [N_all, T_max]
+        count = all_mask.sum().clamp_min(1)
+        names = ["adv/mean", "adv/abs_mean", *(f"adv/{k}" for k in stats)]
+        values = torch.stack([masked.sum() / count, masked.abs().sum() / count, *(v.float() for v in stats.values())])
+        return dict(zip(names, values.tolist()))
 
     def drop_zero_advantage(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """FlowGRPO's filter: keep the samples with a non-zero advantage at some token/step, topped up
