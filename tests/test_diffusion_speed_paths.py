@@ -262,6 +262,10 @@ def test_bad_sigmas_are_still_refused_once_for_all_steps(env):
     with pytest.raises(ValueError, match="sigma_next must be smaller than sigma"):
         sample_with_logprob(env.family, env.model, noise, rising, env.train_timesteps, _cond(env, 2),
                             guidance_scale=1.0, noise_level=0.7, stochastic=torch.ones(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="only stochastic steps can be recorded"):
+        window = torch.tensor([False, True, True, False, False, False])  # step 3 is an ODE step
+        sample_with_logprob(env.family, env.model, noise, env.train_sigmas, env.train_timesteps, _cond(env, 2),
+                            guidance_scale=1.0, noise_level=0.7, stochastic=window, record=torch.tensor([[1, 2], [2, 3]]))
     with pytest.raises(ValueError, match="constants of the 6 steps, got 5"):
         short = schedule_coefficients(env.train_sigmas[1:], noise_level=0.7)
         sample_with_logprob(env.family, env.model, noise, env.train_sigmas, env.train_timesteps, _cond(env, 2),

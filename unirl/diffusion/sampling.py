@@ -191,38 +191,40 @@ def sample_with_logprob(
     """
     n = noise.shape[0]
     record = torch.zeros(n, 0, dtype=torch.long) if record is None else record.cpu()
-    if record.numel() and not bool(stochastic[record].all()):
+    rows = record.tolist()  # [N][T]: checked and grouped in Python, one read instead of a dozen small operations
+    is_sde = stochastic.tolist()  # [S] python bools: no tensor read per step
+    if not all(is_sde[i] for row in rows for i in row):
         raise ValueError("only stochastic steps can be recorded (an ODE step has no density)")
     if coefficients is None:  # the constants meet the latents in addcmul: on their device
         coefficients = schedule_coefficients(sigmas.to(noise.device), noise_level=noise_level, sde_type=sde_type)
     sde_coef, ode_coef = coefficients  # step i takes entry i of one of them
     if len(sde_coef) != len(timesteps) or len(ode_coef) != len(timesteps):
         raise ValueError(f"coefficients must hold the constants of the {len(timesteps)} steps, got {len(sde_coef)} and {len(ode_coef)}")
-    is_sde = stochastic.tolist()  # [S] python bools: no tensor read per step
-    recorded = record.unique().tolist()  # the steps some sample records
+    recorded = sorted({i for row in rows for i in row})  # the steps some sample records
+    step_times = timesteps.unsqueeze(1).expand(-1, n).unbind()  # S x [n]: each step's timestep for the batch, views
     latents = noise.float()  # [N, *latent]
     before, after, logps = [], [], []  # per recorded step: [N, *latent], [N, *latent], [N]
-    for i in range(len(timesteps)):
-        v = guided_velocity(family, transformer, latents, timesteps[i].expand(n), cond, guidance_scale)
+    for i, step_time in enumerate(step_times):
+        v = guided_velocity(family, transformer, latents, step_time, cond, guidance_scale)
         if i == 0:
             check_step_inputs(v, latents, None, noise_level, sde_type, "mean")
         nxt, logp, _, _ = sde_step(v, latents, (sde_coef if is_sde[i] else ode_coef)[i], generator=generator)
         if i in recorded:
             before.append(latents), after.append(nxt), logps.append(logp)
         latents = nxt
-    return _kept(latents, record, recorded, before, after, logps)
+    return _kept(latents, record, rows, recorded, before, after, logps)
 
 
-def _kept(final: torch.Tensor, record: torch.Tensor, recorded: list[int], before: list[torch.Tensor],
-          after: list[torch.Tensor], logps: list[torch.Tensor]) -> SampleOutput:
-    """The sampler's output: sample r's column t is step ``record[r, t]``, taken from the per-step lists
-    (``before``/``after`` [N, *latent], ``logps`` [N]) of the steps in ``recorded`` (sorted)."""
+def _kept(final: torch.Tensor, record: torch.Tensor, rows: list[list[int]], recorded: list[int],
+          before: list[torch.Tensor], after: list[torch.Tensor], logps: list[torch.Tensor]) -> SampleOutput:
+    """The sampler's output: sample r's column t is step ``record[r, t]`` (``rows`` its list), taken from
+    the per-step lists (``before``/``after`` [N, *latent], ``logps`` [N]) of the steps in ``recorded`` (sorted)."""
     n = final.shape[0]
     if not recorded:
         empty = torch.zeros(n, 0, *final.shape[1:], device=final.device)
         return SampleOutput(final=final, latents=empty, next_latents=empty.clone(), logp=torch.zeros(n, 0, device=final.device))
-    if bool((record == record[:1]).all()):  # every sample keeps the same steps (timestep_selection "first")
-        order = [recorded.index(i) for i in record[0].tolist()]  # [T]
+    if all(row == rows[0] for row in rows):  # every sample keeps the same steps (timestep_selection "first")
+        order = [recorded.index(i) for i in rows[0]]  # [T]
 
         def stacked(kept: list[torch.Tensor]) -> torch.Tensor:  # one copy into [N, T, ...]
             return torch.stack([kept[j] for j in order], dim=1)
