@@ -102,11 +102,11 @@ class RewardSet:
             if scores.shape != (n,):
                 raise ValueError(f"reward {cfg.name!r}: expected {n} scores, got shape {tuple(scores.shape)}")
             applies = ~torch.isnan(scores)
-            metrics[f"reward/{name}"] = scores[applies].mean().item() if applies.any() else float("nan")
-            value = torch.where(applies, scores, torch.zeros_like(scores))
+            metrics[f"reward/{name}"] = torch.nanmean(scores).item()  # NaN when it applies to no sample
+            value = torch.where(applies, scores, 0.0)
             if self.aggregation == "normalize_then_sum":
                 value = _group_normalise(value, applies, group_ids.cpu())
-            total += cfg.weight * value
+            total.add_(value, alpha=cfg.weight)
         return total, metrics
 
     def __call__(self, samples: list[Any], *, prompts: list[str], columns: dict[str, list],

@@ -272,8 +272,8 @@ class DiffusionEnvironment(Environment):
         sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
         outs, images, futures = [], [], []
         columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        for idx in torch.arange(N).split(s.chunk_size):
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
+        for lo in range(0, N, s.chunk_size):
+            hi = min(lo + s.chunk_size, N)
             cond = self._cond({k: v[lo:hi] for k, v in encoded.items()}, self.train_guidance)
             out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=self.train_guidance, noise_level=s.noise_level,
