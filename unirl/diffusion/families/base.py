@@ -23,6 +23,7 @@ import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -138,7 +139,8 @@ def tokenize(tokenizer, prompts: list[str], max_length: int, encoder: str, add_s
         # One prompt at a time: encode_batch spreads a batch over a thread pool, whose threads competed
         # with torch's for the cores (0.8 ms a call inside a training step against 0.3 ms alone).
         encodings = [backend.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
-        ids = torch.tensor([e.ids for e in encodings], dtype=torch.long).reshape(len(prompts), max_length)
+        # Through numpy: torch.tensor walks nested lists of Python ints about 3x slower.
+        ids = torch.from_numpy(np.array([e.ids for e in encodings], dtype=np.int64)).reshape(len(prompts), max_length)
         filled = any(e.attention_mask[-1] for e in encodings)
     if (encoder, max_length) not in _warned and filled:
         _warned.add((encoder, max_length))
