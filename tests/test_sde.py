@@ -209,3 +209,22 @@ def test_shape_mismatch_between_velocity_and_sample_raises():
         sde_step_with_logprob(v[:, :2], x, 0.5, 0.3)
     with pytest.raises(ValueError, match="sample must be a tensor"):
         sde_step_with_logprob(v, x[0, 0, 0], 0.5, 0.3)
+
+
+def test_gaussian_noise_draws_what_diffusers_randn_tensor_draws():
+    """The SDE step's noise: a single generator served directly, the same numbers as diffusers' helper
+    (and the same next draw after it), a list of generators through the helper."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from unirl.diffusion.sde import gaussian_noise
+
+    for seed in (0, 1, 2):
+        for shape in ((4, 3, 5, 5), (2, 7, 16), (1, 4)):
+            a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            for _ in range(2):  # twice: the generators advance alike
+                assert torch.equal(gaussian_noise(shape, a, torch.device("cpu")),
+                                   randn_tensor(shape, generator=b, device=torch.device("cpu"), dtype=torch.float32))
+            listed = [torch.Generator().manual_seed(seed + k) for k in range(shape[0])]
+            again = [torch.Generator().manual_seed(seed + k) for k in range(shape[0])]
+            assert torch.equal(gaussian_noise(shape, listed, torch.device("cpu")),
+                               randn_tensor(shape, generator=again, device=torch.device("cpu"), dtype=torch.float32))

@@ -200,10 +200,22 @@ def sde_step(
     scaled = sample * coef.sample_weight  # [N, ...]
     mean = torch.addcmul(scaled, velocity, coef.velocity_weight)  # [N, ...]: x a + v b
     if prev_sample is None:
-        noise = randn_tensor(sample.shape, generator=generator, device=sample.device, dtype=torch.float32)
+        noise = gaussian_noise(sample.shape, generator, sample.device)  # [N, ...]
         prev_sample = noise.mul_(coef.std).add_(mean)  # [N, ...]: mean + std * noise, in the noise's memory
     log_prob = step_log_prob(velocity, prev_sample - scaled, coef, reduce=reduce)
     return prev_sample, log_prob, mean, coef.std
+
+
+def gaussian_noise(shape: tuple[int, ...], generator: torch.Generator | list[torch.Generator] | None,
+                   device: torch.device) -> torch.Tensor:
+    """Standard normal float32 noise of ``shape`` on ``device``, the numbers diffusers' ``randn_tensor``
+    draws (tested): a single generator draws on its own device (a CPU generator on the CPU, then the
+    tensor moves), a list of generators one sample each. A single generator is served here directly:
+    the helper's device checks (and its log line for a CPU generator beside a GPU) are Python at every
+    SDE step."""
+    if isinstance(generator, torch.Generator):
+        return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32).to(device)
+    return randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
 
 
 def step_log_prob(velocity: torch.Tensor, offset: torch.Tensor, coef: StepCoefficients, *, reduce: str = "mean"
