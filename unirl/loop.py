@@ -415,6 +415,10 @@ class Trainer:
                 loss, piece_shares, piece_parts = self._micro_loss(model, micro, denominator, columns, seq_lengths)
                 # DDP's gradient average divides by the number of processes again.
                 acc.backward(loss * acc.num_processes if acc.num_processes > 1 else loss)
+                # The piece's autograd graph goes now, while backward has just walked it (its nodes are
+                # in cache), not when the next piece's loss replaces it after a whole forward: 1 ms a
+                # tiny SD3 step, measured paired (benchmarks/diffusion_step_split.py --against).
+                del loss
             for name, value in piece_shares.items():
                 shares.setdefault(name, []).append(value)
             for name, value in piece_parts.items():
