@@ -14,10 +14,11 @@ and splits it with instrumentation installed here (nothing in ``unirl/`` is chan
 column         what it contains
 =============  ==========================================================================================
 step           wall time of ``trainer.train_step()`` (perf_counter around the call)
-sample fwd     transformer forwards with gradients off (the rollout's denoising steps): forward pre/post
-               hooks on the diffusers transformer inside the PEFT wrapper, so LoRA layers are included
-               and PEFT's wrapper call is not
-train fwd      the same hooks, forwards with gradients on (the update re-scoring the trained steps)
+sample fwd     transformer forwards with gradients off (the rollout's denoising steps): a timer around
+               the ``forward`` of the diffusers transformer inside the PEFT wrapper (set on the instance,
+               not as forward hooks, whose slow call path would add Python to the framework column), so
+               LoRA layers are included and PEFT's wrapper call is not
+train fwd      the same timer, forwards with gradients on (the update re-scoring the trained steps)
 backward       ``accelerator.backward(loss)``: autograd through the transformer and the loss
 vae decode     the VAE's ``decode`` (post-quant conv and decoder)
 text enc       forwards of the text encoders (CLIP x2, T5): prompt encoding, tokenizers not included
@@ -32,10 +33,11 @@ framework      step - all of the above: the sampler's and the SDE step's tensor 
 =============  ==========================================================================================
 
 A second table attributes the framework time to the loop's stages (each stage's wall time minus the
-columns above that ran inside it). On a GPU every hook synchronises the device first, so the columns
+columns above that ran inside it). On a GPU every timer synchronises the device first, so the columns
 are device time plus launch; that synchronisation is itself a cost the uninstrumented run does not
-pay. ``--hook-check`` alternates instrumented and bare steps and prints both medians: the
-difference is what the instrumentation costs.
+pay. ``--hook-check`` alternates instrumented and bare steps and prints both medians and the median
+difference of each instrumented step and the bare one after it: what the instrumentation costs (it
+lands in the framework column).
 
 ``--against CHECKOUT`` compares with another commit without the machine's drift in between: make a
 worktree of it (``git worktree add ../before <commit>``), and the script runs this checkout and that
@@ -82,6 +84,7 @@ class Split:
         self.stage: str | None = None
         self._open: tuple[str, float] | None = None  # the column being timed (no nesting: the outer one counts)
         self._lock = threading.Lock()
+        self._main = threading.main_thread().ident
 
     def reset(self) -> None:
         self.columns.clear(), self.stages.clear(), self.column_in_stage.clear()
@@ -89,7 +92,7 @@ class Split:
         self.sde = 0.0
 
     def begin(self, column: str) -> bool:
-        if self._open is not None or threading.current_thread() is not threading.main_thread():
+        if self._open is not None or threading.get_ident() != self._main:
             return False
         self.sync()
         self._open = (column, time.perf_counter())
@@ -103,20 +106,11 @@ class Split:
         self.columns[column] += seconds
         self.column_in_stage[self.stage] += seconds
 
-    @contextlib.contextmanager
-    def timed(self, column: str):
-        opened = self.begin(column)
-        try:
-            yield
-        finally:
-            if opened:
-                self.end()
-
 
 def instrument(trainer, split: Split):
     """Install the hooks and wrappers; returns a function that removes them all."""
     env, acc = trainer.env, trainer.accelerator
-    handles, restore = [], []
+    restore = []
 
     def patch(obj, name, make):
         had_own = name in vars(obj)
@@ -127,23 +121,30 @@ def instrument(trainer, split: Split):
     def timed_call(column):
         def make(fn):
             def call(*args, **kwargs):
-                with split.timed(column):
+                opened = split.begin(column)
+                try:
                     return fn(*args, **kwargs)
+                finally:
+                    if opened:
+                        split.end()
             return call
         return make
 
-    # Model forwards: pre/post hooks (the column depends on whether gradients are on).
+    # Model forwards: the module's forward wrapped on the instance (the column depends on whether
+    # gradients are on). Not forward hooks: with a hook registered every call takes nn.Module's slow
+    # path, whose extra Python would land in the framework column.
     def hook_module(module, column_of):
-        state = {}
+        patch(module, "forward", lambda forward: timed_forward(forward, column_of))
 
-        def pre(mod, args):
-            state["opened"] = split.begin(column_of())
-
-        def post(mod, args, out):
-            if state.pop("opened", False):
-                split.end()
-
-        handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
+    def timed_forward(forward, column_of):
+        def call(*args, **kwargs):
+            opened = split.begin(column_of())
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                if opened:
+                    split.end()
+        return call
 
     import torch
 
@@ -216,8 +217,6 @@ def instrument(trainer, split: Split):
     patch(env, "score", stage_timed("score"))  # around the reward column's wrapper
 
     def remove():
-        for h in handles:
-            h.remove()
         for undo in reversed(restore):
             undo()
 
@@ -343,8 +342,10 @@ def report(rows: list[dict], bare: list[dict], checks: list[tuple], args, cfg, l
           f"{statistics.median(glue) * 1000:.1f} ms |")
 
     if bare:
+        paired = [h["step"] - b["step"] for h, b in zip(rows, bare)]  # each instrumented step and the bare one after it
         print(f"\nhook check: instrumented steps median {med('step') * 1000:.1f} ms ({len(rows)}), bare steps median "
-              f"{statistics.median(r['step'] for r in bare) * 1000:.1f} ms ({len(bare)})")
+              f"{statistics.median(r['step'] for r in bare) * 1000:.1f} ms ({len(bare)}); instrumented minus the next "
+              f"bare step: median {statistics.median(paired) * 1000:+.2f} ms, mean {statistics.mean(paired) * 1000:+.2f} ms")
     print("\nreward/mean, loss/total per step:", ", ".join(f"{r:.4f}/{l:.4g}" for r, l in checks))
 
 
