@@ -346,10 +346,10 @@ class DiffusionEnvironment(Environment):
     def _stored_steps(self, batch: Rollout) -> dict:
         """The batch's stored steps on the device (``steps``: latents, next latents [n, T, *latent], float32
         sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
-        [n, *latent] and timesteps [n], the steps' offsets ``step_log_prob`` takes; ``narrow``: sigmas and
-        stds [n, 1]), its conditioning (``cond``) and the
-        columns' constants (``coef``), and one column's mask (``column_mask`` [n, 1], all True): what each piece of ``evaluate`` takes instead of slicing, moving
-        and recomputing them (one operation per tensor for the whole batch, not one per piece)."""
+        [n, *latent], timesteps [n] and the steps' offsets that ``step_log_prob`` takes; ``narrow``: sigmas
+        and stds [n, 1]), its conditioning (``cond``), the columns' constants (``coef``) and one column's
+        mask (``column_mask`` [n, 1], all True): what each piece of ``evaluate`` takes instead of slicing,
+        moving and recomputing them (one operation per tensor for the whole batch, not one per piece)."""
         s, device = self.cfg.sampling, self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
         steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
