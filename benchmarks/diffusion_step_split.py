@@ -119,9 +119,12 @@ def instrument(trainer, split: Split):
         restore.append(lambda: setattr(obj, name, original) if had_own else delattr(obj, name))
 
     def timed_call(column):
+        """A wrapper maker timing calls under ``column``: a name, or a function giving it at each call."""
+        column_of = column if callable(column) else (lambda: column)
+
         def make(fn):
             def call(*args, **kwargs):
-                opened = split.begin(column)
+                opened = split.begin(column_of())
                 try:
                     return fn(*args, **kwargs)
                 finally:
@@ -134,17 +137,7 @@ def instrument(trainer, split: Split):
     # gradients are on). Not forward hooks: with a hook registered every call takes nn.Module's slow
     # path, whose extra Python would land in the framework column.
     def hook_module(module, column_of):
-        patch(module, "forward", lambda forward: timed_forward(forward, column_of))
-
-    def timed_forward(forward, column_of):
-        def call(*args, **kwargs):
-            opened = split.begin(column_of())
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                if opened:
-                    split.end()
-        return call
+        patch(module, "forward", timed_call(column_of))
 
     import torch
 
