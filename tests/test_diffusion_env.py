@@ -59,6 +59,17 @@ def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_di
     assert cur["logp"].shape == old.shape == env.loss_mask(rollout).shape
     assert torch.equal(cur["logp"], old)  # ratio exactly 1 for every trained step
     assert torch.equal(torch.exp(cur["logp"] - old), torch.ones_like(old))
+    # The steps' constants are gathered from the schedule by step_index; without it they are computed
+    # from the stored sigmas, with the same bits. Sigmas that are not the schedule's at step_index fail.
+    whole = torch.arange(len(rollout))
+    computed = rollout.select(whole)
+    del computed.tensors["step_index"]
+    with torch.no_grad():
+        assert torch.equal(env.evaluate(env.model, computed)["logp"], old)
+    edited = rollout.select(whole)
+    edited.tensors["sigma"] = edited.tensors["sigma"] * 0.99
+    with pytest.raises(ValueError, match="not the training schedule's sigmas at its step_index"):
+        env.evaluate(env.model, edited)
     # A shuffled sub-batch (the loop's micro-batches) re-scores the same steps to float precision.
     idx = torch.tensor([5, 0, 3])
     with torch.no_grad():

@@ -93,8 +93,16 @@ def test_unchecked_step_equals_the_checked_one(seed, sde_type, noise_level, give
         assert torch.equal(checked[3].flatten(), fast[3].expand(n)), f"step {i}"
     # Per-sample sigmas, stored as [n, T] (the re-scoring's layout), column j against the checked step.
     index = torch.randint(0, len(sigma), (n, 3), generator=g)  # [n, T]
-    stored = step_coefficients(sigma[index], sigma_next[index], noise_level=noise_level, sde_type=sde_type,
-                               latent_ndim=3).unbind(1)  # T x [n]
+    computed = step_coefficients(sigma[index], sigma_next[index], noise_level=noise_level, sde_type=sde_type,
+                                 latent_ndim=3)  # [n, T], latent-facing [n, T, 1, 1, 1]
+    # Gathered from the schedule's constants instead (the environment's path): the same bits.
+    taken = step_coefficients(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type).take(index, latent_ndim=3)
+    for name in ("dt", "std", "sample_weight", "velocity_weight", "neg_inv_two_var", "neg_log_norm"):
+        a, b = getattr(computed, name), getattr(taken, name)
+        assert (a is None) == (b is None), name
+        assert a is None or (a.shape == b.shape and torch.equal(a, b)), name
+    assert (taken.sde_type, taken.ode) == (computed.sde_type, computed.ode)
+    stored = taken.unbind(1)  # T x [n]
     for j in range(3):
         checked = sde_step_with_logprob(v, x, sigma[index[:, j]], sigma_next[index[:, j]],
                                         generator=torch.Generator().manual_seed(9), **kwargs)

@@ -202,9 +202,13 @@ class DiffusionEnvironment(Environment):
         self.negative = {"neg_" + k: v for k, v in negative.items()}  # each [1, ...]
         self.train_sigmas, self.train_timesteps = self.family.schedule(self.scheduler, s.num_steps, self.latent_shape)
         self.eval_sigmas, self.eval_timesteps = self.family.schedule(self.scheduler, s.eval_num_steps, self.latent_shape)
-        # The training schedule's step constants, once for every rollout.
-        self.train_coefficients = schedule_coefficients(self.train_sigmas.to(device), noise_level=s.noise_level,
+        # The training schedule's step constants, once for every rollout: the sampler's (one object a
+        # step) and the whole schedule's [S], from which the update gathers its stored steps'.
+        self._train_sigmas_device = self.train_sigmas.to(device)  # [S + 1]
+        self.train_coefficients = schedule_coefficients(self._train_sigmas_device, noise_level=s.noise_level,
                                                         sde_type=s.sde_type)
+        self._train_constants = step_coefficients(self._train_sigmas_device[:-1], self._train_sigmas_device[1:],
+                                                  noise_level=s.noise_level, sde_type=s.sde_type)  # [S]
         # 4. Data and rewards.
         from unirl.text.data import PromptSampler
 
@@ -353,8 +357,7 @@ class DiffusionEnvironment(Environment):
         s, device = self.cfg.sampling, self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
         steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
-        whole = step_coefficients(steps["sigma"], steps["sigma_next"], noise_level=s.noise_level, sde_type=s.sde_type,
-                                  latent_ndim=steps["latents"].ndim - 2)  # [n, T], latent-facing [n, T, 1, ...]
+        whole = self._stored_constants(batch, steps)  # [n, T], latent-facing [n, T, 1, ...]
         columns = {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep")}
         if not whole.ode:  # every step's offset x' - a x at once (step_log_prob), not once a piece with gradients on
             columns["offset"] = (steps["next_latents"].float() - steps["latents"].float() * whole.sample_weight).unbind(1)
@@ -364,6 +367,23 @@ class DiffusionEnvironment(Environment):
         cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
         return {"steps": steps, "columns": columns, "narrow": narrow, "cond": cond, "coef": whole.unbind(1),  # T x [n]
                 "column_mask": torch.ones_like(steps["sigma"][:, :1], dtype=torch.bool)}  # [n, 1]: every stored step is trained
+
+    def _stored_constants(self, batch: Rollout, steps: dict[str, torch.Tensor]):
+        """The stored steps' ``StepCoefficients`` [n, T] (latent-facing ones [n, T, 1, ...]), gathered from
+        the training schedule's by ``step_index``: a dozen operations a batch where computing them from
+        the stored sigmas is thirty, with the same numbers (tested). A rollout without ``step_index``
+        gets them computed; one whose stored sigmas are not the schedule's at its ``step_index`` fails."""
+        s, latent_ndim = self.cfg.sampling, steps["latents"].ndim - 2
+        index = batch.tensors.get("step_index")
+        if index is None:
+            return step_coefficients(steps["sigma"], steps["sigma_next"], noise_level=s.noise_level,
+                                     sde_type=s.sde_type, latent_ndim=latent_ndim)
+        sigmas = self._train_sigmas_device  # [S + 1]
+        index = index.to(sigmas.device)  # [n, T]
+        if not (torch.equal(sigmas[index], steps["sigma"]) and torch.equal(sigmas[index + 1], steps["sigma_next"])):
+            raise ValueError("the rollout's stored sigma / sigma_next are not the training schedule's sigmas at its "
+                             "step_index (sampling.num_steps or the scheduler changed since it was sampled?)")
+        return self._train_constants.take(index, latent_ndim)
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.tensors["old_logp"])  # [n, T]

@@ -129,6 +129,26 @@ class StepCoefficients:
         return [StepCoefficients(self.sde_type, self.ode, *(None if c is None else c[i] for c in columns))
                 for i in range(count)]
 
+    def take(self, index: torch.Tensor, latent_ndim: int = 0) -> "StepCoefficients":
+        """The constants of the steps ``index`` (a long tensor of any shape ``lead``, on these constants'
+        device) of a schedule's ``[S]`` constants (``step_coefficients`` with ``latent_ndim=0``), the
+        latent-facing ones followed by ``latent_ndim`` 1s. The numbers ``step_coefficients`` gives for
+        those steps' sigmas (it does the same operations element by element; tested bit for bit), in
+        one indexing per constant instead of the two dozen operations of computing them."""
+        if self.dt.ndim != 1:
+            raise ValueError(f"take needs a schedule's constants [S], got dt of shape {tuple(self.dt.shape)}")
+        ones = (1,) * latent_ndim
+
+        def gathered(t: torch.Tensor | None, latent_facing: bool) -> torch.Tensor | None:
+            if t is None:
+                return None
+            picked = t[index]  # [*lead]
+            return picked.reshape(*picked.shape, *ones) if latent_facing and latent_ndim else picked
+
+        return StepCoefficients(self.sde_type, self.ode, gathered(self.dt, True), gathered(self.std, True),
+                                gathered(self.sample_weight, True), gathered(self.velocity_weight, True),
+                                gathered(self.neg_inv_two_var, False), gathered(self.neg_log_norm, False))
+
 
 def step_coefficients(sigma: torch.Tensor, sigma_next: torch.Tensor, *, noise_level: float,
                       sde_type: str = "flow", latent_ndim: int = 0) -> StepCoefficients:
