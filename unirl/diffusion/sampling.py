@@ -225,11 +225,15 @@ def _kept(final: torch.Tensor, record: torch.Tensor, rows: list[list[int]], reco
         return SampleOutput(final=final, latents=empty, next_latents=empty.clone(), logp=torch.zeros(n, 0, device=final.device))
     if all(row == rows[0] for row in rows):  # every sample keeps the same steps (timestep_selection "first")
         order = [recorded.index(i) for i in rows[0]]  # [T]
-
-        def stacked(kept: list[torch.Tensor]) -> torch.Tensor:  # one copy into [N, T, ...]
-            return torch.stack([kept[j] for j in order], dim=1)
-
-        return SampleOutput(final=final, latents=stacked(before), next_latents=stacked(after), logp=stacked(logps))
+        kept_before, kept_after = [before[j] for j in order], [after[j] for j in order]
+        logp = torch.stack([logps[j] for j in order], dim=1)  # [N, T]
+        if all(b is a for b, a in zip(kept_before[1:], kept_after[:-1])):
+            # Consecutive steps (every step trained, the usual case): each step's next latent is the
+            # following step's latent, so the T + 1 distinct latents are copied once and both are views.
+            chain = torch.stack([kept_before[0], *kept_after], dim=1)  # [N, T + 1, *latent]
+            return SampleOutput(final=final, latents=chain[:, :-1], next_latents=chain[:, 1:], logp=logp)
+        return SampleOutput(final=final, latents=torch.stack(kept_before, dim=1),  # one copy each into [N, T, ...]
+                            next_latents=torch.stack(kept_after, dim=1), logp=logp)
     # One gather per kept tensor.
     slot = torch.zeros(int(record.max()) + 1, dtype=torch.long)
     slot[recorded] = torch.arange(len(recorded))
