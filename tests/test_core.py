@@ -611,6 +611,42 @@ def test_masked_positions_change_nothing(seed):
             assert torch.equal(m[k], m2[k]), k
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_no_mask_equals_an_all_true_mask(seed, dtype):
+    """``mask=None`` (every position counts, diffusion's stored steps) gives the losses, gradients and
+    metrics of an all-True mask bit for bit, for every level/aggregation, per-sample and per-token
+    advantages, weights, the dual clip, a column slice's seq_lengths and a mini-batch denominator."""
+    g = torch.Generator().manual_seed(seed)
+    n, width = 7, 5
+    logp = torch.randn(n, width, generator=g, dtype=dtype) - 2
+    old = logp + 0.3 * torch.randn(n, width, generator=g, dtype=dtype)
+    everything = torch.ones(n, width, dtype=torch.bool)
+    weights = torch.rand(n, width, generator=g, dtype=dtype) + 0.5
+    for level, agg in _LEVEL_AGG:
+        for adv in (torch.randn(n, generator=g, dtype=dtype), torch.randn(n, width, generator=g, dtype=dtype)):
+            for extra in ({}, dict(weights=weights, dual_clip=2.0), dict(denominator=torch.tensor(11)),
+                          dict(seq_lengths=torch.full((n,), 9)) if level == "token" else {}):
+                kw = dict(level=level, agg=agg, clip_low=0.1, clip_high=0.15, **extra)
+                x, y = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+                loss, m = clipped_policy_loss(x, old, adv, everything, **kw)
+                loss_none, m_none = clipped_policy_loss(y, old, adv, None, **kw)
+                (loss + 0 * x.sum()).backward()
+                (loss_none + 0 * y.sum()).backward()
+                assert torch.equal(loss, loss_none), (level, agg, extra)
+                assert torch.equal(x.grad, y.grad), (level, agg, extra)
+                assert m.keys() == m_none.keys()
+                for k in m:
+                    assert torch.equal(m[k], m_none[k]), (k, level, agg, extra)
+                metrics = policy_loss_metrics(logp, old, adv, None, level=level, clip_low=0.1, clip_high=0.15,
+                                              dual_clip=extra.get("dual_clip"))
+                for k in metrics:
+                    assert torch.equal(metrics[k], m[k]), (k, level, agg, extra)
+        values = torch.randn(n, width, generator=g, dtype=dtype)
+        for extra in ({}, dict(denominator=torch.tensor(11)), dict(seq_lengths=torch.full((n,), 9)), dict(norm_length=8)):
+            assert torch.equal(aggregate(values, everything, agg, **extra), aggregate(values, None, agg, **extra)), (agg, extra)
+
+
 def test_weights_multiply_the_per_token_loss():
     logp, old, adv, mask = _hand_example()
     # Per-token losses from the hand example: [-1.2, 0.8, -1.1, -0.7]; weights [2, 0.5, 1, 3]:

@@ -103,7 +103,8 @@ class Environment(ABC):
 
     @abstractmethod
     def evaluate(self, model: torch.nn.Module, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """Re-evaluate the stored actions under ``model``: ``logp`` [n, T], ``mask`` [n, T], extras.
+        """Re-evaluate the stored actions under ``model``: ``logp`` [n, T], ``mask`` [n, T] (or None when
+        every position is trained: the losses then skip the masking), extras.
 
         ``columns``: only these of the T columns (one of ``column_slices``); outputs are [n, T'] then."""
 

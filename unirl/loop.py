@@ -297,7 +297,7 @@ class Trainer:
         parts = []
         for idx in self._micro_batches(rollout):
             out = self.env.evaluate(model, self.env.trim_padding(rollout.select(idx)))
-            parts.append((idx, {k: v.detach().cpu() for k, v in out.items()}))
+            parts.append((idx, {k: v.detach().cpu() for k, v in out.items() if v is not None}))  # no mask: all trained
         return {k: _scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout)) for k in parts[0][1]}
 
     def _micro_batches(self, batch: Rollout) -> list[torch.Tensor]:
@@ -423,7 +423,9 @@ class Trainer:
                 shares.setdefault(name, []).append(value)
             for name, value in piece_parts.items():
                 parts.setdefault(name, []).append(value)
-        whole = {name: values[0] if len(values) == 1 else torch.cat(values, dim=1) for name, values in parts.items()}  # [n, T]
+        # [n, T] each; the mask None (every position trained) when the pieces have none.
+        whole = {name: values[0] if len(values) == 1 or values[0] is None else torch.cat(values, dim=1)
+                 for name, values in parts.items()}
         if first_logp is not None:
             first_logp.append(whole["old_logp"].cpu())
         ratio = policy_loss_metrics(whole["logp"], whole["old_logp"], whole["advantages"], whole["mask"],
@@ -447,7 +449,7 @@ class Trainer:
         Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones."""
         algo, device = self.algo, self.accelerator.device
         cur = self.env.evaluate(model, micro, columns)
-        mask = cur["mask"]  # [n, T']
+        mask = cur["mask"]  # [n, T'], or None: every position trained
         logp = cur["logp"].detach()  # [n, T']
         old_logp = micro.tensors["old_logp"][:, columns].to(device) if "old_logp" in micro.tensors else logp
         advantages = micro.tensors["advantages"]  # [n] or [n, T]
@@ -457,7 +459,7 @@ class Trainer:
             column = micro.cache.get("advantages_column")
             if column is None:
                 column = micro.cache["advantages_column"] = advantages.to(device).unsqueeze(-1)  # [n, 1]
-            advantages = column if column.shape == mask.shape else column.expand_as(mask)  # [n, T']
+            advantages = column if column.shape == logp.shape else column.expand_as(logp)  # [n, T']
         weights = None
         if algo.tis_cap is not None and "engine_logp" in micro.tensors:
             engine_logp = micro.tensors["engine_logp"][:, columns].to(device)

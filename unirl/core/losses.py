@@ -5,7 +5,10 @@ Every function takes tensors and returns tensors: no config objects, no ``.item(
 return ``(loss, metrics)`` where metrics are detached tensors; the caller decides when to sync.
 
 Masks are boolean (or 0/1) [N, T]. Masked positions never reach a loss, a gradient or a metric: they
-are replaced with ``torch.where`` (not multiplied by 0), so finite junk there changes nothing.
+are replaced with ``torch.where`` (not multiplied by 0), so finite junk there changes nothing. The
+loss functions (``aggregate``, ``clipped_policy_loss``, ``policy_loss_metrics``) also take
+``mask=None``: every position counts (diffusion trains every stored step), with the results of an
+all-True mask (tested bit for bit) and without the masking operations.
 
 Loss aggregation (``aggregate``) uses verl's mode names. TRL's ``GRPOConfig.loss_type`` maps to them:
 
@@ -36,12 +39,19 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 LEVELS = ("token", "sequence")
 
 
-def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask != 0
+def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return mask if mask is None or mask.dtype == torch.bool else mask != 0
 
 
-def _check_same_shape(**tensors: torch.Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+def _masked(mask: torch.Tensor | None, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``values`` where the boolean ``mask`` is set and ``fill`` elsewhere; ``values`` itself when
+    ``mask`` is None (every position counts)."""
+    return values if mask is None else torch.where(mask, values, fill)
+
+
+def _check_same_shape(**tensors: torch.Tensor | None) -> None:
+    """Raise unless the given tensors (None ones skipped: an absent mask) have one shape."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
     if len(set(shapes.values())) > 1:
         listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
         raise ValueError(f"{', '.join(shapes)} must have the same shape, got {listed}")
@@ -101,7 +111,7 @@ def aggregate_denominator(mask: torch.Tensor, mode: str, *, norm_length: int | N
 
 def aggregate(
     values: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     mode: str,
     *,
     denominator: torch.Tensor | float | None = None,
@@ -129,12 +139,12 @@ def aggregate(
 
     Args:
         values: [N, T] per-token values.
-        mask: [N, T] boolean or 0/1.
+        mask: [N, T] boolean or 0/1, or None: every position counts.
         mode: one of ``AGG_MODES``.
         denominator: normaliser of the full mini-batch; default this batch's own.
         norm_length: see ``aggregate_denominator`` (used only when ``denominator`` is None).
         seq_lengths: [N] masked-in tokens of each whole sequence (column slices); default the row
-            sums of ``mask``.
+            sums of ``mask`` (T without one).
 
     Returns:
         0-dim tensor.
@@ -146,12 +156,15 @@ def aggregate(
     _check_same_shape(values=values, mask=mask)
     mask = _bool_mask(mask)
     if denominator is None:
-        denominator = aggregate_denominator(mask, mode, norm_length=norm_length)
-    masked = torch.where(mask, values, 0.0)  # [N, T]
+        everything = torch.ones_like(values, dtype=torch.bool) if mask is None else mask
+        denominator = aggregate_denominator(everything, mode, norm_length=norm_length)
+    masked = _masked(mask, values)  # [N, T]
     if mode == "token-mean":
         return masked.sum() / denominator
     seq_sums = masked.sum(dim=-1)  # [N]
     if mode == "seq-mean-token-mean":
+        if seq_lengths is None and mask is None:  # every sequence has all T positions
+            return (seq_sums / max(values.shape[-1], 1)).sum() / denominator
         lengths = mask.sum(dim=-1) if seq_lengths is None else seq_lengths.to(seq_sums.device)  # [N]
         return (seq_sums / lengths.clamp_min(1)).sum() / denominator
     return seq_sums.sum() / denominator
@@ -161,7 +174,7 @@ def clipped_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -198,7 +211,7 @@ def clipped_policy_loss(
         logp: [N, T] log-probs of the sampled tokens under the policy being trained.
         old_logp: [N, T] log-probs under the policy that the advantages refer to (no gradient).
         advantages: [N] (broadcast over T) or [N, T].
-        mask: [N, T] boolean or 0/1; False marks prompt/padding positions.
+        mask: [N, T] boolean or 0/1; False marks prompt/padding positions. None: every position counts.
         clip_low: lower clip range, ratio >= 1 - clip_low; in [0, 1).
         clip_high: upper clip range, ratio <= 1 + clip_high; >= 0.
         dual_clip: None or the dual-clip constant c > 1.
@@ -254,7 +267,7 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)  # [N, T]
 
     # 3. Clipped surrogate, then the optional dual clip and weights.
-    adv = _masked_advantages(advantages, mask)  # [N, T]
+    adv = _masked_advantages(advantages, mask)  # [N, T] ([N, 1] for per-sample advantages without a mask)
     neg_adv = -adv  # [N, T]
     unclipped = neg_adv * ratio  # [N, T]
     clipped = neg_adv * ratio.clamp(1 - clip_low, 1 + clip_high)  # [N, T]
@@ -273,7 +286,7 @@ def policy_loss_metrics(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -301,15 +314,17 @@ def policy_loss_metrics(
         return _ratio_metrics(torch.exp(log_ratio), token_log_ratio, adv, mask, clip_low, clip_high, dual_clip)
 
 
-def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str
+def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor | None, level: str
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(token_log_ratio, log_ratio)`` [N, T]: ``logp - old_logp`` (0 where masked out) and the
     log-ratio the loss uses (the same at token level; GSPO's sequence log-ratio at every token)."""
     if level == "token":
         # Masked after the difference (one where instead of one per input): 0 there in value and in
         # gradient (where's backward sends 0 to the masked positions) whatever junk either side holds.
-        token_log_ratio = torch.where(mask, logp - _detached(old_logp), 0.0)  # [N, T]
+        token_log_ratio = _masked(mask, logp - _detached(old_logp))  # [N, T]
         return token_log_ratio, token_log_ratio
+    if mask is None:  # GSPO's sequence means need the counts: an all-True mask
+        mask = torch.ones_like(logp, dtype=torch.bool)
     logp = torch.where(mask, logp, 0.0)  # [N, T]: GSPO uses the masked log-probs themselves below
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # [N, T]
     token_log_ratio = logp - old_logp  # [N, T]
@@ -318,10 +333,11 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, 
     return token_log_ratio, seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # [N, T]
 
 
-def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Advantages [N] or [N, T] as a detached [N, T], 0 where masked out."""
+def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Advantages [N] or [N, T] as a detached [N, T], 0 where masked out; without a mask per-sample
+    ones stay a [N, 1] column (the operations they meet broadcast it)."""
     adv = _detached(advantages)
-    return torch.where(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv, 0.0)  # [N, T]: where broadcasts [N, 1]
+    return _masked(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv)  # [N, T]: where broadcasts [N, 1]
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -331,10 +347,10 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _ratio_metrics(r: torch.Tensor, token_log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+def _ratio_metrics(r: torch.Tensor, token_log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor | None,
                    clip_low: float, clip_high: float, dual_clip: float | None) -> dict[str, torch.Tensor]:
     """Detached metrics over masked-in tokens from the ratio ``r`` the loss used, see ``clipped_policy_loss``
-    (all [N, T], ``mask`` boolean, as its callers made them)."""
+    (all [N, T] but ``adv``, which may be a [N, 1] column; ``mask`` boolean or None, as its callers made them)."""
     low = (r < 1 - clip_low) & (adv < 0)  # [N, T]
     high = (r > 1 + clip_high) & (adv > 0)  # [N, T]
     names = ["clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean"]
@@ -346,10 +362,11 @@ def _ratio_metrics(r: torch.Tensor, token_log_ratio: torch.Tensor, adv: torch.Te
         values.append((adv < 0) & (r > dual_clip))
     # The masked means of all of them in one pass (masked_mean's formula over a stack), not one each.
     stacked = torch.stack([v.to(r.dtype) for v in values])  # [K, N, T]
-    means = torch.where(mask, stacked, 0.0).sum(dim=(1, 2)) / mask.sum().clamp_min(1)  # [K]
+    count = mask.sum().clamp_min(1) if mask is not None else max(r.numel(), 1)
+    means = _masked(mask, stacked).sum(dim=(1, 2)) / count  # [K]
     metrics = dict(zip(names, means.unbind()))
-    metrics["ratio_max"] = torch.where(mask, r, -math.inf).amax()
-    metrics["ratio_min"] = torch.where(mask, r, math.inf).amin()
+    metrics["ratio_max"] = _masked(mask, r, -math.inf).amax()
+    metrics["ratio_min"] = _masked(mask, r, math.inf).amin()
     return metrics
 
 

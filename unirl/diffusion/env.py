@@ -334,7 +334,7 @@ class DiffusionEnvironment(Environment):
                                          offset=one.get("offset"), with_mean=self.cfg.algo.kl_coef > 0)
             out = {"logp": logp.unsqueeze(1), "std": stored["narrow"]["std"][j],
                    "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j],
-                   "mask": stored["column_mask"]}  # [n, 1, ...]
+                   "mask": None}  # [n, 1, ...]; no mask: every stored step is trained
             if mean is not None:
                 out["mean"] = mean.unsqueeze(1)  # [n, 1, *latent]
         else:
@@ -344,16 +344,16 @@ class DiffusionEnvironment(Environment):
                                 t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
                                 sde_type=s.sde_type, check=False, coefficients=stored["coef"][columns])
             out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T'], for the KL
-            out["mask"] = torch.ones_like(out["logp"], dtype=torch.bool)  # [n, T']: every stored step is trained
+            out["mask"] = None  # every stored step is trained
         return out
 
     def _stored_steps(self, batch: Rollout) -> dict:
         """The batch's stored steps on the device (``steps``: latents, next latents [n, T, *latent], float32
         sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
         [n, *latent], timesteps [n] and the steps' offsets that ``step_log_prob`` takes; ``narrow``: sigmas
-        and stds [n, 1]), its conditioning (``cond``), the columns' constants (``coef``) and one column's
-        mask (``column_mask`` [n, 1], all True): what each piece of ``evaluate`` takes instead of slicing,
-        moving and recomputing them (one operation per tensor for the whole batch, not one per piece)."""
+        and stds [n, 1]), its conditioning (``cond``) and the columns' constants (``coef``): what each piece
+        of ``evaluate`` takes instead of slicing, moving and recomputing them (one operation per tensor for
+        the whole batch, not one per piece)."""
         s, device = self.cfg.sampling, self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
         steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
@@ -365,8 +365,7 @@ class DiffusionEnvironment(Environment):
         narrow = {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}
         narrow["std"] = whole.std.reshape(n, T).split(1, dim=1)
         cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
-        return {"steps": steps, "columns": columns, "narrow": narrow, "cond": cond, "coef": whole.unbind(1),  # T x [n]
-                "column_mask": torch.ones_like(steps["sigma"][:, :1], dtype=torch.bool)}  # [n, 1]: every stored step is trained
+        return {"steps": steps, "columns": columns, "narrow": narrow, "cond": cond, "coef": whole.unbind(1)}  # coef: T x [n]
 
     def _stored_constants(self, batch: Rollout, steps: dict[str, torch.Tensor]):
         """The stored steps' ``StepCoefficients`` [n, T] (latent-facing ones [n, T, 1, ...]), gathered from
