@@ -23,9 +23,10 @@ backward       ``accelerator.backward(loss)``: autograd through the transformer 
 vae decode     the VAE's ``decode`` (post-quant conv and decoder)
 text enc       forwards of the text encoders (CLIP x2, T5): prompt encoding, tokenizers not included
 optimizer      ``accelerator.clip_grad_norm_``, ``optimizer.step`` and ``optimizer.zero_grad``
-reward         ``env.score``: the main thread waiting for the reward thread's last chunk, then combining
-               the rewards (the reward functions run in the reward thread, overlapping sampling;
-               their own time is printed below the table, not subtracted)
+reward         ``env.score``: the main thread waiting for the chunks scored in the reward thread, scoring
+               the last chunk itself (with nothing left to sample it is not handed to a thread; the
+               tiny config has one chunk), then combining the rewards. The reward functions' own
+               time, wherever they ran, is printed below the table (not subtracted)
 framework      step - all of the above: the sampler's and the SDE step's tensor work outside the
                transformer, storing the rollout, advantages, batching, the loss math, the LR
                scheduler, the EMA, metrics, Python. The SDE step's own share of it (``sde_step`` and
@@ -152,7 +153,7 @@ def instrument(trainer, split: Split):
     patch(trainer.optimizer, "zero_grad", timed_call("optimizer"))
     patch(env, "score", timed_call("reward"))
 
-    # The reward functions in the reward thread (for information: they overlap the main thread).
+    # The reward functions, in the reward thread or the last chunk's in ``env.score`` (for information).
     def thread_timed(fn):
         def call(*args, **kwargs):
             start = time.perf_counter()
@@ -316,7 +317,8 @@ def report(rows: list[dict], bare: list[dict], checks: list[tuple], args, cfg, l
     share = statistics.median(f / r["step"] for f, r in zip(framework, rows))
     cells += [f"{statistics.median(framework) * 1000:.1f} ms", f"{share:.1%}"]
     print("| " + " | ".join(cells) + " |")
-    print(f"\nreward functions in the reward thread (overlapping the main thread): {med('reward thread') * 1000:.1f} ms")
+    print(f"\nreward functions (pool chunks overlap sampling; the last chunk runs inside the reward column): "
+          f"{med('reward thread') * 1000:.1f} ms")
     sde_share = statistics.median(r["sde"] / r["step"] for r in rows)
     rest = statistics.median((f - r["sde"]) / r["step"] for f, r in zip(framework, rows))
     print(f"of the framework column, the SDE step's tensor work (Gaussian noise drawn from the run's CPU generator, "

@@ -64,9 +64,10 @@ def _train(run: Path, *overrides: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
-    # LoRA with the KL to the adapter-disabled reference, CFG in training, a Fast window, scoring threads.
+    # LoRA with the KL to the adapter-disabled reference, CFG in training, a Fast window, scoring threads
+    # (two chunks: the first scored in the pool while the second samples).
     ("algo.kl_coef=0.04", "kl_form=exact", "sampling.guidance_scale=2.0", "sampling.train_cfg=true",
-     "sampling.sde_window.size=3", "sampling.timestep_fraction=0.7", "trainer.reward_workers=1",
+     "sampling.sde_window.size=3", "sampling.timestep_fraction=0.7", "trainer.reward_workers=1", "sampling.chunk_size=16",
      "trainer.mini_batch_size=16", "trainer.micro_batch_size=8"),
     # Full fine-tuning with a frozen reference copy.
     ("model.lora.enabled=false", "algo.kl_coef=0.04", "optim.lr=1e-4"),

@@ -78,6 +78,33 @@ def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_di
     env.close()
 
 
+def test_chunks_are_scored_in_the_pool_but_the_last_on_the_calling_thread(tiny_sd3_dir):
+    """With ``reward_workers`` each chunk but the last is scored in the pool while the next samples; the
+    last (no sampling left to overlap) is scored by ``score`` on the calling thread. The scores equal
+    inline scoring's (``reward_workers=0``), chunk order kept."""
+    import threading
+
+    scored: list[tuple[str, int]] = []
+    env = make_env(tiny_sd3_dir, "sampling.chunk_size=3", "trainer.reward_workers=1")  # 8 samples: chunks 3, 3, 2
+    components = env.rewards.components
+
+    def recording(samples, **kwargs):
+        scored.append((threading.current_thread().name, len(samples)))
+        return components(samples, **kwargs)
+
+    env.rewards.components = recording
+    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rewards, _ = env.score(rollout)
+    assert sorted(n for _, n in scored) == [2, 3, 3]
+    assert [name.startswith("unirl-reward") for name, n in scored if n == 3] == [True, True]
+    assert [name for name, n in scored if n == 2] == [threading.current_thread().name]
+    inline = make_env(tiny_sd3_dir, "sampling.chunk_size=3", "trainer.reward_workers=0")
+    expected, _ = inline.score(inline.rollout(inline.next_prompts(0), group_size=4))
+    assert torch.equal(rewards, expected)
+    env.close()
+    inline.close()
+
+
 def test_rollout_records_the_chosen_steps_and_shares_noise_within_groups(tiny_sd3_dir):
     env = make_env(tiny_sd3_dir, "sampling.sde_window.size=2", "sampling.sde_window.range=[1,5]",
                    "sampling.same_noise_per_group=true")

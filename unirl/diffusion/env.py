@@ -12,7 +12,8 @@ What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the mod
   ``recompute_old_logprobs = False`` and ``rollout.tensors["old_logp"]`` is the PPO "old" log-prob;
 * the reference is the same transformer with its LoRA adapter disabled (or a frozen copy);
 * an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
-* chunks of samples are scored in the reward pool while the next chunk samples.
+* chunks of samples are scored in the reward pool while the next chunk samples (the last chunk, with
+  nothing left to overlap, when ``score`` is called).
 
 Differences from FlowGRPO's reference code: the EMA is updated once per optimizer step (FlowGRPO
 calls its ``ema.step`` after every micro-batch with the optimizer-step count, so with gradient
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import random
+from concurrent.futures import Future
 import textwrap
 from pathlib import Path
 
@@ -155,7 +158,8 @@ class DiffusionEnvironment(Environment):
         self.ref = None
         self.ema = None
         self._step = 0
-        self._pending: tuple[int, list] | None = None  # (id of the rollout, reward futures of its chunks)
+        # (id of the rollout, its chunks' rewards: futures of the pool, or a call for the last chunk)
+        self._pending: tuple[int, list] | None = None
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
@@ -272,7 +276,9 @@ class DiffusionEnvironment(Environment):
         window_rng = random.Random(cfg.trainer.seed * 7_919 + self._step)
         stochastic = stochastic_steps(s.num_steps, s.sde_window.size, s.sde_window.range, window_rng)  # [S]
         steps = trained_steps(N, stochastic, s.timestep_fraction, generator, s.timestep_selection)  # [N, T]
-        # 3. Sample chunk by chunk; each finished chunk is scored in the reward pool meanwhile.
+        # 3. Sample chunk by chunk; each finished chunk but the last is scored in the reward pool while the
+        #    next one samples. The last has no sampling left to overlap: ``score`` scores it on the calling
+        #    thread (a pool thread would only compete with this one for the GIL until then).
         sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
         outs, images, futures = [], [], []
         columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
@@ -284,8 +290,11 @@ class DiffusionEnvironment(Environment):
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
                                       generator=generator, coefficients=self.train_coefficients)
             chunk_images = to_pil(self.family.decode(self.pipe, out.final))
-            futures.append(self.rewards.submit(chunk_images, prompts=prompts[lo:hi],
-                                               columns={k: v[lo:hi] for k, v in columns.items()}))
+            chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
+            if hi < N:
+                futures.append(self.rewards.submit(chunk_images, **chunk))
+            else:
+                futures.append(functools.partial(self.rewards.components, chunk_images, **chunk))
             outs.append(out)
             images += chunk_images
         # 4. Everything training needs to re-evaluate the trained steps.
@@ -310,7 +319,7 @@ class DiffusionEnvironment(Environment):
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         if self._pending is not None and self._pending[0] == id(rollout):
-            components = concat_components([f.result() for f in self._pending[1]])
+            components = concat_components([f.result() if isinstance(f, Future) else f() for f in self._pending[1]])
             self._pending = None
         else:  # a rollout not made by the last ``rollout`` call: score it inline
             components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
