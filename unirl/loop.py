@@ -402,7 +402,7 @@ class Trainer:
         acc, algo = self.accelerator, self.algo
         pieces = [slice(None)] if algo.level == "sequence" else self.env.column_slices(micro)
         seq_lengths = None
-        if len(pieces) > 1:  # seq-mean-token-mean divides by each whole sequence's length
+        if len(pieces) > 1 and algo.loss_agg == "seq-mean-token-mean":  # it divides by each whole sequence's length
             seq_lengths = self.env.loss_mask(micro).to(acc.device).sum(dim=-1)
         hold_back = acc.num_processes > 1 or acc.is_fsdp2  # gradient sync deferred to the last piece
         shares: dict[str, list[torch.Tensor]] = {}  # loss/* and actor/entropy of each piece (they add up)
