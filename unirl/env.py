@@ -129,7 +129,8 @@ class Environment(ABC):
 
     @abstractmethod
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        """[n, T] mask of the trained tokens / steps, without running a model (same as ``evaluate``'s)."""
+        """[n, T] mask of the trained tokens / steps, without running a model (``evaluate``'s, or all True
+        where ``evaluate`` returns None)."""
 
     @abstractmethod
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -394,7 +394,7 @@ class DiffusionEnvironment(Environment):
         return self._train_constants.take(index, latent_ndim)
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        return torch.ones_like(batch.tensors["old_logp"])  # [n, T]
+        return torch.ones_like(batch.tensors["old_logp"], dtype=torch.bool)  # [n, T]: every stored step is trained
 
     def column_slices(self, batch: Rollout) -> list[slice]:
         # One trained step at a time, backward after each (FlowGRPO's order): peak memory holds the
