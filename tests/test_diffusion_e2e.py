@@ -64,10 +64,9 @@ def _train(run: Path, *overrides: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
-    # LoRA with the KL to the adapter-disabled reference, CFG in training, a Fast window, scoring threads
-    # (two chunks: the first scored in the pool while the second samples).
+    # LoRA with the KL to the adapter-disabled reference, CFG in training, a Fast window, scoring threads.
     ("algo.kl_coef=0.04", "kl_form=exact", "sampling.guidance_scale=2.0", "sampling.train_cfg=true",
-     "sampling.sde_window.size=3", "sampling.timestep_fraction=0.7", "trainer.reward_workers=1", "sampling.chunk_size=16",
+     "sampling.sde_window.size=3", "sampling.timestep_fraction=0.7", "trainer.reward_workers=1",
      "trainer.mini_batch_size=16", "trainer.micro_batch_size=8"),
     # Full fine-tuning with a frozen reference copy.
     ("model.lora.enabled=false", "algo.kl_coef=0.04", "optim.lr=1e-4"),
@@ -118,6 +117,9 @@ def test_every_way_of_naming_an_image_reward_in_a_run(tmp_path):
         "trainer": {**base["trainer"], "total_steps": 2, "prompts_per_step": 4, "group_size": 4,
                     "mini_batch_size": 16, "micro_batch_size": 16, "eval_every": 0, "progress": False,
                     "reward_workers": 1},
+        # Two chunks: the first is scored in the reward thread while the second samples, the second
+        # when the step asks for the rewards; every reward sees both.
+        "sampling": {**base["sampling"], "chunk_size": 8},
     }))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "diffusion", "--config", str(config),
