@@ -207,11 +207,15 @@ class Trainer:
         the global batch; each process keeps its own rows."""
         algo = self.algo
         mask = self.env.loss_mask(rollout).bool()  # [N, T]
-        # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank.
-        local_ids = torch.unique(rollout.group_ids, return_inverse=True)[1]  # [N]
+        # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank (one
+        # process: its ids as they are, the estimators take any integers).
         rank, n = self.accelerator.process_index, len(rollout)
         all_rewards = gather_rows(self.accelerator, rewards.float())  # [N_all]
-        all_ids = gather_rows(self.accelerator, local_ids + rank * n)  # [N_all]
+        if self.accelerator.num_processes > 1:
+            local_ids = torch.unique(rollout.group_ids, return_inverse=True)[1]  # [N]
+            all_ids = gather_rows(self.accelerator, local_ids + rank * n)  # [N_all]
+        else:
+            all_ids = rollout.group_ids  # [N]
         all_mask = gather_rows(self.accelerator, mask)  # [N_all, T_max]
         adv = compute_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, scale=algo.adv_scale,
                                  eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased")
@@ -345,7 +349,6 @@ class Trainer:
         ``rollout/*`` figures (and TIS weights) come from them."""
         model = self.env.model
         log = MetricLog()
-        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
         if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv): nothing to learn from
             return {}
         first_forward = "old_logp" not in rollout.tensors
@@ -356,6 +359,8 @@ class Trainer:
         # As many mini-batches as B*G / mini_batch_size (fewer samples when zero advantages were dropped).
         num_mini = self._num_mini_batches()
         mini_size = -(-len(rollout) // num_mini)
+        # The shuffle's generator, seeded by the step (only several mini-batches are shuffled).
+        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step) if num_mini > 1 else None
         # train() walks every submodule (0.5 ms a step for the tiny SD3 with LoRA), so it runs only when the model
         # is not in training mode: an environment that samples in eval mode switches back (the HF engine does).
         if not model.training:

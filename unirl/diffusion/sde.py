@@ -234,7 +234,8 @@ def gaussian_noise(shape: tuple[int, ...], generator: torch.Generator | list[tor
     the helper's device checks (and its log line for a CPU generator beside a GPU) are Python at every
     SDE step."""
     if isinstance(generator, torch.Generator):
-        return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32).to(device)
+        noise = torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32)
+        return noise if noise.device == device else noise.to(device)
     return randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
 
 

@@ -85,7 +85,7 @@ def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
     """Images ``[n, 3, H, W]`` in [0, 1] (float32, CPU) from VAE latents ``[n, C, h, w]``, undoing the
     pipeline's ``scaling_factor`` and ``shift_factor`` (SD3 and FLUX both normalise latents this way)."""
     scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
-    images = vae.decode(scaled.to(next(vae.parameters()).dtype), return_dict=False)[0]
+    images = vae.decode(cast(scaled, compute_dtype(vae)), return_dict=False)[0]
     return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
 
 
