@@ -31,8 +31,8 @@ import contextlib
 import copy
 import functools
 import random
-from concurrent.futures import Future
 import textwrap
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
