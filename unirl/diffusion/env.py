@@ -363,7 +363,7 @@ class DiffusionEnvironment(Environment):
         and stds [n, 1]), its conditioning (``cond``) and the columns' constants (``coef``): what each piece
         of ``evaluate`` takes instead of slicing, moving and recomputing them (one operation per tensor for
         the whole batch, not one per piece)."""
-        s, device = self.cfg.sampling, self.accelerator.device
+        device = self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
         steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
         whole = self._stored_constants(batch, steps)  # [n, T], latent-facing [n, T, 1, ...]
