@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
-    from unirl.loop import Preempted
+    from unirl.preemption import Preempted
 
     if args.command == "train":
         try:

@@ -13,10 +13,7 @@ trained denoising steps.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -24,23 +21,18 @@ from typing import Any
 import torch
 
 from rewards.registry import RewardError
+from unirl import checkpoints
+from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
 from unirl.core import (aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats,
                         policy_loss_metrics, truncated_importance_weights)
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.env import Environment, Rollout
 from unirl.metrics import MetricLog, reduce_over_processes
+from unirl.preemption import Preempted, StopSignals
+from unirl.run_log import Progress, RunLog
 from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
 
-#: Exit status of a run stopped by a signal after it saved its checkpoint (128 + the signal's number).
-_SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
-
-
-class Preempted(RuntimeError):
-    """The run stopped on SIGTERM/SIGINT after finishing a step and saving a checkpoint."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
+__all__ = ["Preempted", "Trainer"]
 
 
 class Trainer:
@@ -51,7 +43,7 @@ class Trainer:
         self.config_dict = config_dict or {}
         self.step = 0
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
-        self._stop_signal: int | None = None  # set by SIGTERM/SIGINT: stop after the current step
+        self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -76,13 +68,8 @@ class Trainer:
         self.env.model = model
         for obj in self.env.checkpoint_objects():
             self.accelerator.register_for_checkpointing(obj)
-        if self.accelerator.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_yaml(self.run_dir / "config.yaml", self.config_dict)
-            if cfg.log_with:
-                # Every tracker writes under the run directory (tensorboard: <run>/<project>/).
-                self.accelerator.init_trackers(cfg.project, config=_flatten(self.config_dict), init_kwargs={
-                    "wandb": {"dir": str(self.run_dir), "name": self.run_dir.name}})
+        self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
+        self.run_log.start(self.config_dict)
         if cfg.resume:
             self._resume()
         self.env.sync_weights()
@@ -103,74 +90,33 @@ class Trainer:
         A second SIGINT interrupts at once."""
         self.setup()
         history = []
-        progress = _progress(self.cfg, self.step, self.accelerator.is_main_process)
-        previous = self._install_signal_handlers()
+        progress = Progress(self.cfg, self.step, self.accelerator.is_main_process)
+        self.signals.install()
         try:
             if self.cfg.eval_every and self.step == 0:
-                self._log({"step": 0, **self.evaluate()}, history=None)
+                self.run_log.log({"step": 0, **self.evaluate()})
             while self.step < self.cfg.total_steps:
                 try:
                     metrics = self.train_step()
                 except RewardError as e:  # say what a crash leaves behind, with the reward's message
-                    raise RewardError(f"{e}; {self._last_checkpoint_hint()}") from e
+                    raise RewardError(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
                 history.append(metrics)
-                self._log(metrics, history)
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(_progress_fields(metrics), refresh=False)
+                self.run_log.log(metrics)
+                progress.update(metrics)
                 last = self.step == self.cfg.total_steps
                 if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or last):
-                    self._log({"step": self.step, **self.evaluate()}, history=None)
+                    self.run_log.log({"step": self.step, **self.evaluate()})
                 saved = None
                 if (self.cfg.save_every and self.step % self.cfg.save_every == 0) or last:
                     saved = self.save_checkpoint()
-                if not last and self._stop_requested():
-                    self._stop(saved or self.save_checkpoint())
+                if not last and self.signals.requested(self.accelerator):
+                    raise self.signals.preempted(self.step, saved or self.save_checkpoint(), self.run_dir)
         finally:
-            _restore_signal_handlers(previous)
-            if progress is not None:
-                progress.close()
-            for tracker in self.accelerator.trackers:  # not end_training: the process group is the caller's
-                tracker.finish()
+            self.signals.restore()
+            progress.close()
+            self.run_log.finish()
             self.env.close()
         return history
-
-    def _last_checkpoint_hint(self) -> str:
-        steps = sorted((self.run_dir / "checkpoints").glob("step_*"))
-        if not steps:
-            return "no checkpoint was written yet"
-        return f"the last checkpoint is {steps[-1]} (resume with trainer.resume=true)"
-
-    # ========================================================== preemption
-    def _install_signal_handlers(self) -> dict:
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return {}  # signal handlers can only be set from the main thread
-
-        def handler(signum, frame):
-            if self._stop_signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
-            self._stop_signal = signum
-
-        return {sig: signal.signal(sig, handler) for sig in _SIGNAL_EXIT}
-
-    def _stop_requested(self) -> bool:
-        """Whether any process got a stop signal; every process stops after the same step."""
-        flag = torch.tensor([0 if self._stop_signal is None else int(self._stop_signal)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, reduction="sum")
-        if int(flag) and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM  # another process was signalled
-        return bool(int(flag))
-
-    def _stop(self, checkpoint: Path) -> None:
-        name = signal.Signals(self._stop_signal).name
-        raise Preempted(
-            f"stopped by {name} after step {self.step}; checkpoint {checkpoint}; resume with the same command "
-            f"plus trainer.resume=true (--output-dir {self.run_dir})",
-            _SIGNAL_EXIT.get(self._stop_signal, 143),
-        )
 
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
@@ -254,7 +200,7 @@ class Trainer:
         return rollout.select(kept), metrics
 
     def _num_mini_batches(self) -> int:
-        return self.cfg.prompts_per_step * self.cfg.group_size // self.cfg.mini_batch_size
+        return num_mini_batches(self.cfg.prompts_per_step, self.cfg.group_size, self.cfg.mini_batch_size)
 
     def _on_policy(self) -> bool:
         """Whether every forward of the update sees the weights that the old log-probs belong to: one
@@ -302,35 +248,21 @@ class Trainer:
         for idx in self._micro_batches(rollout):
             out = self.env.evaluate(model, self.env.trim_padding(rollout.select(idx)))
             parts.append((idx, {k: v.detach().cpu() for k, v in out.items() if v is not None}))  # no mask: all trained
-        return {k: _scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout)) for k in parts[0][1]}
+        return {k: scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout)) for k in parts[0][1]}
 
     def _micro_batches(self, batch: Rollout) -> list[torch.Tensor]:
-        """The micro-batches of ``batch`` as index tensors.
-
-        ``trainer.micro_batch_tokens`` unset: ``micro_batch_size`` samples each, in order. Set: verl's
-        dynamic batch size for padded batches: samples sorted by ``env.sample_tokens`` (longest
-        first) and packed while the micro-batch's sample count x its longest sample stays within
-        the budget (a longer sample goes alone); each micro-batch is then padded only to its own
-        longest (``env.trim_padding``). With several processes every one runs as many micro-batches
-        as the busiest (split further where it has the samples), as FSDP's collective forwards need."""
+        """The micro-batches of ``batch`` as index tensors (``unirl.batching.plan_micro_batches``):
+        ``micro_batch_size`` samples each, or packed by ``trainer.micro_batch_tokens`` over
+        ``env.sample_tokens`` and then padded only to their own longest (``env.trim_padding``). With
+        several processes every one runs as many micro-batches as the busiest, as FSDP's collective
+        forwards need."""
         budget = self.cfg.micro_batch_tokens
-        if budget is None:
-            return list(torch.arange(len(batch)).split(self.cfg.micro_batch_size))
-        lengths = self.env.sample_tokens(batch)  # [n]
-        order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
-        chunks: list[list[int]] = []
-        for i in order:
-            if chunks and (len(chunks[-1]) + 1) * int(lengths[chunks[-1][0]]) <= budget:
-                chunks[-1].append(i)
-            else:
-                chunks.append([i])
-        if self.accelerator.num_processes > 1:
+        lengths = None if budget is None else self.env.sample_tokens(batch)  # [n]
+        chunks = plan_micro_batches(len(batch), micro_batch_size=self.cfg.micro_batch_size, lengths=lengths,
+                                    token_budget=budget)
+        if budget is not None and self.accelerator.num_processes > 1:
             count = torch.tensor([len(chunks)], device=self.accelerator.device)
-            target = min(int(self.accelerator.reduce(count, reduction="max")), len(batch))
-            while len(chunks) < target:  # halve the largest chunk: its cost can only go down
-                largest = max(range(len(chunks)), key=lambda c: len(chunks[c]))
-                chunk = chunks.pop(largest)
-                chunks[largest:largest] = [chunk[: len(chunk) // 2], chunk[len(chunk) // 2:]]
+            chunks = split_to_count(chunks, int(self.accelerator.reduce(count, reduction="max")))
         return [torch.tensor(c, dtype=torch.long) for c in chunks]
 
     def update(self, rollout: Rollout) -> dict[str, float]:
@@ -387,7 +319,7 @@ class Trainer:
         out = reduce_over_processes(self.accelerator, log.result(sum_shares=False))
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         if first_forward:
-            rollout.tensors["old_logp"] = _scatter_rows(recorded, len(rollout))
+            rollout.tensors["old_logp"] = scatter_rows(recorded, len(rollout))
             out.update(self._rollout_metrics(rollout))
         return out
 
@@ -509,29 +441,8 @@ class Trainer:
         out = self.env.evaluation(self.step, self.run_dir)
         if out:
             out["time/eval"] = time.perf_counter() - start
-        if self.cfg.log_with and self.accelerator.is_main_process:
-            self._log_media(self.env.evaluation_media())
+        self.run_log.log_media(self.env.evaluation_media(), self.step)
         return out
-
-    def _log_media(self, media: dict) -> None:
-        """The evaluation's images and tables to the trackers (metrics.jsonl keeps only numbers)."""
-        import numpy as np
-
-        for tracker in self.accelerator.trackers:
-            for key, image in media.get("images", {}).items():
-                if tracker.name == "tensorboard":  # add_images takes a batch: [1, H, W, 3]
-                    tracker.log_images({key: np.asarray(image.convert("RGB"))[None]}, step=self.step,
-                                       dataformats="NHWC")
-                else:
-                    tracker.log_images({key: [image]}, step=self.step)
-            for key, (columns, rows) in media.get("tables", {}).items():
-                if tracker.name == "wandb":
-                    tracker.log_table(key, columns=columns, data=rows, step=self.step)
-                elif tracker.name == "tensorboard":  # no tables there: one markdown table as text
-                    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-                    lines += ["| " + " | ".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + " |"
-                              for row in rows]
-                    tracker.writer.add_text(key, "\n".join(lines), global_step=self.step)
 
     # ======================================================= several processes
     def _global_reward_metrics(self, rewards: torch.Tensor, env_metrics: dict[str, float], rollout: Rollout) -> dict:
@@ -552,79 +463,20 @@ class Trainer:
                 out[key] = sum_over_processes(self.accelerator, value) / self.accelerator.num_processes
         return out
 
-    # ============================================================ logging
-    def _log(self, metrics: dict[str, float], history) -> None:
-        if not self.accelerator.is_main_process or len(metrics) <= 1:
-            return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.cfg.log_with:
-            self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
-
     # ========================================================= checkpoints
     def save_checkpoint(self) -> Path:
-        """``checkpoints/step_N/``: the policy (``save_pretrained``) and ``trainer_state/`` (optimizer,
-        scheduler, RNG, loop step). Written to a temporary name and renamed, so a crash never leaves
-        a half checkpoint that ``resume`` would pick."""
-        acc = self.accelerator
-        root = self.run_dir / "checkpoints"
-        final = root / f"step_{self.step:06d}"
-        tmp = root / f".tmp_step_{self.step:06d}"
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()  # the directory exists before any process writes into it
-        self.env.save_pretrained(tmp)  # every process: FSDP gathers the full weights collectively
-        acc.save_state(str(tmp / "trainer_state"))
-        if acc.is_main_process:
-            (tmp / "trainer_state" / "loop.json").write_text(
-                json.dumps({"step": self.step, "optimizer_steps": self.optimizer_steps}))
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            self._prune(root)
-        acc.wait_for_everyone()
-        return final
-
-    def _prune(self, root: Path) -> None:
-        keep = self.cfg.keep_checkpoints
-        steps = sorted(root.glob("step_*"))
-        if keep is not None:
-            for old in steps[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.checkpoints``)."""
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps}
+        return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
+                                           keep=self.cfg.keep_checkpoints)
 
     def _resume(self) -> None:
-        steps = sorted((self.run_dir / "checkpoints").glob("step_*"))
-        if not steps:
-            self.accelerator.print(f"resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting at step 0")
-            return
-        latest = steps[-1]
-        self.accelerator.load_state(str(latest / "trainer_state"))
-        state = json.loads((latest / "trainer_state" / "loop.json").read_text())
-        self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
-        if self.accelerator.is_main_process:
-            for name in ("metrics.jsonl", "eval_samples.jsonl"):
-                _drop_rows_after(self.run_dir / name, self.step)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.print(f"resumed from {latest} (step {self.step})")
+        state = checkpoints.resume(self.accelerator, self.run_dir)
+        if state is not None:
+            self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
 
 
 # ================================================================ helpers
-def _scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> torch.Tensor:
-    """Rows ``[k, T_k, ...]`` of sub-batches (given as index tensors into n samples) put back in
-    sample order: ``[n, max T_k, ...]``, narrower parts right-padded with zeros (micro-batches
-    trimmed to their own longest sample). 1-D parts ``[k]`` give ``[n]``."""
-    first = parts[0][1]
-    shape = [n] + [max(v.shape[d] for _, v in parts) for d in range(1, first.ndim)]
-    out = first.new_zeros(shape)
-    for idx, v in parts:
-        if v.ndim >= 2:
-            out[idx, : v.shape[1]] = v
-        else:
-            out[idx] = v
-    return out
-
-
 def _on_host(figures: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     """Each figure's 0-dim values summed (the pieces' shares of a loss add up), read in one transfer
     (one device sync) and summed in float64 on the host."""
@@ -637,58 +489,8 @@ def _on_host(figures: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     return out
 
 
-def _restore_signal_handlers(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
-def _drop_rows_after(path: Path, step: int) -> None:
-    """Rewrite a JSONL log without the rows of steps after ``step`` (logged after the checkpoint a
-    run resumes from), so that every step appears once. Written to a temporary file and renamed."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
-    if len(kept) != len(lines):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)
-
-
 @contextlib.contextmanager
 def _timer(times: dict[str, float], name: str):
     start = time.perf_counter()
     yield
     times[name] = time.perf_counter() - start
-
-
-def _progress(cfg: TrainerConfig, start: int, main: bool):
-    """One line: steps done, elapsed and time left (tqdm's estimate), reward, KL when it is on."""
-    if not (cfg.progress and main):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, leave=True)
-
-
-def _progress_fields(metrics: dict[str, float]) -> dict[str, str]:
-    fields = {"reward": f"{metrics['reward/mean']:.3f}"}
-    if "loss/kl" in metrics:
-        fields["kl"] = f"{metrics['loss/kl']:.2e}"
-    return fields
-
-
-def _write_yaml(path: Path, data: dict) -> None:
-    import yaml
-
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
-    return out

@@ -1,0 +1,67 @@
+"""Stopping a run cleanly on SIGTERM / SIGINT (what SLURM, spot instances and Ctrl-C send).
+
+The first signal asks the loop to stop after the current step: it saves a checkpoint, closes the
+engines and raises ``Preempted`` (exit status 143 / 130 from the CLI). A second SIGINT interrupts
+at once. With several processes every one stops after the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+#: Exit status of a run stopped by a signal after it saved its checkpoint (128 + the signal's number).
+SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class Preempted(RuntimeError):
+    """The run stopped on SIGTERM/SIGINT after finishing a step and saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignals:
+    """Records SIGTERM / SIGINT while installed; the loop asks ``requested`` after each step."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def handler(signum, frame):
+            if self.signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self.signal = signum
+
+        self._previous = {sig: signal.signal(sig, handler) for sig in SIGNAL_EXIT}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def requested(self, accelerator) -> bool:
+        """Whether any process got a stop signal; every process stops after the same step."""
+        flag = torch.tensor([0 if self.signal is None else int(self.signal)], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flag = accelerator.reduce(flag, reduction="sum")
+        if int(flag) and self.signal is None:
+            self.signal = signal.SIGTERM  # another process was signalled
+        return bool(int(flag))
+
+    def preempted(self, step: int, checkpoint: Path, run_dir: Path) -> Preempted:
+        """The exception that ends a run stopped after ``step`` with its checkpoint written."""
+        name = signal.Signals(self.signal).name
+        return Preempted(
+            f"stopped by {name} after step {step}; checkpoint {checkpoint}; resume with the same command "
+            f"plus trainer.resume=true (--output-dir {run_dir})",
+            SIGNAL_EXIT.get(self.signal, 143),
+        )
