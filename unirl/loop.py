@@ -28,6 +28,7 @@ from unirl.core import (aggregate, aggregate_denominator, clipped_policy_loss, c
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.env import Environment, Rollout
 from unirl.metrics import MetricLog, reduce_over_processes
+from unirl.optim import build_optimizer, build_scheduler
 from unirl.preemption import Preempted, StopSignals
 from unirl.run_log import Progress, RunLog
 from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
@@ -57,13 +58,8 @@ class Trainer:
         self._guard_run_dir()
         self.env.setup(self.accelerator)
         model = self.env.model
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the environment's model has no trainable parameters")
-        o = self.optim_cfg
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        warmup = o.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        optimizer = build_optimizer(model, self.optim_cfg, what="environment's model")
+        scheduler = build_scheduler(optimizer, self.optim_cfg)
         model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.env.model = model
         for obj in self.env.checkpoint_objects():
