@@ -1,6 +1,6 @@
 """The learned text reward model (``reward_model``) on tiny Qwen2 sequence classifiers built here.
 
-- A seeded random RM: its score equals transformers' own head output at the last token of the
+- A seeded random RM (a Qwen2, and a GPT-2 whose absolute positions make left padding matter): its score equals transformers' own head output at the last token of the
   sample scored alone (no padding), for left- and right-padding tokenizers, with and without a chat
   template; a batch of 1 equals a batch of N; served over HTTP equals in-process; the model loads
   once per process; truncation; the clear errors (two labels, no pad token, no chat template).
@@ -76,18 +76,37 @@ def _tiny_classifier(num_labels: int = 1, seed: int = 0, **config):
     return Qwen2ForSequenceClassification(Qwen2Config(**settings)).eval()
 
 
-@pytest.fixture(scope="module")
-def random_rm(tmp_path_factory):
-    """A seeded random RM and tokenizers beside it: right/left padding with the chat template, and
-    right padding without one."""
-    root = tmp_path_factory.mktemp("rm")
-    model = _tiny_classifier()
+def _gpt2_classifier(seed: int):
+    """A GPT-2 RM: learned absolute position embeddings, so a left-padded sample scores right only
+    with position ids counted from its first real token."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from unirl.text.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=96, num_labels=1,
+                        pad_token_id=tokenizer.pad_token_id, initializer_range=0.2)
+    return GPT2ForSequenceClassification(config).eval()
+
+
+def _saved_rm(root: Path, arch: str, seed: int):
+    """A seeded random RM saved under ``root`` with tokenizers beside it: right/left padding with
+    the chat template, and right padding without one."""
+    model = _tiny_classifier(seed=seed) if arch == "qwen2" else _gpt2_classifier(seed)
     model.save_pretrained(root / "model")
     _save_tokenizer(root / "model")  # the model's own tokenizer: right padding, chat template
     paths = {"model": str(root / "model"),
              "left": _save_tokenizer(root / "left", padding_side="left"),
              "plain": _save_tokenizer(root / "plain", chat=False)}
     return model, paths
+
+
+@pytest.fixture(scope="module", params=[("qwen2", 0), ("gpt2", 1)], ids=["qwen2", "gpt2"])
+def random_rm(request, tmp_path_factory):
+    """A Qwen2 RM (RoPE) and a GPT-2 RM (absolute positions), different seeds."""
+    arch, seed = request.param
+    return _saved_rm(tmp_path_factory.mktemp(f"rm_{arch}"), arch, seed)
 
 
 def _reference(model, tokenizer_path: str, chat: bool, prompts=PROMPTS, responses=RESPONSES) -> list[float]:
@@ -115,6 +134,25 @@ def test_score_is_the_head_at_the_last_real_token(random_rm, tokenizer):
     expected = _reference(model, paths[tokenizer], chat)
     assert len(set(round(e, 4) for e in expected)) == len(expected)  # the samples score differently
     assert scores == pytest.approx(expected, abs=1e-5)
+
+
+def test_left_padding_needs_positions_from_the_mask(tmp_path):
+    """Why the reward passes position ids of its own: on the GPT-2 RM, transformers' pooled forward
+    of the same left-padded batch (positions counted from the padding) scores a padded sample
+    differently from the sample alone. (RoPE depends only on relative positions: Qwen2 does not care.)"""
+    from transformers import AutoTokenizer
+
+    model, paths = _saved_rm(tmp_path, "gpt2", seed=2)
+    tokenizer = AutoTokenizer.from_pretrained(paths["left"])
+    texts = [_rendered(p, r, chat=True) for p, r in zip(PROMPTS, RESPONSES)]
+    batch = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        pooled = model(**batch).logits[:, 0].tolist()  # [n]
+    alone = _reference(model, paths["left"], chat=True)
+    shortest = min(range(len(texts)), key=lambda i: len(texts[i]))
+    assert abs(pooled[shortest] - alone[shortest]) > 1e-3
+    reward = load_reward("reward_model", model=paths["model"], tokenizer=paths["left"], batch_size=len(PROMPTS), device="cpu")
+    assert reward(RESPONSES, prompts=PROMPTS) == pytest.approx(alone, abs=1e-5)
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 4])
