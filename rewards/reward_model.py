@@ -30,10 +30,11 @@ What the references do, for comparison (facts only):
   Its RM training appends the EOS token to every sequence (``append_eos=true`` here does the same)
   and its ``serve_rm`` left-pads.
 
-Unlike the head's own ``forward`` in transformers, which pools at the rightmost token that is not the
-pad id and passes no position ids, this reads at the attention mask's last 1 with mask-derived
-positions: the score does not depend on the padding side, on the batch, or on whether the pad id
-also appears inside the text (a pad token equal to EOS).
+transformers' own ``forward`` of these models pools at the rightmost token that is not the pad id and
+counts positions from the first column; this reads at the attention mask's last 1 with positions from
+the mask, so the score depends neither on the padding side (absolute position embeddings, as GPT-2's,
+would see shifted positions when left-padded) nor on the other samples of the slice, and a text that
+ends with the pad token (a pad equal to the EOS that a chat template writes) is read at that token.
 
 The model loads once per process (``ModelReward``: on the first batch in a run, before the port
 opens under ``unirl serve-reward``), on ``device``, in ``dtype``, and scores ``batch_size`` samples
@@ -128,7 +129,7 @@ class RewardModel(ModelReward):
             raise ValueError(
                 f"reward_model: {self.model_path} loads as {type(model).__name__}, which has no one-output linear "
                 f"`score` head over the last hidden states; expected a decoder's *ForSequenceClassification "
-                f"(Llama, Qwen2, Mistral, Gemma, ...) with num_labels=1")
+                f"(Llama, Qwen2, Mistral, Gemma, GPT-2, ...) with num_labels=1")
         model.to(self.device, self.torch_dtype).eval().requires_grad_(False)
         self.model, self.backbone, self.head, self.tokenizer = model, model.base_model, head, tokenizer
         if self.max_length is None:

@@ -248,6 +248,32 @@ def test_tokenizer_without_pad_token_is_a_clear_error(random_rm, tmp_path):
         reward(["#### 3"], prompts=["1+2=?"])
 
 
+def test_append_eos_ends_the_plain_text_with_eos(random_rm):
+    model, paths = random_rm
+    reward = load_reward("reward_model", model=paths["model"], tokenizer=paths["plain"], append_eos=True,
+                         batch_size=len(PROMPTS), device="cpu")
+    with_eos = [p + r + "<|endoftext|>" for p, r in zip(PROMPTS, RESPONSES)]  # the reference reads the EOS as text
+    expected = _reference(model, paths["plain"], chat=False, prompts=with_eos, responses=[""] * len(PROMPTS))
+    assert reward(RESPONSES, prompts=PROMPTS) == pytest.approx(expected, abs=1e-5)
+
+
+def test_model_without_a_score_head_is_a_clear_error(tmp_path):
+    """An encoder classifier (BERT: pooler + ``classifier``) has no per-token ``score`` head to read."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from unirl.text.tiny import build_tokenizer
+
+    path = tmp_path / "bert"
+    config = BertConfig(vocab_size=len(build_tokenizer()), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=1)
+    BertForSequenceClassification(config).save_pretrained(path)
+    _save_tokenizer(path)
+    reward = load_reward("reward_model", model=str(path), device="cpu")
+    with pytest.raises(RewardError, match=rf"{re.escape(str(path))} loads as BertForSequenceClassification, which has no "
+                                          r"one-output linear `score` head"):
+        reward(["#### 3"], prompts=["1+2=?"])
+
+
 def test_settings_are_checked(random_rm):
     _, paths = random_rm
     with pytest.raises(RewardError, match="reward_model needs kwargs.model"):
