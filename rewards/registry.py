@@ -7,7 +7,9 @@ The package by job, each file importing only the ones above it in this list:
 - ``loading.py``: turning a config's spec into a callable (names, built-in modules, entry points,
   files, modules, ``http://`` URLs) and checking the config's kwargs against it;
 - ``scoring.py``: calling a reward over a batch, checking what it returned, naming the failing sample;
-- ``models.py`` (the class shape) and ``remote.py`` (``unirl serve-reward``) on top.
+- ``models.py`` (the class shape) and ``remote.py`` (``unirl serve-reward``) on top;
+- the built-in rewards, one task per file (``gsm8k.py``, ``reward_model.py``, ...), listed in
+  ``BUILTIN_MODULES``.
 
 The contract, in one of two shapes:
 
@@ -58,6 +60,7 @@ BUILTIN_MODULES: list[str] = [
     "rewards.hpsv2",
     "rewards.image",
     "rewards.ocr",
+    "rewards.reward_model",
 ]
 
 #: The entry-point group through which an installed package adds rewards.
