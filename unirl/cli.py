@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(verbose=getattr(args, "verbose", False))
     try:
         return _dispatch(args)
-    except KeyboardInterrupt:
-        print("unirl: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"unirl: {e or 'interrupted'}", file=sys.stderr)
+        return _leave_now(getattr(e, "exit_code", 130))
     except _user_error_types() as e:
         if getattr(args, "debug", False):
             raise
@@ -194,6 +194,19 @@ def main(argv: list[str] | None = None) -> int:
             kind = "config error: " if type(e).__name__ == "ConfigError" else ""
             print(f"unirl: {kind}{_one_line(e)} (--debug shows the traceback)", file=sys.stderr)
         return 2
+
+
+def _leave_now(code: int) -> int:
+    """``code``, or exit at once when a thread is still busy (a reward that hangs in a worker): the
+    interpreter would otherwise wait for it at exit, and an interrupt must stop the run."""
+    import os
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _dispatch(args) -> int:

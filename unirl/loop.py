@@ -84,7 +84,7 @@ class Trainer:
 
         SIGTERM (what SLURM and spot instances send) or SIGINT lets the current step finish, saves a
         checkpoint, closes the engines and raises ``Preempted`` (exit status 143 / 130 from the CLI).
-        A second SIGINT interrupts at once."""
+        A second signal interrupts at once."""
         self.setup()
         history = []
         progress = Progress(self.cfg, self.step, self.accelerator.is_main_process)

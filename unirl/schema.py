@@ -155,10 +155,15 @@ class RewardConfig:
     name: str = field(default="gsm8k", metadata=FILE_SPEC)
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Seconds one call of this reward may take before the run stops with an error naming it (a hung
+    #: reward otherwise hangs the run); null: no limit. An ``http://`` reward's client has its own
+    #: ``kwargs.timeout`` per attempt.
+    timeout_s: Optional[float] = None
 
     def __post_init__(self):
         if not math.isfinite(self.weight):
             raise ValueError(f"weight must be a finite number, got {self.weight!r}")
+        check_range(self, "timeout_s", low=0, low_open=True, optional=True)
 
 
 @dataclass
