@@ -213,11 +213,19 @@ def _dispatch(args) -> int:
     from unirl.preemption import Preempted
 
     if args.command == "train":
+        import signal
+
+        from unirl.preemption import stop_during_startup
+
+        # SIGTERM before the loop takes over (checks, loading, vLLM start-up) stops with one line, not silently.
+        previous = signal.signal(signal.SIGTERM, stop_during_startup)
         try:
             train(args.env, args.config, args.overrides, args.output_dir, args.dry_run)
         except Preempted as e:  # a signal-stopped run: one line saying where its checkpoint is
             print(f"unirl: {e}", file=sys.stderr)
             return e.exit_code
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         return 0
     if args.command == "eval":
         ks = [int(k) for k in args.k.split(",") if k.strip()]

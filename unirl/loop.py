@@ -85,10 +85,16 @@ class Trainer:
         SIGTERM (what SLURM and spot instances send) or SIGINT lets the current step finish, saves a
         checkpoint, closes the engines and raises ``Preempted`` (exit status 143 / 130 from the CLI).
         A second signal interrupts at once."""
-        self.setup()
+        self.signals.install(starting=True)  # a signal during start-up (a slow vLLM start) stops it with one line
+        try:
+            self.setup()
+        except BaseException:
+            self.signals.restore()
+            self.env.close()  # what started (an engine, reward threads) is released on the way out
+            raise
+        self.signals.starting = False
         history = []
         progress = Progress(self.cfg, self.step, self.accelerator.is_main_process)
-        self.signals.install()
         try:
             if self.cfg.eval_every and self.step == 0:
                 self._evaluate_and_log()

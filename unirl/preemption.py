@@ -35,18 +35,40 @@ class StopNow(KeyboardInterrupt):
         self.exit_code = SIGNAL_EXIT.get(signum, 130)
 
 
+class StartupStopped(KeyboardInterrupt):
+    """SIGTERM / SIGINT before the first step (checks, model loading, vLLM start-up): one line and the
+    signal's exit status instead of a silent death, and the stack unwinds so what started is cleaned up.
+    A ``KeyboardInterrupt``, so library code catching ``Exception`` lets it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} during start-up, before any step; nothing was "
+                         f"trained or saved by this run")
+        self.exit_code = SIGNAL_EXIT.get(signum, 143)
+
+
+def stop_during_startup(signum, frame):
+    """A signal handler for start-up: raise ``StartupStopped``."""
+    raise StartupStopped(signum)
+
+
 class StopSignals:
     """Records SIGTERM / SIGINT while installed; the loop asks ``requested`` after each step."""
 
     def __init__(self):
         self.signal: int | None = None
         self._previous: dict = {}
+        #: While True (start-up: loading models, starting vLLM) a signal stops at once with ``Preempted``:
+        #: there is no step to finish, and the default action would die without a word or a clean-up.
+        self.starting = False
 
-    def install(self) -> None:
+    def install(self, starting: bool = False) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
+        self.starting = starting
 
         def handler(signum, frame):
+            if self.starting:
+                raise StartupStopped(signum)
             if self.signal is not None:
                 raise StopNow(signum)  # a second signal (Ctrl-C, or a SIGTERM while a step hangs): stop now
             self.signal = signum

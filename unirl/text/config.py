@@ -64,8 +64,12 @@ class DataConfig:
     prompt_key: str = "question"
     #: Apply the tokenizer's chat template when it has one.
     chat_template: bool = True
-    #: Prompts longer than this (tokens) are an error.
+    #: Prompts longer than this (tokens, after the chat template) are found before training: an error
+    #: naming them, or dropped with ``filter_overlong_prompts``.
     max_prompt_length: int = 256
+    #: Drop the rows whose prompt is longer than ``max_prompt_length`` (verl's
+    #: ``data.filter_overlong_prompts``; default false there too) instead of stopping the run.
+    filter_overlong_prompts: bool = False
     #: Number of held-out rows used per evaluation (null: all).
     eval_size: Optional[int] = None
     shuffle: bool = True
