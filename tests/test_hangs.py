@@ -78,3 +78,27 @@ def test_a_second_sigterm_stops_a_run_hung_in_a_reward_worker(tmp_path):
     assert proc.returncode == 143, stderr[-3000:]
     assert "unirl: SIGTERM received; stopping after this step" in stderr
     assert "unirl: stopped at once by a second SIGTERM" in stderr
+
+
+def test_sigterm_during_start_up_is_one_line_and_the_signals_status(tmp_path):
+    """Before the first step (here: a reward file whose import hangs, read by the checks before any
+    model loads; likewise a slow vLLM start) SIGTERM used to kill the run without a word."""
+    marker = tmp_path / "importing"
+    path = tmp_path / "slow_import.py"
+    path.write_text(f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(3600)\n\n\n"
+                    "def reward(samples, **kwargs):\n    return [0.0] * len(samples)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(tmp_path / "run"),
+         "rollout.engine=hf", f"rewards.0.name={path}:reward"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == ("unirl: stopped by SIGTERM during start-up, before any step; nothing was "
+                                               "trained or saved by this run")
