@@ -242,7 +242,14 @@ def test_a_model_of_another_shape_is_one_clear_error(tmp_path):
         checkpoints.resume(acc2, tmp_path)
 
 
-def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+def _safetensors_full_disk():
+    from safetensors import SafetensorError
+
+    return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("error", [lambda: OSError(errno.ENOSPC, "No space left on device"), _safetensors_full_disk])
+def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch, error):
     import safetensors.torch
 
     acc, prepared, ema = _setup()
@@ -253,7 +260,7 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmp_path, monkeypa
         real(tensors, filename, *args, **kwargs)
         with open(filename, "r+b") as f:  # what a full disk leaves: part of the file
             f.truncate(8)
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error()  # as torch / the OS, or as safetensors reports it
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     with pytest.raises(CheckpointError) as info:

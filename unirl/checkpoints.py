@@ -88,7 +88,7 @@ def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict
     try:
         env.save_pretrained(tmp)
         save_trainer_state(accelerator, tmp / "trainer_state", loop_state, config or {})
-    except (OSError, RuntimeError) as e:  # safetensors reports a full disk as its own error type
+    except Exception as e:  # OSError, or safetensors' own error type ("... (os error 28)") for a full disk
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {final} failed: {_why(e)}; removed the partial {tmp.name}; "
                               f"{last_checkpoint_hint(run_dir)}") from e
