@@ -203,9 +203,10 @@ def check_config(directory: Path, config: dict[str, Any] | None) -> None:
     except ValueError as e:
         raise StateFileError(f"{saved_file}: cannot be read ({e})") from e
     old, new = _flat(saved), _flat(json.loads(json.dumps(config, default=str)))  # tuples as JSON lists, as saved
-    changed = [k for k in sorted(set(old) | set(new)) if _state_bearing(k) and old.get(k) != new.get(k)]
+    # Keys in both only: a field added since the checkpoint was written (or a run without a config) is no change.
+    changed = [k for k in sorted(set(old) & set(new)) if _state_bearing(k) and old[k] != new[k]]
     if changed:
-        what = ", ".join(f"{k}: {old.get(k)!r} in the checkpoint, {new.get(k)!r} now" for k in changed)
+        what = ", ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in changed)
         raise CheckpointError(
             f"resume: {what}; the checkpoint's optimizer and model carry the saved value, so the change would be "
             f"ignored. Resume with the saved value, or start a new run (another --output-dir)")
