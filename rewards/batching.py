@@ -74,7 +74,7 @@ class BatchQueue:
 
     async def stop(self) -> None:
         """Stop the worker and fail what is still waiting. (uvicorn runs this after the requests in
-        flight were answered; ``shutdown`` below waits for a call still running in the thread.)"""
+        flight were answered, or its grace period ran out; a call still running in the thread is left.)"""
         if self._worker is not None:
             self._worker.cancel()
             try:
@@ -85,8 +85,8 @@ class BatchQueue:
             waiting = self._waiting.popleft()
             if not waiting.answer.done():
                 waiting.answer.set_exception(QueueFull("the server is shutting down"))
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        if self._executor is not None:  # a call still running (a hung reward) is abandoned, not waited for
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, int]:
         """Items waiting and being scored now; calls made and items answered so far."""

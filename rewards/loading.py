@@ -153,6 +153,12 @@ def _import_file(path: Path, spec: str):
     sys.modules[module_name] = module  # before exec, like import does (dataclasses, pickling)
     try:
         module_spec.loader.exec_module(module)
+    except SyntaxError as err:
+        del sys.modules[module_name]
+        raise RewardError(f"reward {spec!r}: {err.filename}:{err.lineno}: syntax error: {err.msg}") from None
+    except Exception as err:
+        del sys.modules[module_name]
+        raise RewardError(f"reward {spec!r}: importing {path} failed: {type(err).__name__}: {err}") from err
     except BaseException:
         del sys.modules[module_name]
         raise

@@ -19,6 +19,7 @@ backoff). Each request gets what scoring it alone gives (``score_requests``), er
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 import sys
@@ -40,15 +41,34 @@ from rewards.scoring import score_requests
 __all__ = ["RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
 
 
+#: The environment variable holding the shared token when ``--token`` / ``token=`` is not given.
+TOKEN_ENV = "UNIRL_REWARD_TOKEN"
+
+
 def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None, *,
-                max_batch: int = 256, max_wait_ms: float = 2.0, max_queue: int = 1024) -> RewardServer:
+                max_batch: int = 256, max_wait_ms: float = 2.0, max_queue: int = 1024, max_body_mb: float = 64.0,
+                body_timeout_s: float = 30.0, token: str | None = None, grace_s: float = 10.0) -> RewardServer:
     """A server (bound, not yet serving) for the reward ``spec`` with ``kwargs`` bound.
 
     ``spec`` is anything ``load_reward`` takes. A model reward loads its model here, before the
     port opens, so the first request does not time out on a download. ``port=0`` picks a free port
     (``server.server_address[1]``). ``max_batch`` (samples per reward call; 1 never joins
     requests), ``max_wait_ms`` and ``max_queue`` (requests waiting) set the batching.
+
+    ``kwargs`` are the server's: a request whose columns name one is refused (400). A request body
+    over ``max_body_mb`` is refused (413), one that has not fully arrived after ``body_timeout_s``
+    too (408). With a ``token`` (or ``$UNIRL_REWARD_TOKEN``) every request but ``/health`` must send
+    ``Authorization: Bearer <token>`` (401 otherwise). On SIGTERM / SIGINT the requests in flight get
+    ``grace_s`` seconds to finish; a reward call still running then is abandoned.
     """
+    import os
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
+    if max_body_mb <= 0 or body_timeout_s <= 0 or grace_s < 0:
+        raise ValueError(f"max_body_mb and body_timeout_s must be > 0 and grace_s >= 0, "
+                         f"got {max_body_mb}, {body_timeout_s}, {grace_s}")
+    token = token or os.environ.get(TOKEN_ENV) or None
     # First, so that bad settings fail before a model loads; ``fn`` is bound below, before any call.
     queue = BatchQueue(lambda requests: score_requests(fn, requests, name=spec), size=lambda request: len(request[0]),
                        max_batch=max_batch, max_wait=max_wait_ms / 1000, max_queue=max_queue)
@@ -60,11 +80,20 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: di
         meta = {"name": info.name, "modality": info.modality, "description": info.description}
     except RewardError:  # a file or module spec: not registered under a name
         meta = {"name": spec, "modality": getattr(fn, "modality", None), "description": ""}
-    return RewardServer(make_app(spec, meta, queue), host, port)
+    app = make_app(spec, meta, queue, settings=set(kwargs or {}), max_body=int(max_body_mb * 2**20),
+                   body_timeout=body_timeout_s, token=token)
+    return RewardServer(app, host, port, grace_s=grace_s)
 
 
-def make_app(spec: str, meta: dict, queue: BatchQueue) -> FastAPI:
-    """The ASGI app: ``/info``, ``/health`` and ``/score`` over ``queue``, which it starts and stops."""
+class BodyTooLarge(ValueError):
+    pass
+
+
+def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = frozenset(), max_body: int = 64 * 2**20,
+             body_timeout: float = 30.0, token: str | None = None) -> FastAPI:
+    """The ASGI app: ``/info``, ``/health`` and ``/score`` over ``queue``, which it starts and stops.
+    ``settings``: the server's kwargs, which a request may not name; ``max_body`` bytes,
+    ``body_timeout`` seconds and ``token``: see ``make_server``."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -82,10 +111,20 @@ def make_app(spec: str, meta: dict, queue: BatchQueue) -> FastAPI:
             sys.stderr.write(f"serve-reward {spec}: {client} {request.method} {request.url.path} {status}: {first}\n")
         return JSONResponse(body, status_code=status)
 
+    def refused(request: Request) -> JSONResponse | None:
+        """401 unless the request carries the token (when the server has one)."""
+        if token is None:
+            return None
+        sent = request.headers.get("authorization", "")
+        if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+            return None
+        return answer(request, 401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (the "
+                                              f"client sends kwargs.token or ${TOKEN_ENV})"})
+
     @app.get("/info")
     @app.get("/info/")
     async def info(request: Request):
-        return answer(request, 200, meta)
+        return refused(request) or answer(request, 200, meta)
 
     @app.get("/health")
     @app.get("/health/")
@@ -96,10 +135,23 @@ def make_app(spec: str, meta: dict, queue: BatchQueue) -> FastAPI:
     @app.post("/score")
     @app.post("/score/")
     async def score(request: Request):
+        denied = refused(request)
+        if denied is not None:
+            return denied
         try:
-            item = await _parse(await request.body())
+            body = await asyncio.wait_for(_read_body(request, max_body), body_timeout)
+        except BodyTooLarge as err:
+            return answer(request, 413, {"error": str(err)})
+        except TimeoutError:
+            return answer(request, 408, {"error": f"the request body did not arrive within {body_timeout:g} s"})
+        try:
+            item = await _parse(body)
         except Exception as err:
             return answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
+        named = sorted(settings & set(item[1]))
+        if named:  # the reward is called with the columns as keyword arguments: they would replace the server's
+            return answer(request, 400, {"error": f"request column(s) {', '.join(map(repr, named))} are settings "
+                                                  f"of this server (serve-reward --kwargs); a request may not change them"})
         try:
             scores = await queue.submit(item)
         except QueueFull as err:
@@ -121,6 +173,21 @@ def make_app(spec: str, meta: dict, queue: BatchQueue) -> FastAPI:
         return answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (``BodyTooLarge``) as soon as it is known to pass ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {int(declared)} bytes is over the server's limit of {limit} "
+                           f"(serve-reward --max-body-mb)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is over the server's limit of {limit} bytes (serve-reward --max-body-mb)")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _parse(body: bytes) -> tuple[list, dict]:
@@ -146,7 +213,7 @@ class RewardServer:
     then act as usual (``KeyboardInterrupt``; termination).
     """
 
-    def __init__(self, app, host: str, port: int):
+    def __init__(self, app, host: str, port: int, grace_s: float = 10.0):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -159,7 +226,7 @@ class RewardServer:
         self.server_address = self.socket.getsockname()[:2]
         # log_config=None: leave the process's logging alone; uvicorn's warnings still reach stderr.
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=30)
+                                timeout_graceful_shutdown=grace_s)
         self._server = uvicorn.Server(config)
         self._stop_requested = False
         self._stopped = threading.Event()

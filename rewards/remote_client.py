@@ -14,11 +14,14 @@ stdlib only):
   whose queue is full answers 503.
 
 The reward's settings are the server's (``serve-reward gsm8k --kwargs '{"method": "flexible"}'``);
-a run's ``kwargs`` for an ``http://`` spec set the client: ``timeout`` (seconds per attempt) and
-``retries``. Connection failures and timeouts are retried (``retries`` times, with a short
-backoff), and so are 502/503/504 answers (a server whose queue is full answers 503); then, or at
-once for an answer that is not the protocol, a ``RewardError`` says which.
-Errors the reward itself raised are not retried: they would recur.
+a run's ``kwargs`` for an ``http://`` spec set the client: ``timeout`` (seconds per attempt),
+``retry_for`` (seconds of retrying in all, default 30: longer than a server takes to restart),
+``retries`` (a cap on the number of retries; null: none), ``backoff`` and ``token`` (the server's
+shared secret, default ``$UNIRL_REWARD_TOKEN``, sent as ``Authorization: Bearer``). Connection
+failures and timeouts are retried with a doubling backoff (at most 5 s apart), and so are
+502/503/504 answers (a server whose queue is full answers 503); then, or at once for an answer that
+is not the protocol, a ``RewardError`` says which. Errors the reward itself raised are not retried:
+they would recur. A 400 naming one of the server's settings means the request tried to change it.
 """
 
 from __future__ import annotations
@@ -84,24 +87,34 @@ class RemoteReward:
     Args:
         url: ``http://host:port`` of the server.
         timeout: seconds each attempt may take (connecting and scoring the batch).
-        retries: further attempts after a connection failure, a timeout, or a 502/503/504.
-        backoff: seconds before the first retry, doubled for each further one.
+        retries: the most further attempts after a connection failure, a timeout, or a 502/503/504
+            (None: as many as ``retry_for`` allows).
+        backoff: seconds before the first retry, doubled for each further one (at most ``MAX_BACKOFF``).
+        retry_for: no retry starts later than this many seconds after the first attempt.
+        token: the server's shared secret (default ``$UNIRL_REWARD_TOKEN``; None: send none).
     """
 
-    def __init__(self, url: str, *, timeout: float = 60.0, retries: int = 2, backoff: float = 0.5):
+    MAX_BACKOFF = 5.0
+
+    def __init__(self, url: str, *, timeout: float = 60.0, retries: int | None = None, backoff: float = 0.5,
+                 retry_for: float = 30.0, token: str | None = None):
+        import os
+
         if not url.startswith(("http://", "https://")):
             raise RewardError(f"a remote reward is named by http://host:port, got {url!r}")
-        if timeout <= 0 or retries < 0 or backoff < 0:
-            raise RewardError(f"reward {url!r}: timeout must be > 0 and retries, backoff >= 0 "
-                              f"(got timeout={timeout}, retries={retries}, backoff={backoff})")
+        if timeout <= 0 or (retries is not None and retries < 0) or backoff < 0 or retry_for < 0:
+            raise RewardError(f"reward {url!r}: timeout must be > 0 and retries, backoff, retry_for >= 0 "
+                              f"(got timeout={timeout}, retries={retries}, backoff={backoff}, retry_for={retry_for})")
         self.url = url.rstrip("/")
         self.timeout = float(timeout)
-        self.retries = int(retries)
+        self.retries = None if retries is None else int(retries)
         self.backoff = float(backoff)
+        self.retry_for = float(retry_for)
+        self.token = token or os.environ.get("UNIRL_REWARD_TOKEN") or None
         self.__name__ = self.url
 
     def __repr__(self) -> str:
-        return f"RemoteReward({self.url!r}, timeout={self.timeout}, retries={self.retries})"
+        return f"RemoteReward({self.url!r}, timeout={self.timeout}, retry_for={self.retry_for})"
 
     def info(self) -> dict:
         """The server's ``/info``: the reward's name, modality and description."""
@@ -126,13 +139,20 @@ class RemoteReward:
         return scores
 
     def _request(self, method: str, path: str, body: bytes | None) -> dict:
-        attempts = self.retries + 1
-        last, answered = "", False
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url + path, data=body, method=method,
-                                             headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        start = time.monotonic()
+        last, answered, attempts = "", False, 0
+        while True:
+            if attempts:
+                wait = min(self.backoff * 2 ** (attempts - 1), self.MAX_BACKOFF)
+                if ((self.retries is not None and attempts > self.retries)
+                        or time.monotonic() + wait - start > self.retry_for):
+                    break
+                time.sleep(wait)
+            attempts += 1
+            request = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
@@ -158,10 +178,12 @@ class RemoteReward:
             if not isinstance(answer, dict):
                 raise RewardError(f"reward server {self.url} answered garbage: expected a JSON object, got {raw[:200]!r}")
             return answer
+        spent = time.monotonic() - start
         if answered:
             raise RewardError(f"reward server {self.url} did not score the batch in {attempts} attempt(s); "
-                              f"the last was answered {last}")
+                              f"the last was answered {last} ({spent:.1f} s in all)")
         raise RewardError(
             f"reward server {self.url} is unreachable: {attempts} attempt(s) with a {self.timeout:g}s timeout "
-            f"failed, the last with {last}. Is `unirl serve-reward` running there?"
+            f"failed, the last with {last} ({spent:.1f} s in all). Is `unirl serve-reward` running there? "
+            f"(kwargs.retry_for sets how long to keep trying)"
         )

@@ -39,6 +39,8 @@ def score_batch(reward_fn: RewardFn, samples: Sequence[Any], *, name: str, **col
         scores = call_reward(reward_fn, samples, columns)
     except RewardError:
         raise
+    except SystemExit as err:  # would end the run (with status 0 for sys.exit(0)) without a word
+        raise RewardError(f"reward {name!r} called sys.exit({err.code!r}); a reward returns scores or raises") from err
     except Exception as err:
         raise _locate_failure(reward_fn, samples, columns, name, err) from err
     return _checked(scores, n, name, prompts)

@@ -79,9 +79,17 @@ def test_variants_train_and_resume(tmp_path, options):
     assert all(torch.isfinite(torch.tensor([r["loss/kl"], r["loss/total"]])).all() for r in train)
     assert train[0]["loss/kl"] == 0.0 or train[0]["loss/kl"] < 1e-6  # first update: policy == reference
     assert train[1]["loss/kl"] > 0  # after one update the policy moved away from the reference
+    # A pickle planted where Accelerate kept the EMA (custom_checkpoint_0.pkl, loaded with
+    # weights_only=False) and its other pickles: resume reads only safetensors and JSON, never these.
+    marker = tmp_path / "pwned"
+    payload = b"cbuiltins\nopen\n(S'" + str(marker).encode() + b"'\nS'w'\ntR."  # open(marker, "w") when unpickled
+    state = run / "checkpoints" / "step_000002" / "trainer_state"
+    for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "scaler.pt", "pytorch_model.bin"):
+        (state / name).write_bytes(payload)
     # Resume continues from the saved step with the EMA and optimizer state.
     rows = _train(run, "trainer.total_steps=3", "trainer.eval_every=0", "trainer.resume=true", *options)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
+    assert not marker.exists()
     assert (run / "checkpoints" / "step_000003").exists()
 
 

@@ -84,3 +84,12 @@ def test_a_two_process_cli_run_logs_the_global_batch_once(tmp_path, tiny_lm_dir)
     samples = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 6  # all 6 held-out prompts at each evaluation, split over the processes
     assert (out / "checkpoints" / "step_000002" / "model.safetensors").exists()
+    # Each process's RNG states beside the shared state; both processes resume from them.
+    state = out / "checkpoints" / "step_000002" / "trainer_state"
+    assert all((state / f"rng_{rank}.safetensors").exists() for rank in (0, 1))
+    _torchrun(2, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(out),
+              "rollout.engine=hf", "rollout.max_new_tokens=12", "trainer.total_steps=3", "trainer.prompts_per_step=4",
+              "trainer.group_size=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=8",
+              "trainer.eval_every=0", "data.eval_size=6", "trainer.progress=false", "trainer.resume=true")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]

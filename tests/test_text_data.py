@@ -41,7 +41,7 @@ def test_bad_data_names_file_line_and_column(tmp_path):
         load_rows(str(bad))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_rows(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(KeyError, match=r"row 1 has no 'question' column"):
+    with pytest.raises(ValueError, match=r"row 1 has no 'question' column"):
         to_prompt_rows([{"question": "q", "answer": "#### 1"}, {"q": "x"}], adapter="plain", prompt_key="question",
                        source="d.jsonl")
     with pytest.raises(ValueError, match="no '#### N' line"):

@@ -103,6 +103,18 @@ def test_hf_engine_run_and_resume(tmp_path, tiny_lm_dir):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     # The HF engine samples with the trainer's own weights: no engine/trainer gap to speak of.
     assert max(m["rollout/logprob_diff_max"] for m in _train_rows(run)) < 1e-4
+    # 2 steps + resume 2 is the 4-step run bit for bit: weights, optimizer, schedule and RNG restored.
+    straight = tmp_path / "straight"
+    proc = _unirl(*common[:5], str(straight), *common[6:], "trainer.total_steps=4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    untimed = [[(k, v) for k, v in m.items() if not k.startswith("time/")] for m in _train_rows(run)]
+    assert untimed == [[(k, v) for k, v in m.items() if not k.startswith("time/")] for m in _train_rows(straight)]
+    # A changed learning rate would be ignored by the restored optimizer: refused, naming it, and
+    # config.yaml keeps the value the run trained with.
+    lr = yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"]
+    proc = _unirl(*common, "trainer.total_steps=6", "trainer.resume=true", f"optim.lr={lr * 2}")
+    assert proc.returncode == 2 and f"optim.lr: {lr!r} in the checkpoint, {lr * 2!r} now" in proc.stderr, proc.stderr
+    assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"] == lr
 
 
 def test_dry_run_prints_resolved_config_without_loading(tmp_path):

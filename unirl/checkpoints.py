@@ -1,18 +1,48 @@
 """Checkpoints of a run: ``<run>/checkpoints/step_N/`` and resuming from the latest.
 
 A checkpoint holds the policy as its library saves it (``env.save_pretrained``: HF
-``save_pretrained``, a LoRA adapter, a diffusers transformer) and ``trainer_state/``: what
-Accelerate saves of the prepared models, optimizers and schedulers, the RNG states, the objects
-registered with it (an EMA), and ``loop.json`` with the loop's own counters. Each is written under a
-temporary name and renamed, so a crash never leaves a half checkpoint that resume would pick.
+``save_pretrained``, a LoRA adapter, a diffusers transformer) and ``trainer_state/``:
+
+    loop.json                     the loop's counters
+    config.json                   the run's resolved config (a resume compares its own with it)
+    model_<i>.safetensors         every model the accelerator prepared (the policy, a critic ...)
+    optimizer_<i>.{safetensors,json}, scheduler_<i>.{...}   theirs, in the same order
+    custom_<i>.{...}              the objects registered for checkpointing (an EMA)
+    scaler.{...}                  fp16's gradient scaler
+    rng_<process>.{...}           each process's python, numpy, torch (and CUDA) RNG states
+
+Only tensors (safetensors) and plain data (JSON) are written, and nothing is unpickled when a run
+resumes (``unirl.state_files``): Accelerate's ``save_state`` pickles the optimizer, the RNG states
+and registered objects and loads them with ``torch.load(weights_only=False)``, which runs whatever
+code a crafted file holds. Everything is written under a temporary name and renamed, so a crash
+never leaves a half checkpoint that resume would pick; a resume that finds the latest checkpoint
+unreadable falls back to the one before.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+
+from unirl.state_files import StateFileError, load_state, save_state
+
+
+class CheckpointError(OSError):
+    """A checkpoint that cannot be written or resumed from; the message names the file and what to do."""
+
+
+#: Optimizer settings that its restored ``param_groups`` carry: resuming with another value would
+#: silently keep the saved one (while config.yaml claimed the new), so the change is refused. A key
+#: matches under any ``optim`` section (``optim.lr``, ``critic.optim.lr``); any ``lora`` key changes
+#: the model's shape.
+OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -28,10 +58,25 @@ def last_checkpoint_hint(run_dir: Path) -> str:
     return f"the last checkpoint is {steps[-1]} (resume with trainer.resume=true)"
 
 
+def check_supported(accelerator) -> None:
+    """Fail at setup, not at the first save, where the trainer state cannot be written."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise CheckpointError(
+            f"checkpoints: {accelerator.distributed_type.value} shards the optimizer state, and unirl's pickle-free "
+            f"trainer state (tensors + JSON) is written only for whole models (one process, DDP); run without "
+            f"FSDP/DeepSpeed")
+
+
+# ===================================================================== save
 def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict[str, Any],
-                    keep: int | None) -> Path:
-    """Write ``checkpoints/step_<step>/`` (the policy and ``trainer_state/``) on every process (FSDP
-    gathers the full weights collectively; the main process writes), then keep the newest ``keep``."""
+                    keep: int | None, config: dict[str, Any] | None = None) -> Path:
+    """Write ``checkpoints/step_<step>/`` (the policy and ``trainer_state/``) on every process (the main
+    process writes the shared state, each process its RNG states), then keep the newest ``keep``.
+
+    A failed write (a full disk) removes the partial ``.tmp_step_N`` and says why, naming the last
+    complete checkpoint."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
@@ -40,15 +85,26 @@ def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()  # the directory exists before any process writes into it
-    env.save_pretrained(tmp)
-    accelerator.save_state(str(tmp / "trainer_state"))
+    try:
+        env.save_pretrained(tmp)
+        save_trainer_state(accelerator, tmp / "trainer_state", loop_state, config or {})
+    except Exception as e:  # OSError, or safetensors' own error type ("... (os error 28)") for a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint {final} failed: {_why(e)}; removed the partial {tmp.name}; "
+                              f"{last_checkpoint_hint(run_dir)}") from e
     if accelerator.is_main_process:
-        (tmp / "trainer_state" / "loop.json").write_text(json.dumps(loop_state))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         _prune(root, keep)
     accelerator.wait_for_everyone()
     return final
+
+
+def _why(error: BaseException) -> str:
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text:
+        return f"no space left on device ({text})"
+    return text
 
 
 def _prune(root: Path, keep: int | None) -> None:
@@ -58,33 +114,210 @@ def _prune(root: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def resume(accelerator, run_dir: Path) -> dict[str, Any] | None:
-    """Load the latest checkpoint's ``trainer_state`` into the prepared objects and return its
-    ``loop.json`` (None when there is no checkpoint yet). The logs' rows of steps after it are
-    dropped, so every step appears once."""
+def save_trainer_state(accelerator, directory: Path, loop_state: dict[str, Any], config: dict[str, Any]) -> None:
+    """Every prepared model, optimizer and scheduler, the registered objects, the gradient scaler and
+    each process's RNG states, as safetensors + JSON (see the module docstring)."""
+    check_supported(accelerator)
+    from safetensors.torch import save_model
+
+    if accelerator.is_main_process:
+        directory.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for i, model in enumerate(accelerator._models):
+            save_model(accelerator.unwrap_model(model), str(directory / f"model_{i}.safetensors"))
+        for kind, objects in _stateful(accelerator).items():
+            for i, obj in enumerate(objects):
+                save_state(obj.state_dict(), directory / f"{kind}_{i}")
+        if accelerator.scaler is not None:
+            save_state(accelerator.scaler.state_dict(), directory / "scaler")
+        (directory / "config.json").write_text(json.dumps(config, default=str))
+        (directory / "loop.json").write_text(json.dumps(loop_state))
+    save_state(_rng_states(), directory / f"rng_{accelerator.process_index}")
+
+
+def _stateful(accelerator) -> dict[str, list]:
+    return {"optimizer": accelerator._optimizers, "scheduler": accelerator._schedulers,
+            "custom": accelerator._custom_objects}
+
+
+def _rng_states() -> dict[str, Any]:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+# =================================================================== resume
+def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Load the latest readable checkpoint's ``trainer_state`` into the prepared objects and return its
+    ``loop.json`` (None when there is no checkpoint yet). The logs' rows of steps after it (all rows,
+    without a checkpoint) are dropped, so every step appears once.
+
+    A checkpoint with an unreadable file (truncated, corrupt) is skipped with a warning naming the
+    file, and the one before it is tried; every process takes the same one. A run whose config
+    changes a setting the state carries (``optim.*``, ``model.lora.*``) is refused, naming it."""
+    run_dir = Path(run_dir)
     steps = checkpoint_dirs(run_dir)
+    state = None
     if not steps:
-        accelerator.print(f"resume: no checkpoint in {Path(run_dir) / 'checkpoints'}; starting at step 0")
-        return None
-    latest = steps[-1]
-    accelerator.load_state(str(latest / "trainer_state"))
-    state = json.loads((latest / "trainer_state" / "loop.json").read_text())
+        accelerator.print(f"resume: no checkpoint in {run_dir / 'checkpoints'}; starting at step 0")
+    problems = []
+    for checkpoint in reversed(steps):
+        error = None
+        try:
+            check_config(checkpoint / "trainer_state", config)
+            state = load_trainer_state(accelerator, checkpoint / "trainer_state")
+        except StateFileError as e:
+            error = e
+        if _everyone_ok(accelerator, error is None):
+            break
+        state = None
+        problems.append(str(error or f"{checkpoint}: unreadable on another process"))
+        accelerator.print(f"resume: skipping {checkpoint}: {problems[-1]}")
+    if steps and state is None:
+        raise CheckpointError(f"resume: no checkpoint in {run_dir / 'checkpoints'} can be read: {'; '.join(problems)}")
     if accelerator.is_main_process:
         for name in ("metrics.jsonl", "eval_samples.jsonl"):
-            drop_rows_after(Path(run_dir) / name, state["step"])
+            drop_rows_after(run_dir / name, state["step"] if state else -1)
     accelerator.wait_for_everyone()
-    accelerator.print(f"resumed from {latest} (step {state['step']})")
+    if state is not None:
+        accelerator.print(f"resumed from {checkpoint} (step {state['step']})")
     return state
 
 
+def _everyone_ok(accelerator, ok: bool) -> bool:
+    if accelerator.num_processes == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], device=accelerator.device)
+    return int(accelerator.reduce(flag, reduction="sum")) == 0
+
+
+def check_config(directory: Path, config: dict[str, Any] | None) -> None:
+    """Refuse a resume whose config changes a value the restored state would silently override."""
+    saved_file = directory / "config.json"
+    if config is None or not saved_file.exists():
+        return
+    try:
+        saved = json.loads(saved_file.read_text())
+    except ValueError as e:
+        raise StateFileError(f"{saved_file}: cannot be read ({e})") from e
+    old, new = _flat(saved), _flat(json.loads(json.dumps(config, default=str)))  # tuples as JSON lists, as saved
+    # Keys in both only: a field added since the checkpoint was written (or a run without a config) is no change.
+    changed = [k for k in sorted(set(old) & set(new)) if _state_bearing(k) and old[k] != new[k]]
+    if changed:
+        what = ", ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in changed)
+        raise CheckpointError(
+            f"resume: {what}; the checkpoint's optimizer and model carry the saved value, so the change would be "
+            f"ignored. Resume with the saved value, or start a new run (another --output-dir)")
+
+
+def _state_bearing(key: str) -> bool:
+    parts = key.split(".")
+    return "lora" in parts or ("optim" in parts[:-1] and parts[-1] in OPTIMIZER_KEYS)
+
+
+def _optimizer_settings(accelerator) -> list[list[dict]]:
+    """Each prepared optimizer's settings per parameter group (the learning rate before any schedule)."""
+    return [[{k: group.get("initial_lr", group["lr"]) if k == "lr" else group.get(k) for k in OPTIMIZER_KEYS}
+             for group in optimizer.param_groups] for optimizer in accelerator._optimizers]
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_trainer_state(accelerator, directory: Path) -> dict[str, Any]:
+    """Load what ``save_trainer_state`` wrote into the prepared objects; returns ``loop.json``.
+
+    Raises ``StateFileError`` naming an unreadable file, ``CheckpointError`` for a checkpoint that does
+    not fit this run (another model shape, a different number of models)."""
+    check_supported(accelerator)
+    from safetensors.torch import load_model
+
+    if not (directory / "loop.json").exists() or (directory / "optimizer.bin").exists():
+        if any(directory.glob("*.pkl")) or (directory / "optimizer.bin").exists():
+            raise CheckpointError(f"{directory}: written by an older unirl with pickled state (Accelerate's save_state), "
+                                  f"which resume does not unpickle; start a new run from its weights instead")
+        raise StateFileError(f"{directory / 'loop.json'}: missing")
+    try:
+        loop_state = json.loads((directory / "loop.json").read_text())
+        int(loop_state["step"]), int(loop_state["optimizer_steps"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise StateFileError(f"{directory / 'loop.json'}: cannot be read ({e})") from e
+    for i, model in enumerate(accelerator._models):
+        file = directory / f"model_{i}.safetensors"
+        try:
+            load_model(accelerator.unwrap_model(model), str(file))
+        except RuntimeError as e:  # strict loading: the keys or shapes differ
+            raise CheckpointError(f"{file} does not fit this run's model {i} (was it saved with other model settings, "
+                                  f"e.g. model.lora.enabled?): {str(e).strip().splitlines()[0][:300]}") from e
+        except Exception as e:  # safetensors' error type: a truncated or corrupt file
+            raise StateFileError(f"{file}: cannot be read ({str(e).strip()[:200]})") from e
+    configured = _optimizer_settings(accelerator)
+    for kind, objects in _stateful(accelerator).items():
+        for i, obj in enumerate(objects):
+            stem = directory / f"{kind}_{i}"
+            _load_into(obj, load_state(stem), stem)
+    for i, (now, saved) in enumerate(zip(configured, _optimizer_settings(accelerator))):
+        if now != saved:  # a setting outside an ``optim`` section, which check_config cannot name
+            raise CheckpointError(f"resume: optimizer {i} was saved with {saved[0]}, this run configures {now[0]}; "
+                                  f"the restored state would silently keep the saved settings")
+    if accelerator.scaler is not None:
+        _load_into(accelerator.scaler, load_state(directory / "scaler"), directory / "scaler")
+    stem = directory / f"rng_{accelerator.process_index}"
+    _set_rng_states(load_state(stem), stem)
+    return loop_state
+
+
+def _load_into(obj, state: Any, stem: Path) -> None:
+    try:
+        obj.load_state_dict(state)
+    except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:
+        raise StateFileError(f"{stem}.json: does not fit {type(obj).__name__} ({e})") from e
+
+
+def _set_rng_states(states: Any, stem: Path) -> None:
+    try:
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.set_rng_state(states["torch"])
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise StateFileError(f"{stem}: corrupt RNG state ({e})") from e
+
+
+# ===================================================================== logs
 def drop_rows_after(path: Path, step: int) -> None:
     """Rewrite a JSONL log without the rows of steps after ``step`` (logged after the checkpoint a
-    run resumes from), so that every step appears once. Written to a temporary file and renamed."""
+    run resumes from), so that every step appears once. A torn last line (a crash or a full disk
+    mid-write) is dropped with the rows after the checkpoint; a torn line elsewhere is an error naming
+    it. Written to a temporary file and renamed."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
-    if len(kept) != len(lines):
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                print(f"resume: dropping the torn last line of {path} (line {number})")
+                continue
+            raise CheckpointError(f"{path}:{number}: not a JSON row ({line.strip()[:80]!r}); fix or remove the line "
+                                  f"and resume again") from None
+        if row.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)

@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(verbose=getattr(args, "verbose", False))
     try:
         return _dispatch(args)
-    except KeyboardInterrupt:
-        print("unirl: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"unirl: {e or 'interrupted'}", file=sys.stderr)
+        return _leave_now(getattr(e, "exit_code", 130))
     except _user_error_types() as e:
         if getattr(args, "debug", False):
             raise
@@ -196,15 +196,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _leave_now(code: int) -> int:
+    """``code``, or exit at once when a thread is still busy (a reward that hangs in a worker): the
+    interpreter would otherwise wait for it at exit, and an interrupt must stop the run."""
+    import os
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def _dispatch(args) -> int:
     from unirl.preemption import Preempted
 
     if args.command == "train":
+        import signal
+
+        from unirl.preemption import stop_during_startup
+
+        # SIGTERM before the loop takes over (checks, loading, vLLM start-up) stops with one line, not silently.
+        previous = signal.signal(signal.SIGTERM, stop_during_startup)
         try:
             train(args.env, args.config, args.overrides, args.output_dir, args.dry_run)
         except Preempted as e:  # a signal-stopped run: one line saying where its checkpoint is
             print(f"unirl: {e}", file=sys.stderr)
             return e.exit_code
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         return 0
     if args.command == "eval":
         ks = [int(k) for k in args.k.split(",") if k.strip()]

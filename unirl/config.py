@@ -198,7 +198,11 @@ def _apply_override(cls: type, data: dict, item: str) -> None:
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=5)")
-    value = parse_yaml(text)
+    try:
+        value = parse_yaml(text)
+    except yaml.YAMLError as err:  # e.g. an unclosed [ or {: one line, not the parser's report
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); quote it or close its brackets") from None
     parts: list[str | int] = [int(p) if p.isdigit() else p for p in key.replace("[", ".").replace("]", "").split(".")]
     if any(p == "" for p in parts):
         raise ConfigError(f"override {item!r}: malformed key {key!r}")

@@ -62,12 +62,13 @@ class Trainer:
         scheduler = build_scheduler(optimizer, self.optim_cfg)
         model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.env.model = model
+        checkpoints.check_supported(self.accelerator)
         for obj in self.env.checkpoint_objects():
             self.accelerator.register_for_checkpointing(obj)
         self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
-        self.run_log.start(self.config_dict)
-        if cfg.resume:
+        if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
             self._resume()
+        self.run_log.start(self.config_dict)
         self.env.sync_weights()
 
     def _guard_run_dir(self) -> None:
@@ -83,14 +84,20 @@ class Trainer:
 
         SIGTERM (what SLURM and spot instances send) or SIGINT lets the current step finish, saves a
         checkpoint, closes the engines and raises ``Preempted`` (exit status 143 / 130 from the CLI).
-        A second SIGINT interrupts at once."""
-        self.setup()
+        A second signal interrupts at once."""
+        self.signals.install(starting=True)  # a signal during start-up (a slow vLLM start) stops it with one line
+        try:
+            self.setup()
+        except BaseException:
+            self.signals.restore()
+            self.env.close()  # what started (an engine, reward threads) is released on the way out
+            raise
+        self.signals.starting = False
         history = []
         progress = Progress(self.cfg, self.step, self.accelerator.is_main_process)
-        self.signals.install()
         try:
             if self.cfg.eval_every and self.step == 0:
-                self.run_log.log({"step": 0, **self.evaluate()})
+                self._evaluate_and_log()
             while self.step < self.cfg.total_steps:
                 try:
                     metrics = self.train_step()
@@ -100,10 +107,12 @@ class Trainer:
                 self.run_log.log(metrics)
                 progress.update(metrics)
                 last = self.step == self.cfg.total_steps
+                # The finished run is saved before its last evaluation, so a failing evaluation loses no
+                # step; a periodic checkpoint comes after its evaluation (the state a resumed run goes on from).
+                saved = self.save_checkpoint() if last else None
                 if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or last):
-                    self.run_log.log({"step": self.step, **self.evaluate()})
-                saved = None
-                if (self.cfg.save_every and self.step % self.cfg.save_every == 0) or last:
+                    self._evaluate_and_log()
+                if self.cfg.save_every and self.step % self.cfg.save_every == 0 and not last:
                     saved = self.save_checkpoint()
                 if not last and self.signals.requested(self.accelerator):
                     raise self.signals.preempted(self.step, saved or self.save_checkpoint(), self.run_dir)
@@ -432,6 +441,16 @@ class Trainer:
         self.env.after_optimizer_step(self.optimizer_steps)
         return grad_norm
 
+    def _evaluate_and_log(self) -> None:
+        """``evaluate`` and its row in the logs; a failure says where the last checkpoint is."""
+        try:
+            self.run_log.log({"step": self.step, **self.evaluate()})
+        except RewardError as e:
+            raise RewardError(f"evaluation at step {self.step}: {e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
+        except Exception as e:
+            e.add_note(f"unirl: evaluation at step {self.step} failed; {checkpoints.last_checkpoint_hint(self.run_dir)}")
+            raise
+
     def evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
         out = self.env.evaluation(self.step, self.run_dir)
@@ -464,10 +483,10 @@ class Trainer:
         """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.checkpoints``)."""
         state = {"step": self.step, "optimizer_steps": self.optimizer_steps}
         return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
-                                           keep=self.cfg.keep_checkpoints)
+                                           keep=self.cfg.keep_checkpoints, config=self.config_dict)
 
     def _resume(self) -> None:
-        state = checkpoints.resume(self.accelerator, self.run_dir)
+        state = checkpoints.resume(self.accelerator, self.run_dir, self.config_dict)
         if state is not None:
             self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
 

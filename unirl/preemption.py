@@ -1,13 +1,14 @@
 """Stopping a run cleanly on SIGTERM / SIGINT (what SLURM, spot instances and Ctrl-C send).
 
 The first signal asks the loop to stop after the current step: it saves a checkpoint, closes the
-engines and raises ``Preempted`` (exit status 143 / 130 from the CLI). A second SIGINT interrupts
-at once. With several processes every one stops after the same step.
+engines and raises ``Preempted`` (exit status 143 / 130 from the CLI). A second signal of either
+kind interrupts at once (``StopNow``), also while the step waits on a reward that hangs. With several processes every one stops after the same step.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -25,21 +26,54 @@ class Preempted(RuntimeError):
         self.exit_code = exit_code
 
 
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM / SIGINT: stop at once, without finishing the step (the exit status is the signal's)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped at once by a second {signal.Signals(signum).name}; the step in progress is lost, "
+                         f"the checkpoints written so far are kept")
+        self.exit_code = SIGNAL_EXIT.get(signum, 130)
+
+
+class StartupStopped(KeyboardInterrupt):
+    """SIGTERM / SIGINT before the first step (checks, model loading, vLLM start-up): one line and the
+    signal's exit status instead of a silent death, and the stack unwinds so what started is cleaned up.
+    A ``KeyboardInterrupt``, so library code catching ``Exception`` lets it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} during start-up, before any step; nothing was "
+                         f"trained or saved by this run")
+        self.exit_code = SIGNAL_EXIT.get(signum, 143)
+
+
+def stop_during_startup(signum, frame):
+    """A signal handler for start-up: raise ``StartupStopped``."""
+    raise StartupStopped(signum)
+
+
 class StopSignals:
     """Records SIGTERM / SIGINT while installed; the loop asks ``requested`` after each step."""
 
     def __init__(self):
         self.signal: int | None = None
         self._previous: dict = {}
+        #: While True (start-up: loading models, starting vLLM) a signal stops at once with ``Preempted``:
+        #: there is no step to finish, and the default action would die without a word or a clean-up.
+        self.starting = False
 
-    def install(self) -> None:
+    def install(self, starting: bool = False) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
+        self.starting = starting
 
         def handler(signum, frame):
-            if self.signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            if self.starting:
+                raise StartupStopped(signum)
+            if self.signal is not None:
+                raise StopNow(signum)  # a second signal (Ctrl-C, or a SIGTERM while a step hangs): stop now
             self.signal = signum
+            print(f"unirl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint "
+                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
         self._previous = {sig: signal.signal(sig, handler) for sig in SIGNAL_EXIT}
 

@@ -112,8 +112,8 @@ def _diffusion_rows(split: str) -> Callable[[str], list[dict]]:
 
 
 def _text_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
-    """Rows from a ``.jsonl``/``.json``/``.parquet`` file, a hub dataset, or ``tiny``; the first ones
-    become prompts with the configured adapter."""
+    """Rows from a ``.jsonl``/``.json``/``.parquet`` file, a hub dataset, or ``tiny``; every row must
+    become a prompt with the configured adapter (a bad one is named ``file:line``)."""
     from unirl.text.data import load_rows, to_prompt_rows
 
     data = cfg.data
@@ -137,7 +137,7 @@ def _text_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
             rows = load_rows(path)
             if not rows:
                 raise ValueError(f"{path}: no rows")
-            to_prompt_rows(rows[:8], adapter=data.adapter, prompt_key=data.prompt_key, source=path)
+            to_prompt_rows(rows, adapter=data.adapter, prompt_key=data.prompt_key, source=path)  # every row
             return rows
 
         rows = _load(what, source, config_dir, report, load)

@@ -32,6 +32,15 @@ def add_subcommands(subparsers) -> None:
                          help="how long a request may wait for others to join its call (default 2)")
     p_serve.add_argument("--max-queue", type=int, default=1024, metavar="N",
                          help="requests waiting before more are answered 503, which clients retry (default 1024)")
+    p_serve.add_argument("--max-body-mb", type=float, default=64.0, metavar="MB",
+                         help="largest request body accepted, in MiB (default 64; larger ones are answered 413)")
+    p_serve.add_argument("--body-timeout-s", type=float, default=30.0, metavar="S",
+                         help="seconds a request body may take to arrive (default 30; slower senders get 408)")
+    p_serve.add_argument("--token", default=None,
+                         help="a shared secret every request must send as 'Authorization: Bearer TOKEN' (default: "
+                              "$UNIRL_REWARD_TOKEN, else none); use it whenever --host is not 127.0.0.1")
+    p_serve.add_argument("--grace-s", type=float, default=10.0, metavar="S",
+                         help="on SIGTERM/SIGINT, seconds the requests in flight get to finish (default 10)")
     p_serve.set_defaults(func=serve_command)
 
 
@@ -67,8 +76,9 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     try:
         server = make_server(args.name, args.host, args.port, kwargs, max_batch=args.max_batch,
-                             max_wait_ms=args.max_wait_ms, max_queue=args.max_queue)
-    except (RewardError, ValueError, OSError) as err:
+                             max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, max_body_mb=args.max_body_mb,
+                             body_timeout_s=args.body_timeout_s, token=args.token, grace_s=args.grace_s)
+    except (RewardError, ValueError, OSError, OverflowError) as err:
         print(f"unirl serve-reward: {err}", file=sys.stderr)
         return 1
     host, port = server.server_address[:2]
@@ -79,7 +89,23 @@ def serve_command(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
-    return 0
+    return _leave(0)
+
+
+def _leave(code: int) -> int:
+    """``code``, or exit at once when the reward's thread still runs a call (a hung reward, abandoned
+    after the grace period): the interpreter would otherwise wait for it forever at exit."""
+    import os
+    import threading
+
+    busy = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    for thread in busy:
+        thread.join(0.5)  # an idle worker thread ends at once after the shutdown
+    if any(t.is_alive() for t in busy):
+        print("unirl serve-reward: a reward call was still running; abandoned", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

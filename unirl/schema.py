@@ -8,6 +8,7 @@ types fail with the dotted path of the bad key. Environment configs (``unirl/tex
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -15,6 +16,35 @@ from unirl.config import FILE_SPEC
 
 #: Trackers ``trainer.log_with`` accepts: the module that must import, and the package to install.
 TRACKERS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
+#: Advantage estimators whose baseline is the prompt's group: with one sample a group every advantage is 0.
+GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce++-baseline"})
+
+
+def check_range(owner: Any, name: str, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False, optional: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``owner.<name>`` lies in the range (NaN never does;
+    None only when ``optional``). The config loader prefixes the section's path (``optim: max_grad_norm ...``)."""
+    value = getattr(owner, name)
+    if value is None and optional:
+        return
+    ok = value is not None and value == value
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        expected = " and ".join(part for part in (lo, hi) if part) + (" or null" if optional else "")
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_groups(algo: "AlgoConfig", trainer: "TrainerConfig") -> None:
+    """A group estimator with one sample per prompt trains on all-zero advantages: refused."""
+    if algo.adv_estimator in GROUP_ESTIMATORS and trainer.group_size < 2:
+        raise ValueError(
+            f"trainer.group_size={trainer.group_size}: algo.adv_estimator={algo.adv_estimator} compares the samples "
+            f"of one prompt, so a group of one gives every advantage 0 (nothing is learned); use group_size >= 2")
 
 
 @dataclass
@@ -80,6 +110,11 @@ class AlgoConfig:
             raise ValueError(f"kl_clamp must be > 0 or null, got {self.kl_clamp}")
         if self.adv_eps < 0:
             raise ValueError(f"adv_eps must be >= 0, got {self.adv_eps}")
+        check_range(self, "adv_eps", low=0)  # NaN passes the comparison above
+        check_range(self, "adv_clip", low=0, low_open=True, optional=True)  # -1 would set every advantage to -1
+        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+            check_range(self, name, low=0)
+        check_range(self, "clip_low", low=0, high=1, high_open=True)  # the ratio's lower bound 1 - clip_low > 0
         if self.level == "sequence" and self.loss_agg != "seq-mean-token-mean":
             raise ValueError(
                 f"level=sequence (GSPO) aggregates with loss_agg=seq-mean-token-mean, as verl does; "
@@ -103,6 +138,14 @@ class OptimConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        check_range(self, "lr", low=0, low_open=True)  # NaN passes the comparison above
+        # max_grad_norm < 0 reverses the gradient, 0 zeroes it: neither trains.
+        check_range(self, "max_grad_norm", low=0, low_open=True, optional=True)
+        check_range(self, "weight_decay", low=0)
+        check_range(self, "eps", low=0, low_open=True)
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas[{i}] must be >= 0 and < 1, got {beta!r}")
 
 
 @dataclass
@@ -112,6 +155,15 @@ class RewardConfig:
     name: str = field(default="gsm8k", metadata=FILE_SPEC)
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Seconds one call of this reward may take before the run stops with an error naming it (a hung
+    #: reward otherwise hangs the run); null: no limit. An ``http://`` reward's client has its own
+    #: ``kwargs.timeout`` per attempt.
+    timeout_s: Optional[float] = None
+
+    def __post_init__(self):
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight must be a finite number, got {self.weight!r}")
+        check_range(self, "timeout_s", low=0, low_open=True, optional=True)
 
 
 @dataclass
@@ -175,6 +227,9 @@ class TrainerConfig:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
+        for name in ("eval_every", "save_every"):
+            check_range(self, name, low=0)
+        check_range(self, "seed", low=0, high=2**32 - 1)  # numpy's seeds
         for tracker in self.log_with:
             if tracker not in TRACKERS:
                 raise ValueError(f"log_with: unknown tracker {tracker!r}; choose from {', '.join(TRACKERS)}")

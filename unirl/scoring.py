@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -70,7 +71,7 @@ class RewardSet:
             raise ValueError(f"{len(samples)} samples but {len(prompts)} prompts")
         out = {}
         for cfg, fn, name in zip(self.configs, self.fns, self.names):
-            scores = score_batch(fn, samples, name=cfg.name, prompts=prompts, **columns)
+            scores = _within(cfg, lambda: score_batch(fn, samples, name=cfg.name, prompts=prompts, **columns))
             out[name] = torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float32)  # [n]
         return out
 
@@ -115,9 +116,10 @@ class RewardSet:
         return self.combine(self.components(samples, prompts=prompts, columns=columns), group_ids)
 
     def close(self) -> None:
-        """Wait for submitted chunks and stop the worker threads."""
+        """Stop the worker threads without waiting: a finished run has taken every result, and a failed
+        or interrupted one must not wait on a reward that hangs (chunks not started are cancelled)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
     def __enter__(self) -> "RewardSet":
@@ -125,6 +127,33 @@ class RewardSet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _within(cfg: RewardConfig, call):
+    """``call()`` (one reward over a batch), or a ``RewardError`` naming the reward when it takes more
+    than ``cfg.timeout_s`` seconds. The call then goes on in its (daemon) thread, which cannot be
+    stopped from outside, but no longer holds the run or its exit."""
+    if cfg.timeout_s is None:
+        return call()
+    from rewards.registry import RewardError
+
+    outcome: dict[str, Any] = {}
+
+    def run():
+        try:
+            outcome["scores"] = call()
+        except BaseException as e:  # handed to the caller below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name=f"unirl-reward-{cfg.name}", daemon=True)
+    thread.start()
+    thread.join(cfg.timeout_s)
+    if thread.is_alive():
+        raise RewardError(f"reward {cfg.name!r}: no answer after {cfg.timeout_s:g} s (its timeout_s); a hung reward "
+                          f"stops the run rather than hanging it")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["scores"]
 
 
 #: A loaded OpenMP runtime in /proc/self/maps: GNU libgomp, Intel libiomp5, LLVM libomp.

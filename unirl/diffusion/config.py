@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from unirl.config import PATH
-from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig
+from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
@@ -30,6 +30,11 @@ class LoraConfig:
     alpha: int = 64
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(SD3_LORA_TARGETS))
+
+    def __post_init__(self):
+        check_range(self, "r", low=1)
+        check_range(self, "alpha", low=0, low_open=True)
+        check_range(self, "dropout", low=0, high=1, high_open=True)
 
 
 @dataclass
@@ -114,6 +119,9 @@ class SamplingConfig:
             raise ValueError(f"timestep_fraction must lie in (0, 1], got {self.timestep_fraction}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        for name in ("resolution", "max_sequence_length"):
+            check_range(self, name, low=1)
+        check_range(self, "flux_guidance", low=0)
         w = self.sde_window
         lo, hi = w.range if w.range is not None else (0, self.num_steps)
         if w.size < 0:
@@ -158,6 +166,10 @@ class DataConfig:
     grid_size: int = 16
     shuffle: bool = True
 
+    def __post_init__(self):
+        check_range(self, "eval_size", low=1, optional=True)
+        check_range(self, "grid_size", low=0)
+
 
 @dataclass
 class DiffusionConfig:
@@ -181,6 +193,7 @@ class DiffusionConfig:
     def __post_init__(self):
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
+        check_groups(self.algo, self.trainer)
         if self.model.family == "flux" and self.sampling.guidance_scale != 1:
             raise ValueError(
                 f"sampling.guidance_scale={self.sampling.guidance_scale}: FLUX.1 is guidance-distilled and takes "

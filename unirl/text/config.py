@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from unirl.config import PATH
-from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig
+from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
 
 
 @dataclass
@@ -16,6 +16,11 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def __post_init__(self):
+        check_range(self, "r", low=1)
+        check_range(self, "alpha", low=0, low_open=True)
+        check_range(self, "dropout", low=0, high=1, high_open=True)
 
 
 @dataclass
@@ -59,11 +64,19 @@ class DataConfig:
     prompt_key: str = "question"
     #: Apply the tokenizer's chat template when it has one.
     chat_template: bool = True
-    #: Prompts longer than this (tokens) are an error.
+    #: Prompts longer than this (tokens, after the chat template) are found before training: an error
+    #: naming them, or dropped with ``filter_overlong_prompts``.
     max_prompt_length: int = 256
+    #: Drop the rows whose prompt is longer than ``max_prompt_length`` (verl's
+    #: ``data.filter_overlong_prompts``; default false there too) instead of stopping the run.
+    filter_overlong_prompts: bool = False
     #: Number of held-out rows used per evaluation (null: all).
     eval_size: Optional[int] = None
     shuffle: bool = True
+
+    def __post_init__(self):
+        check_range(self, "max_prompt_length", low=1)
+        check_range(self, "eval_size", low=1, optional=True)
 
 
 @dataclass
@@ -83,6 +96,16 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     #: Greedy decoding length for evaluation (null: max_new_tokens).
     eval_max_new_tokens: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "tensor_parallel_size"):
+            check_range(self, name, low=1)
+        for name in ("max_model_len", "eval_max_new_tokens"):
+            check_range(self, name, low=1, optional=True)
+        check_range(self, "top_p", low=0, high=1, low_open=True)
+        check_range(self, "gpu_memory_utilization", low=0, high=1, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
 
 
 @dataclass
@@ -104,3 +127,4 @@ class TextConfig:
             raise ValueError(f"model.logprob_chunk_size must be >= 1 or null, got {self.model.logprob_chunk_size}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
+        check_groups(self.algo, self.trainer)

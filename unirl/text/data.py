@@ -54,22 +54,47 @@ def to_prompt_rows(rows: list[dict], *, adapter: str, prompt_key: str, source: s
     """Rows with a ``prompt`` (the user message) plus every original column.
 
     ``gsm8k`` appends verl's instruction and adds ``answer`` = the gold number; ``plain`` takes
-    the ``prompt_key`` column as is.
+    the ``prompt_key`` column as is. Every row is checked (a JSON object whose ``prompt_key`` is a
+    string); a bad one is a ``ValueError`` naming its place (``file:line`` for a .jsonl file).
     """
     out = []
     for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{row_place(source, i)}: row {i} must be a JSON object with a {prompt_key!r} column, "
+                             f"got {json.dumps(row)[:80]}")
         if prompt_key not in row:
-            raise KeyError(f"{source}: row {i} has no {prompt_key!r} column (columns: {sorted(row)})")
+            raise ValueError(f"{row_place(source, i)}: row {i} has no {prompt_key!r} column (columns: {sorted(row)})")
+        if not isinstance(row[prompt_key], str):
+            raise ValueError(f"{row_place(source, i)}: row {i}'s {prompt_key!r} must be a string, got "
+                             f"{json.dumps(row[prompt_key], default=str)[:80]}")
         new = dict(row)
         if adapter == "gsm8k":
             if "answer" not in row:
-                raise KeyError(f"{source}: row {i} has no 'answer' column, which the gsm8k adapter needs")
+                raise ValueError(f"{row_place(source, i)}: row {i} has no 'answer' column, which the gsm8k adapter needs")
             new["prompt"] = f"{row[prompt_key]} {GSM8K_INSTRUCTION}"
-            new["answer"] = gsm8k_gold(str(row["answer"]))
+            try:
+                new["answer"] = gsm8k_gold(str(row["answer"]))
+            except ValueError as e:
+                raise ValueError(f"{row_place(source, i)}: row {i}: {e}") from None
         else:
-            new["prompt"] = str(row[prompt_key])
+            new["prompt"] = row[prompt_key]
         out.append(new)
     return out
+
+
+def row_place(source: str, index: int) -> str:
+    """Where row ``index`` (0-based, as ``load_rows`` returns them) sits: ``file:line`` for a .jsonl
+    file (blank lines are skipped by the loader), else the source itself. Read only for an error."""
+    from unirl.data_paths import local_path
+
+    path = local_path(source)
+    if path.suffix == ".jsonl" and path.exists():
+        with open(path) as f:
+            numbers = (lineno for lineno, line in enumerate(f, 1) if line.strip())
+            for k, lineno in enumerate(numbers):
+                if k == index:
+                    return f"{path}:{lineno}"
+    return source
 
 
 class PromptSampler:

@@ -96,7 +96,29 @@ class TextEnvironment(Environment):
             if source == "tiny":
                 raise ValueError("data.train/test='tiny' needs model.name_or_path='tiny' (the task ships with the tiny model)")
         rows = load_rows(source, split=split, hub_config=self.cfg.data.hub_config)
-        return to_prompt_rows(rows, adapter=self.cfg.data.adapter, prompt_key=self.cfg.data.prompt_key, source=source)
+        rows = to_prompt_rows(rows, adapter=self.cfg.data.adapter, prompt_key=self.cfg.data.prompt_key, source=source)
+        return self._within_prompt_length(rows, source, which)
+
+    def _within_prompt_length(self, rows: list[dict], source: str, which: str) -> list[dict]:
+        """Every prompt measured once before training: the rows longer than ``data.max_prompt_length``
+        are dropped (``data.filter_overlong_prompts``) or stop the run, named ``file:line``."""
+        from unirl.text.data import row_place
+
+        limit = self.cfg.data.max_prompt_length
+        lengths = [len(self._prompt_ids(row["prompt"])) for row in rows]
+        over = [i for i, n in enumerate(lengths) if n > limit]
+        if not over:
+            return rows
+        if self.cfg.data.filter_overlong_prompts:
+            self.accelerator.print(f"data.{which}: dropped {len(over)} of {len(rows)} prompts longer than "
+                                   f"data.max_prompt_length={limit} tokens (data.filter_overlong_prompts)")
+            kept = [row for i, row in enumerate(rows) if lengths[i] <= limit]
+            if not kept:
+                raise ValueError(f"data.{which}: every prompt of {source} is longer than data.max_prompt_length={limit}")
+            return kept
+        shown = ", ".join(f"{row_place(source, i)} (row {i}, {lengths[i]} tokens)" for i in over[:3])
+        raise ValueError(f"data.{which}: {len(over)} prompt(s) longer than data.max_prompt_length={limit} tokens, first "
+                         f"{shown}; raise data.max_prompt_length or set data.filter_overlong_prompts=true to drop them")
 
     @property
     def model(self):
@@ -110,14 +132,16 @@ class TextEnvironment(Environment):
     def next_prompts(self, step: int) -> list[dict]:
         return self.sampler.batch(step)
 
+    def _prompt_ids(self, text: str) -> list[int]:
+        if self.cfg.data.chat_template and self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+        return self.tokenizer(text).input_ids
+
     def encode_prompt(self, row: dict, index: int = 0) -> list[int]:
         text = row["prompt"]
-        if self.cfg.data.chat_template and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
-        else:
-            ids = self.tokenizer(text).input_ids
-        if len(ids) > self.cfg.data.max_prompt_length:
+        ids = self._prompt_ids(text)
+        if len(ids) > self.cfg.data.max_prompt_length:  # checked for every row at setup; kept for rows given directly
             raise ValueError(f"prompt {index} has {len(ids)} tokens > data.max_prompt_length="
                              f"{self.cfg.data.max_prompt_length}: {text[:80]!r}...")
         return list(ids)

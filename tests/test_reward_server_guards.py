@@ -1,0 +1,157 @@
+"""The reward server against a hostile or careless client, and its client against a restart.
+
+The server's ``--kwargs`` win (a request naming one is refused), bodies have a size limit and an
+arrival timeout, a shared token guards every path but ``/health``, SIGTERM ends it even while a
+reward call hangs, and the client keeps retrying through a server restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rewards.registry import RewardError
+from rewards.remote import RemoteReward, make_server
+
+REPO = Path(__file__).resolve().parents[1]
+REWARD = '''
+import pathlib, time
+
+def scaled(samples, *, prompts=None, correct_score=1.0, **kwargs):
+    return [correct_score * len(s) for s in samples]
+
+def hang(samples, *, marker, **kwargs):
+    pathlib.Path(marker).touch()
+    time.sleep(3600)
+'''
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start a server of ``scaled`` (or ``fn``) in a thread with the given settings; stop them all."""
+    (tmp_path / "guarded.py").write_text(REWARD)
+    servers = []
+
+    def start(kwargs=None, fn="scaled", port=0, **settings):
+        server = make_server(f"{tmp_path / 'guarded.py'}:{fn}", "127.0.0.1", port, kwargs, **settings)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}", server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url + "/score", data=body, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_the_servers_kwargs_win_and_a_request_naming_one_is_refused(serve):
+    url, _ = serve({"correct_score": 2.0})
+    assert RemoteReward(url)(["ab"], prompts=["p"]) == [4.0]
+    body = json.dumps({"samples": ["ab"], "prompts": ["p"], "columns": {"correct_score": [1000]}}).encode()
+    status, answer = _post(url, body)
+    assert status == 400 and "'correct_score' are settings of this server" in answer["error"]
+    with pytest.raises(RewardError, match="HTTP 400: request column"):
+        RemoteReward(url)(["ab"], prompts=["p"], correct_score=[1000])
+
+
+def test_a_body_over_the_limit_is_refused(serve):
+    url, _ = serve(max_body_mb=1 / 1024)  # 1 KiB
+    small = json.dumps({"samples": ["ab"], "prompts": ["p"]}).encode()
+    assert _post(url, small) == (200, {"scores": [2.0]})
+    status, answer = _post(url, json.dumps({"samples": ["x" * 4096], "prompts": ["p"]}).encode())
+    assert status == 413 and "over the server's limit of 1024" in answer["error"]
+
+
+def test_a_slow_sender_is_cut_off(serve):
+    url, server = serve(body_timeout_s=0.5)
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"samples\": [")  # and nothing more
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in answer
+
+
+def test_a_shared_token_guards_the_server(serve, monkeypatch):
+    url, _ = serve(token="s3cret")
+    body = json.dumps({"samples": ["ab"], "prompts": ["p"]}).encode()
+    assert _post(url, body)[0] == 401
+    assert _post(url, body, {"Authorization": "Bearer wrong"})[0] == 401
+    with pytest.raises(RewardError, match="HTTP 401: missing or wrong token"):
+        RemoteReward(url, retry_for=0)(["ab"], prompts=["p"])
+    assert RemoteReward(url, token="s3cret")(["ab"], prompts=["p"]) == [2.0]
+    monkeypatch.setenv("UNIRL_REWARD_TOKEN", "s3cret")  # the client's default
+    assert RemoteReward(url)(["ab"], prompts=["p"]) == [2.0]
+    with urllib.request.urlopen(url + "/health", timeout=30) as response:  # open, for load balancers
+        assert response.status == 200
+
+
+def test_the_client_outlasts_a_server_restart(serve):
+    url, server = serve()
+    port = server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    restarted = threading.Timer(2.0, lambda: serve(port=port))  # down for about 2 s
+    restarted.start()
+    try:
+        assert RemoteReward(url, backoff=0.2, retry_for=60)(["abc"], prompts=["p"]) == [3.0]
+    finally:
+        restarted.join()
+    with pytest.raises(RewardError, match=r"unreachable: 1 attempt\(s\)"):  # retry_for=0: one attempt
+        RemoteReward("http://127.0.0.1:9", retry_for=0)(["abc"], prompts=["p"])
+
+
+def test_serve_reward_exits_on_sigterm_while_a_call_hangs(tmp_path):
+    (tmp_path / "guarded.py").write_text(REWARD)
+    marker = tmp_path / "called"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unirl.reward_commands", "serve-reward", f"{tmp_path / 'guarded.py'}:hang", "--port", "0",
+         "--grace-s", "0.5", "--kwargs", json.dumps({"marker": str(marker)})],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        url = proc.stdout.readline().split(" at ")[1].strip()
+        body = json.dumps({"samples": ["a"]}).encode()
+
+        def send():
+            with pytest.raises(OSError):  # the server goes away without answering
+                urllib.request.urlopen(url + "/score", data=body)
+
+        client = threading.Thread(target=send, daemon=True)
+        client.start()
+        while not marker.exists():
+            assert proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    # Ended by the signal after the grace period (uvicorn re-raises it once the server stopped), not hung.
+    assert proc.returncode == -signal.SIGTERM, stderr
+    assert "timeout graceful shutdown exceeded" in stderr
+
+
+def test_a_port_out_of_range_is_one_line(capsys):
+    from unirl.cli import main
+
+    assert main(["serve-reward", "gsm8k", "--port", "70000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["unirl serve-reward: port must be in 0..65535 (0 picks a free one), got 70000"]

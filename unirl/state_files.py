@@ -1,0 +1,104 @@
+"""Training state on disk as tensors and plain data only, read back without unpickling.
+
+A nested state (an optimizer's or scheduler's ``state_dict``, an EMA, RNG states) is written as two
+files: ``<stem>.safetensors`` with its tensors and ``<stem>.json`` with everything else (dicts,
+lists, tuples, numbers, strings, None), where each tensor is a reference into the safetensors file.
+Neither format can run code when read, whatever a library would do with a pickle. Anything that is
+not one of these types is refused when saving, with the path of the value, rather than pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class StateFileError(OSError):
+    """A state file that cannot be read back (missing, truncated, corrupt, or not ours)."""
+
+
+def save_state(state: Any, stem: Path) -> None:
+    """Write ``state`` to ``<stem>.safetensors`` and ``<stem>.json``."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    plain = _encode(state, tensors, "state")
+    save_file(tensors, str(stem) + ".safetensors")
+    Path(str(stem) + ".json").write_text(json.dumps(plain))
+
+
+def load_state(stem: Path) -> Any:
+    """Read back what ``save_state`` wrote (tensors on the CPU); ``StateFileError`` names the file
+    that cannot be read."""
+    from safetensors.torch import load_file
+
+    tensor_file, json_file = Path(str(stem) + ".safetensors"), Path(str(stem) + ".json")
+    try:
+        tensors = load_file(str(tensor_file))
+    except Exception as e:  # safetensors' own error type, or OSError
+        raise StateFileError(f"{tensor_file}: cannot be read ({_first_line(e)})") from e
+    try:
+        plain = json.loads(json_file.read_text())
+        return _decode(plain, tensors)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StateFileError(f"{json_file}: cannot be read ({_first_line(e)})") from e
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+# A JSON object of ours is tagged by one of these keys; a dict whose keys are all strings and none of
+# them a tag is written as a plain JSON object.
+_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__items__", "__npscalar__")
+
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        key = str(len(tensors))
+        # A copy on the CPU, contiguous and owning its memory (safetensors refuses shared storage).
+        tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, np.ndarray):
+        key = str(len(tensors))
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(value).astype(np.int64 if value.dtype.kind in "iub" else
+                                                                          np.float64))
+        return {"__ndarray__": key, "dtype": value.dtype.str}
+    if isinstance(value, np.generic):
+        return {"__npscalar__": value.item(), "dtype": value.dtype.str}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and k not in _TAGS for k in value):
+            return {k: _encode(v, tensors, f"{path}.{k}") for k, v in value.items()}
+        return {"__items__": [[_encode(k, tensors, f"{path} key"), _encode(v, tensors, f"{path}[{k!r}]")]
+                              for k, v in value.items()]}
+    raise TypeError(f"{path}: a {type(value).__name__} cannot be saved as tensors and plain data (it would need "
+                    f"pickle); state_dict() should return tensors, numbers, strings, lists and dicts")
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return tensors[value["__ndarray__"]].numpy().astype(np.dtype(value["dtype"]))
+    if "__npscalar__" in value:
+        return np.dtype(value["dtype"]).type(value["__npscalar__"])
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
+    return {k: _decode(v, tensors) for k, v in value.items()}
