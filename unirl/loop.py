@@ -177,15 +177,16 @@ class Trainer:
 
     def drop_zero_advantage(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """FlowGRPO's filter: keep the samples with a non-zero advantage at some token/step, topped up
-        with dropped ones (at random) until the kept count divides into the step's number of
-        mini-batches, so the number of optimizer steps does not change."""
+        with dropped ones (at random) until the kept count divides into the step's micro-batches per
+        process (FlowGRPO: its per-process sampling batches), so the number of optimizer steps does
+        not change and every micro-batch is equally full."""
         adv = rollout.tensors["advantages"]
         nonzero = adv.ne(0) if adv.ndim == 1 else adv.ne(0).any(dim=-1)  # [N]
-        num_mini = self._num_mini_batches()
+        multiple = self._zero_adv_multiple()
         count = int(nonzero.sum())
-        target = count + (-count % num_mini)
+        target = count + (-count % multiple)
         if target == 0 and sum_over_processes(self.accelerator, count) > 0:
-            target = num_mini  # other processes train: this one must take part in every optimizer step
+            target = multiple  # other processes train: this one must take part in every optimizer step
         if target > count:
             dropped = (~nonzero).nonzero().squeeze(-1)
             generator = torch.Generator().manual_seed(self.cfg.seed * 6_151 + self.step)
@@ -194,6 +195,13 @@ class Trainer:
         total, kept_total = sum_over_processes(self.accelerator, len(rollout)), sum_over_processes(self.accelerator, len(kept))
         metrics = {"adv/dropped_frac": 1.0 - kept_total / total, "adv/kept": float(kept_total)}
         return rollout.select(kept), metrics
+
+    def _zero_adv_multiple(self) -> int:
+        """What the zero-advantage filter's kept count is a multiple of: the micro-batches of a step
+        (B*G / micro_batch_size), or the mini-batches when micro-batches are packed by tokens."""
+        if self.cfg.micro_batch_tokens is not None:
+            return self._num_mini_batches()
+        return self.cfg.prompts_per_step * self.cfg.group_size // self.cfg.micro_batch_size
 
     def _num_mini_batches(self) -> int:
         return num_mini_batches(self.cfg.prompts_per_step, self.cfg.group_size, self.cfg.mini_batch_size)

@@ -217,7 +217,7 @@ def _check_rewards(cfg: Any, modality: str, config_dir: Path | None, report: Rep
         from unirl.scoring import RewardSet
 
         try:
-            RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation)
+            RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, eps=cfg.algo.adv_eps)
         except (ValueError, RewardError) as err:
             report.problems.append(str(err) if str(err).startswith("rewards:") else f"rewards: {err}")
 

@@ -29,15 +29,16 @@ class AlgoConfig:
     #: The std convention of ``adv_scale``: ``unbiased`` (Bessel's correction; verl, TRL) or
     #: ``biased`` (numpy's ``np.std``; FlowGRPO's ``PerPromptStatTracker``).
     adv_std: Literal["unbiased", "biased"] = "unbiased"
-    #: Added to the std before dividing (verl/TRL 1e-6; FlowGRPO 1e-4).
+    #: Added to the std before dividing (verl 1e-6; TRL and FlowGRPO 1e-4).
     adv_eps: float = 1e-6
     #: Clamp advantages to [-adv_clip, adv_clip] (FlowGRPO uses 5); null disables.
     adv_clip: Optional[float] = None
     #: Drop samples whose advantage is zero at every token/step before the update (FlowGRPO does),
     #: so under ``token-mean`` they do not dilute the policy term; ``adv/dropped_frac`` logs how many.
-    #: The number of optimizer steps per training step stays the same: the kept samples are split
-    #: into as many mini-batches, topped up with dropped samples (chosen at random) until they
-    #: divide evenly, as FlowGRPO does.
+    #: The number of optimizer steps per training step stays the same: the kept samples are topped up
+    #: with dropped ones (chosen at random) to a multiple of the step's micro-batches per process
+    #: (B*G / micro_batch_size; the mini-batches with micro_batch_tokens), as FlowGRPO tops up to a
+    #: multiple of its per-process sampling batches, so every micro-batch is equally full.
     drop_zero_adv: bool = False
     clip_low: float = 0.2
     #: DAPO's clip-higher uses a larger upper bound (e.g. 0.28).
@@ -64,7 +65,10 @@ class AlgoConfig:
     tis_cap: Optional[float] = None
     #: How several rewards combine (TRL's multi_objective_aggregation): ``sum_then_normalize`` takes
     #: the weighted sum of the raw rewards, then advantages normalise it; ``normalize_then_sum``
-    #: normalises each reward within its group first, then takes the weighted sum.
+    #: normalises each reward within its group first ((r - mean) / (std + adv_eps)), then takes the
+    #: weighted sum, which the advantage estimator normalises again. TRL normalises that sum over the
+    #: batch: ``adv_scale: batch`` with ``adv_eps: 1e-4`` gives TRL's advantages exactly (the sum's
+    #: group means are already 0).
     reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
 
     def __post_init__(self):

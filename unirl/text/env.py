@@ -79,7 +79,8 @@ class TextEnvironment(Environment):
                                      shuffle=cfg.data.shuffle, rank=accelerator.process_index,
                                      world_size=accelerator.num_processes)
         # 4. Rewards and the rollout engine.
-        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers)
+        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
+                                 eps=cfg.algo.adv_eps)
         if cfg.rollout.engine == "vllm":
             r = cfg.rollout
             self.engine = VLLMEngine(
