@@ -59,11 +59,16 @@ class Trainer:
         self.env.setup(self.accelerator)
         model = self.env.model
         optimizer = build_optimizer(model, self.optim_cfg, what="environment's model")
-        scheduler = build_scheduler(optimizer, self.optim_cfg)
-        model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        scheduler = build_scheduler(optimizer, self.optim_cfg,
+                                    total_steps=cfg.total_steps * cfg.ppo_epochs * self._num_mini_batches())
+        # The scheduler is not prepared: Accelerate's wrapper steps it once per process at every call
+        # (it assumes a dataloader split over processes), so 2 processes would warm up twice as fast.
+        model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.scheduler = scheduler
         self.env.model = model
         for obj in self.env.checkpoint_objects():
             self.accelerator.register_for_checkpointing(obj)
+        self.accelerator.register_for_checkpointing(scheduler)  # after the environment's: their files keep their numbers
         self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
         self.run_log.start(self.config_dict)
         if cfg.resume:

@@ -97,16 +97,35 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    #: Linear warm-up steps (optimizer steps), then constant.
+    #: Linear warm-up from 0 over this many optimizer steps (verl's and transformers' ramp: the first
+    #: step runs at LR 0), then ``lr_scheduler``.
     warmup_steps: int = 0
     #: Gradient-norm clipping; null disables.
     max_grad_norm: Optional[float] = 1.0
+    #: After the warm-up: ``constant`` (verl's default), ``linear`` decay to ``min_lr_ratio * lr`` (TRL's
+    #: default, to 0), ``cosine`` half-wave to ``min_lr_ratio * lr`` (verl's cosine). Over the run's
+    #: optimizer steps: total_steps x ppo_epochs x mini-batches per step (unirl/optim.py).
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    #: Warm-up as a fraction of the run's optimizer steps (verl's ``lr_warmup_steps_ratio``, TRL's
+    #: ``warmup_ratio``), rounded down as verl does; use it or ``warmup_steps``, not both.
+    warmup_ratio: float = 0.0
+    #: The LR that ``linear`` and ``cosine`` end at, as a fraction of ``lr`` (verl's ``min_lr_ratio``).
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self):
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_ratio > 0 and self.warmup_steps > 0:
+            raise ValueError("optim.warmup_steps and optim.warmup_ratio are both set; keep one")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass
