@@ -422,9 +422,10 @@ class Trainer:
             kl = aggregate(self.env.kl(cur, ref), mask, algo.loss_agg, **agg)
             loss = loss + algo.kl_coef * kl
             shares["loss/kl"] = kl.detach()
-        if algo.entropy_coef > 0 and "entropy" in cur:
+        if "entropy" in cur:  # logged whatever entropy_coef (text: from the chunked head, no gradient unless trained)
             entropy = aggregate(cur["entropy"], mask, algo.loss_agg, **agg)
-            loss = loss - algo.entropy_coef * entropy
+            if algo.entropy_coef > 0:
+                loss = loss - algo.entropy_coef * entropy
             shares["actor/entropy"] = entropy.detach()
         shares["loss/total"] = shares["loss/policy"] if loss is policy_loss else loss.detach()
         inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}

@@ -169,8 +169,9 @@ class TextEnvironment(Environment):
     # ------------------------------------------------------------- log-probs
     def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling), and
-        their entropies when ``algo.entropy_coef > 0``; ``model.logprob_chunk_size`` tokens at a time, so
-        the full-vocabulary logits never exist (``unirl.text.logprobs``)."""
+        their entropies in the update's forward (grad enabled; logged as ``actor/entropy``, trained only
+        when ``algo.entropy_coef > 0``); ``model.logprob_chunk_size`` tokens at a time, so the
+        full-vocabulary logits never exist (``unirl.text.logprobs``)."""
         if columns != slice(None):
             raise ValueError("the text environment evaluates whole responses (column_slices is one piece)")
         device = self.accelerator.device
@@ -189,7 +190,8 @@ class TextEnvironment(Environment):
         logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
                                           temperature=self.cfg.rollout.temperature,
                                           chunk_size=self.cfg.model.logprob_chunk_size,
-                                          with_entropy=self.cfg.algo.entropy_coef > 0, source=source,
+                                          with_entropy=torch.is_grad_enabled() or self.cfg.algo.entropy_coef > 0,
+                                          entropy_grad=self.cfg.algo.entropy_coef > 0, source=source,
                                           model_kwargs=extra)  # [n, R] each
         out = {"logp": logp, "mask": t["response_mask"]}
         if entropy is not None:
