@@ -24,7 +24,7 @@ from rewards.registry import RewardError
 from unirl import checkpoints
 from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
 from unirl.core import (aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats,
-                        policy_loss_metrics, truncated_importance_weights)
+                        policy_loss_metrics, rollout_is_weights)
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.env import Environment, Rollout
 from unirl.metrics import MetricLog, reduce_over_processes
@@ -409,7 +409,8 @@ class Trainer:
         weights = None
         if algo.tis_cap is not None and "engine_logp" in micro.tensors:
             engine_logp = micro.tensors["engine_logp"][:, columns].to(device)
-            weights = truncated_importance_weights(old_logp, engine_logp, cap=algo.tis_cap)
+            weights = rollout_is_weights(old_logp, engine_logp, mask, mode=algo.rollout_is, high=algo.tis_cap,
+                                         low=algo.rollout_is_min)
         agg = dict(denominator=denominator, seq_lengths=seq_lengths)
         policy_loss, _ = clipped_policy_loss(
             cur["logp"], old_logp, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,

@@ -8,6 +8,7 @@ types fail with the dotted path of the bad key. Environment configs (``unirl/tex
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -61,7 +62,8 @@ class AlgoConfig:
     kl_clamp: Optional[float] = 10.0
     #: Entropy bonus coefficient (text); 0 disables.
     entropy_coef: float = 0.0
-    #: Truncated importance sampling cap for the rollout-engine vs trainer mismatch; null disables.
+    #: Importance-sampling bound C_max for the rollout-engine vs trainer mismatch (TRL's
+    #: ``vllm_importance_sampling_clip_max``, verl's ``rollout_is_threshold``); null: no correction.
     tis_cap: Optional[float] = None
     #: How several rewards combine (TRL's multi_objective_aggregation): ``sum_then_normalize`` takes
     #: the weighted sum of the raw rewards, then advantages normalise it; ``normalize_then_sum``
@@ -70,6 +72,15 @@ class AlgoConfig:
     #: batch: ``adv_scale: batch`` with ``adv_eps: 1e-4`` gives TRL's advantages exactly (the sum's
     #: group means are already 0).
     reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    #: How ``tis_cap`` corrects the mismatch (TRL's ``vllm_importance_sampling_mode``): token_truncate
+    #: (TIS, ``min(rho_t, C)``; what unirl did before the modes), token_mask (tokens outside the
+    #: bounds get weight 0), sequence_truncate / sequence_mask (the same on the product of a
+    #: sequence's ratios: verl's Seq-TIS / Seq-MIS). TRL's default is sequence_mask with C_max 3.
+    #: ``unirl.core.rollout_correction``; the mismatch figures are logged whatever the mode.
+    rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,
+    #: mask modes reject below it; null: none.
+    rollout_is_min: Optional[float] = None
 
     def __post_init__(self):
         if self.clip_low < 0 or self.clip_high < 0:
@@ -84,6 +95,8 @@ class AlgoConfig:
             raise ValueError(f"kl_clamp must be > 0 or null, got {self.kl_clamp}")
         if self.adv_eps < 0:
             raise ValueError(f"adv_eps must be >= 0, got {self.adv_eps}")
+        if self.rollout_is_min is not None and not 0 < self.rollout_is_min < (self.tis_cap or math.inf):
+            raise ValueError(f"algo.rollout_is_min must be in (0, tis_cap={self.tis_cap}), got {self.rollout_is_min}")
         if self.level == "sequence" and self.loss_agg != "seq-mean-token-mean":
             raise ValueError(
                 f"level=sequence (GSPO) aggregates with loss_agg=seq-mean-token-mean, as verl does; "

@@ -14,6 +14,7 @@ from unirl.core.advantages import (
     rloo_advantages,
 )
 from unirl.core.kl import KL_ESTIMATORS, gaussian_kl, kl_divergence
+from unirl.core.rollout_correction import IS_MODES, rollout_is_weights, rollout_mismatch_metrics
 from unirl.core.losses import (
     AGG_MODES,
     aggregate,
@@ -28,6 +29,7 @@ from unirl.core.losses import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "aggregate",
     "aggregate_denominator",
@@ -43,5 +45,7 @@ __all__ = [
     "policy_loss_metrics",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "rollout_is_weights",
+    "rollout_mismatch_metrics",
     "truncated_importance_weights",
 ]

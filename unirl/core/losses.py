@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from unirl.core.rollout_correction import rollout_is_weights
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LEVELS = ("token", "sequence")
 #: verl's clamp of GSPO's sequence log-ratio (``compute_policy_loss_gspo``).
@@ -387,7 +389,8 @@ def truncated_importance_weights(
     trainer/rollout corrects for it without the variance of untruncated weights (TIS: Yao et al.
     2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
     https://fengyao.notion.site/off-policy-rl). Computed as ``exp(min(d, log cap))`` so no ``exp``
-    overflows. Pass the result as ``weights`` to ``clipped_policy_loss``.
+    overflows. Pass the result as ``weights`` to ``clipped_policy_loss``. The ``token_truncate`` mode of
+    ``unirl.core.rollout_correction.rollout_is_weights``, which has the others.
 
     Args:
         old_logp: [N, T] trainer log-probs of the sampled tokens (the "old" policy).
@@ -400,8 +403,7 @@ def truncated_importance_weights(
     _check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap!r}")
-    log_ratio = (old_logp - rollout_logp).detach()  # [N, T]
-    return torch.exp(log_ratio.clamp(max=math.log(cap)))
+    return rollout_is_weights(old_logp, rollout_logp, None, mode="token_truncate", high=cap)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.core import kl_divergence
+from unirl.core import kl_divergence, rollout_is_weights, rollout_mismatch_metrics
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet
 from unirl.text.config import TextConfig
@@ -242,11 +242,23 @@ class TextEnvironment(Environment):
         diff = (rollout.tensors["engine_logp"] - old["logp"].cpu()).abs()[mask]
         lengths = rollout.tensors["response_mask"].sum(-1)
         return {
+            **self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
             "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
             "rollout/response_length_mean": lengths.mean().item(),
             "rollout/truncated_frac": 1.0 - rollout.tensors["finished"].float().mean().item(),
         }
+
+    def _mismatch_metrics(self, engine_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+        """``rollout/mismatch_kl``, ``rollout/ppl_ratio`` ... (``rollout_mismatch_metrics``) whatever the
+        correction mode, and the weights' ``rollout/is_mean`` and ``rollout/is_zero_frac`` when one is on."""
+        algo = self.cfg.algo
+        weights = None
+        if algo.tis_cap is not None:
+            weights = rollout_is_weights(old_logp, engine_logp, mask, mode=algo.rollout_is, high=algo.tis_cap,
+                                         low=algo.rollout_is_min)
+        figures = rollout_mismatch_metrics(old_logp, engine_logp, mask, weights)
+        return {f"rollout/{k}": v for k, v in zip(figures, torch.stack(list(figures.values())).tolist())}
 
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
