@@ -15,6 +15,7 @@ from unirl.core.advantages import (
 )
 from unirl.core.kl import KL_ESTIMATORS, gaussian_kl, kl_divergence
 from unirl.core.rollout_correction import IS_MODES, rollout_is_weights, rollout_mismatch_metrics
+from unirl.core.shaping import overlong_penalty
 from unirl.core.losses import (
     AGG_MODES,
     aggregate,
@@ -42,6 +43,7 @@ __all__ = [
     "grpo_advantages",
     "kl_divergence",
     "masked_mean",
+    "overlong_penalty",
     "policy_loss_metrics",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.core import kl_divergence, rollout_is_weights, rollout_mismatch_metrics
+from unirl.core import kl_divergence, overlong_penalty, rollout_is_weights, rollout_mismatch_metrics
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet
 from unirl.text.config import TextConfig
@@ -164,7 +164,14 @@ class TextEnvironment(Environment):
     def score(self, rollout: Rollout):
         components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
         rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
-        return self.rewards.combine(components, rollout.group_ids)
+        rewards, metrics = self.rewards.combine(components, rollout.group_ids)
+        if self.cfg.overlong.buffer is not None:  # DAPO's soft overlong punishment, on the combined reward
+            penalty = overlong_penalty(rollout.tensors["response_mask"].sum(-1), max_length=self.cfg.rollout.max_new_tokens,
+                                       buffer=self.cfg.overlong.buffer, factor=self.cfg.overlong.penalty_factor)  # [N]
+            rewards = rewards + penalty
+            rollout.tensors["score/overlong_penalty"] = penalty
+            metrics["reward/overlong_penalty"] = penalty.mean().item()
+        return rewards, metrics
 
     # ------------------------------------------------------------- log-probs
     def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
@@ -193,13 +200,20 @@ class TextEnvironment(Environment):
                                           with_entropy=torch.is_grad_enabled() or self.cfg.algo.entropy_coef > 0,
                                           entropy_grad=self.cfg.algo.entropy_coef > 0, source=source,
                                           model_kwargs=extra)  # [n, R] each
-        out = {"logp": logp, "mask": t["response_mask"]}
+        out = {"logp": logp, "mask": self._trained_tokens(t)}
         if entropy is not None:
             out["entropy"] = entropy
         return out
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        return batch.tensors["response_mask"]
+        return self._trained_tokens(batch.tensors)
+
+    def _trained_tokens(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[n, R] the response tokens, without the truncated responses' with ``overlong.mask_truncated``."""
+        mask = tensors["response_mask"]
+        if self.cfg.overlong.mask_truncated:
+            mask = mask * tensors["finished"].to(mask.dtype).unsqueeze(-1)  # TRL's mask_truncated_completions
+        return mask
 
     def trim_padding(self, batch: Rollout) -> Rollout:
         """Prompts (left-padded) cut to the batch's longest, and every response-aligned tensor (the
