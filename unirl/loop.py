@@ -26,6 +26,7 @@ from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, s
 from unirl.core import (aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats,
                         policy_loss_metrics, rollout_is_weights)
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
+from unirl.dynamic_sampling import FilteredBatch, sample_filtered
 from unirl.env import Environment, Rollout
 from unirl.metrics import MetricLog, reduce_over_processes
 from unirl.optim import build_optimizer, build_scheduler
@@ -44,6 +45,7 @@ class Trainer:
         self.config_dict = config_dict or {}
         self.step = 0
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
+        self.prompt_batches = 0  # prompt batches drawn by dynamic sampling (without it, batch k is step k's)
         self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
 
     # ================================================================ setup
@@ -122,10 +124,15 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
         times: dict[str, float] = {}
+        filtered = None
         with _timer(times, "rollout"):
-            rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
+            if self.algo.filter_groups.enabled:  # DAPO: generate and score until enough groups vary
+                filtered = self.dynamic_sampling()
+                rollout = filtered.rollout
+            else:
+                rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
         with _timer(times, "score"):
-            rewards, reward_metrics = self.env.score(rollout)
+            rewards, reward_metrics = (filtered.rewards, filtered.reward_metrics) if filtered else self.env.score(rollout)
         with _timer(times, "advantages"):
             adv_metrics = self.advantages(rollout, rewards)
             if self.algo.drop_zero_adv:
@@ -139,12 +146,23 @@ class Trainer:
             self.env.sync_weights()
         self.step += 1
         metrics = {"step": self.step, **self._global_reward_metrics(rewards, reward_metrics, rollout),
-                   **adv_metrics, **rollout_metrics, **update_metrics}
+                   **adv_metrics, **rollout_metrics, **update_metrics, **(filtered.metrics if filtered else {})}
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
         return metrics
 
     # ============================================================== stages
+    def dynamic_sampling(self) -> FilteredBatch:
+        """Rollout and score for DAPO's dynamic sampling (``unirl.dynamic_sampling``): batches of prompts
+        drawn in order (``prompt_batches`` counts them, checkpointed) until the step's groups are kept."""
+
+        def next_rows() -> list[dict]:
+            self.prompt_batches += 1
+            return self.env.next_prompts(self.prompt_batches - 1)
+
+        return sample_filtered(self.env, self.accelerator, self.algo.filter_groups, prompts_per_step=self.cfg.prompts_per_step,
+                               group_size=self.cfg.group_size, next_rows=next_rows)
+
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
         """Advantages from rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
         for estimators that work per token (``reinforce++-baseline`` whitens over tokens).
@@ -477,7 +495,7 @@ class Trainer:
     # ========================================================= checkpoints
     def save_checkpoint(self) -> Path:
         """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.checkpoints``)."""
-        state = {"step": self.step, "optimizer_steps": self.optimizer_steps}
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
         return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
                                            keep=self.cfg.keep_checkpoints)
 
@@ -485,6 +503,7 @@ class Trainer:
         state = checkpoints.resume(self.accelerator, self.run_dir)
         if state is not None:
             self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
+            self.prompt_batches = state.get("prompt_batches", 0)
 
 
 # ================================================================ helpers

@@ -19,6 +19,30 @@ TRACKERS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorb
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``; ``unirl/dynamic_sampling.py``)."""
+
+    #: Drop the groups whose ``metric`` is the same for every sample, and generate more batches of
+    #: ``trainer.prompts_per_step`` prompts until that many groups are kept (the surplus is dropped).
+    enabled: bool = False
+    #: The raw reward component judged, by its metric name (``gsm8k`` for ``reward/gsm8k``): never the
+    #: shaped total, whose overlong penalty would make a constant group look varied (verl-recipe #125).
+    metric: Optional[str] = None
+    #: Generation batches per step at most (verl's ``max_num_gen_batches``; the DAPO recipe's 10);
+    #: 0: no limit.
+    max_num_gen_batches: int = 10
+    #: At the limit with fewer groups kept: ``error`` stops the run (verl), ``train`` trains on the
+    #: groups kept (the same number on every process).
+    on_exhausted: Literal["error", "train"] = "error"
+
+    def __post_init__(self):
+        if self.enabled and not self.metric:
+            raise ValueError("algo.filter_groups.metric: name the raw reward component to judge (e.g. gsm8k)")
+        if self.max_num_gen_batches < 0:
+            raise ValueError(f"algo.filter_groups.max_num_gen_batches must be >= 0, got {self.max_num_gen_batches}")
+
+
+@dataclass
 class AlgoConfig:
     """Policy-gradient settings (the functions live in ``unirl/core``)."""
 
@@ -81,6 +105,8 @@ class AlgoConfig:
     #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,
     #: mask modes reject below it; null: none.
     rollout_is_min: Optional[float] = None
+    #: DAPO's dynamic sampling.
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self):
         if self.clip_low < 0 or self.clip_high < 0:

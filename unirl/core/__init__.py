@@ -13,6 +13,7 @@ from unirl.core.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from unirl.core.filtering import nonconstant_groups
 from unirl.core.kl import KL_ESTIMATORS, gaussian_kl, kl_divergence
 from unirl.core.rollout_correction import IS_MODES, rollout_is_weights, rollout_mismatch_metrics
 from unirl.core.shaping import overlong_penalty
@@ -43,6 +44,7 @@ __all__ = [
     "grpo_advantages",
     "kl_divergence",
     "masked_mean",
+    "nonconstant_groups",
     "overlong_penalty",
     "policy_loss_metrics",
     "reinforce_pp_baseline_advantages",

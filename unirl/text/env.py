@@ -35,6 +35,7 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
 
 class TextEnvironment(Environment):
     recompute_old_logprobs = True
+    left_padded = ("prompt_ids", "prompt_mask")
 
     def __init__(self, cfg: TextConfig):
         self.cfg = cfg
