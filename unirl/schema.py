@@ -143,7 +143,9 @@ class OptimConfig:
     max_grad_norm: Optional[float] = 1.0
     #: After the warm-up: ``constant`` (verl's default), ``linear`` decay to ``min_lr_ratio * lr`` (TRL's
     #: default, to 0), ``cosine`` half-wave to ``min_lr_ratio * lr`` (verl's cosine). Over the run's
-    #: optimizer steps: total_steps x ppo_epochs x mini-batches per step (unirl/optim.py).
+    #: optimizer steps: total_steps x ppo_epochs x mini-batches per step (unirl/optim.py). Steps count
+    #: optimizer steps, as TRL's; verl steps its schedule once per training step, so its
+    #: ``lr_warmup_steps`` is ``warmup_steps`` / (optimizer steps per training step) here.
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     #: Warm-up as a fraction of the run's optimizer steps (verl's ``lr_warmup_steps_ratio``, TRL's
     #: ``warmup_ratio``), rounded down as verl does; use it or ``warmup_steps``, not both.
