@@ -116,6 +116,8 @@ def test_each_step_trains_exactly_prompts_per_step_varied_groups(tmp_path, tiny_
             rollout = filtered.rollout
             raw = rollout.tensors["score/scripted"]
             assert len(torch.unique(rollout.group_ids)) == 4 and len(rollout) == 12
+            # Padded only as far as its own longest response (a dropped group may have been longer).
+            assert rollout.tensors["response_ids"].shape[1] == int(rollout.tensors["response_mask"].sum(-1).max())
             assert {_kind(p) for p in rollout.prompts} == {2}  # only the split prompts are kept
             assert nonconstant_groups(raw, rollout.group_ids).all()
             # The shaped total varies in constant groups too (lengths differ), so it could not be the filter.
@@ -176,3 +178,17 @@ def test_every_process_keeps_the_same_number_of_groups(tmp_path, tiny_lm_dir, np
         assert r["filter/kept_groups"] == 2 * nproc and r["adv/num_groups"] == 2 * nproc
         assert r["adv/zero_std_frac"] == 0.0
         assert r["filter/prompts_seen"] == 2 * nproc * r["filter/gen_batches"]
+
+
+@pytest.mark.slow
+def test_the_tiny_dapo_config_keeps_every_step_full_of_varied_groups(tmp_path, tiny_lm_dir):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny_dapo", "--output-dir",
+                           str(out), "rollout.engine=hf", "trainer.total_steps=4", "trainer.eval_every=0",
+                           "trainer.progress=false"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["filter/kept_groups"] == 16 and r["adv/num_groups"] == 16 and r["adv/zero_std_frac"] == 0.0
+        assert r["filter/prompts_seen"] == 16 * r["filter/gen_batches"]

@@ -91,11 +91,12 @@ def _metric_values(rollout: Rollout, metric: str) -> torch.Tensor:
 
 def _first_groups(kept: list[tuple[Rollout, torch.Tensor]], groups: int, env: Environment
                   ) -> tuple[Rollout, torch.Tensor]:
-    """The first ``groups`` kept groups, joined into one rollout, and their rewards."""
+    """The first ``groups`` kept groups, joined into one rollout without the padding none of them needs
+    (a dropped group may have held a batch's longest response), and their rewards."""
     whole = concat_rollouts([r for r, _ in kept], left_padded=env.left_padded)
     rewards = torch.cat([w for _, w in kept])
     first = (whole.group_ids < groups).nonzero().squeeze(-1)  # concat_rollouts numbers groups 0.. in order
-    return whole.select(first), rewards[first]
+    return env.trim_padding(whole.select(first)), rewards[first]
 
 
 def _min_over_processes(accelerator, value: int) -> int:
