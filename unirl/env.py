@@ -57,6 +57,34 @@ class Rollout:
         )
 
 
+def concat_rollouts(parts: Sequence[Rollout], left_padded: Sequence[str] = ()) -> Rollout:
+    """Several rollouts as one (dynamic sampling keeps groups from several generation batches).
+
+    A tensor whose second dim differs between parts (text: prompt and response widths) is padded
+    with zeros to the widest: on the left for the names in ``left_padded`` (left-padded prompts), on
+    the right for the others; masks are among the tensors, so the padding is masked out. Group ids
+    are offset so the parts' groups stay apart."""
+    if not parts:
+        raise ValueError("concat_rollouts: no rollouts to join")
+    tensors = {}
+    for name in parts[0].tensors:
+        values = [p.tensors[name] for p in parts]
+        if values[0].ndim >= 2:
+            width = max(v.shape[1] for v in values)
+            left = name in left_padded
+            values = [torch.nn.functional.pad(v.movedim(1, -1), (width - v.shape[1], 0) if left else (0, width - v.shape[1]))
+                      .movedim(-1, 1) for v in values]
+        tensors[name] = torch.cat(values)
+    ids, offset = [], 0
+    for p in parts:
+        local = torch.unique(p.group_ids, return_inverse=True)[1]  # [n] 0..k-1
+        ids.append(local + offset)
+        offset += int(local.max()) + 1 if len(local) else 0
+    return Rollout(tensors=tensors, group_ids=torch.cat(ids), prompts=[x for p in parts for x in p.prompts],
+                   samples=[x for p in parts for x in p.samples],
+                   columns={k: [x for p in parts for x in p.columns[k]] for k in parts[0].columns})
+
+
 class Environment(ABC):
     """What the loop needs from a modality. See ``unirl/text/env.py`` and ``unirl/diffusion/env.py``.
 
@@ -74,6 +102,9 @@ class Environment(ABC):
     #: ``max_completion_length``): text sets it to ``rollout.max_new_tokens`` so the normaliser does
     #: not change with the longest response of a step. None: the width of the loss mask.
     loss_norm_length: int | None = None
+
+    #: The tensors padded on the left (text: the prompts), for ``concat_rollouts``.
+    left_padded: tuple[str, ...] = ()
 
     @abstractmethod
     def setup(self, accelerator) -> None:

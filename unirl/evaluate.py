@@ -96,7 +96,7 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     rows = env._rows(cfg.data.test, cfg.data.test_split, "test")
     if cfg.data.eval_size is not None:
         rows = rows[: cfg.data.eval_size]
-    rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation)
+    rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, eps=cfg.algo.adv_eps)
     # 2. Answers: greedy for n = 1, sampled otherwise.
     r = cfg.rollout
     if r.engine == "vllm":

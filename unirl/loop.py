@@ -24,8 +24,9 @@ from rewards.registry import RewardError
 from unirl import checkpoints
 from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
 from unirl.core import (aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats,
-                        policy_loss_metrics, truncated_importance_weights)
+                        policy_loss_metrics, rollout_is_weights)
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
+from unirl.dynamic_sampling import FilteredBatch, sample_filtered
 from unirl.env import Environment, Rollout
 from unirl.metrics import MetricLog, reduce_over_processes
 from unirl.optim import build_optimizer, build_scheduler
@@ -44,6 +45,7 @@ class Trainer:
         self.config_dict = config_dict or {}
         self.step = 0
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
+        self.prompt_batches = 0  # prompt batches drawn by dynamic sampling (without it, batch k is step k's)
         self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
 
     # ================================================================ setup
@@ -59,12 +61,17 @@ class Trainer:
         self.env.setup(self.accelerator)
         model = self.env.model
         optimizer = build_optimizer(model, self.optim_cfg, what="environment's model")
-        scheduler = build_scheduler(optimizer, self.optim_cfg)
-        model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        scheduler = build_scheduler(optimizer, self.optim_cfg,
+                                    total_steps=cfg.total_steps * cfg.ppo_epochs * self._num_mini_batches())
+        # The scheduler is not prepared: Accelerate's wrapper steps it once per process at every call
+        # (it assumes a dataloader split over processes), so 2 processes would warm up twice as fast.
+        model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.scheduler = scheduler
         self.env.model = model
         checkpoints.check_supported(self.accelerator)
         for obj in self.env.checkpoint_objects():
             self.accelerator.register_for_checkpointing(obj)
+        self.accelerator.register_for_checkpointing(scheduler)  # after the environment's: their files keep their numbers
         self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
         if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
             self._resume()
@@ -126,10 +133,15 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
         times: dict[str, float] = {}
+        filtered = None
         with _timer(times, "rollout"):
-            rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
+            if self.algo.filter_groups.enabled:  # DAPO: generate and score until enough groups vary
+                filtered = self.dynamic_sampling()
+                rollout = filtered.rollout
+            else:
+                rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
         with _timer(times, "score"):
-            rewards, reward_metrics = self.env.score(rollout)
+            rewards, reward_metrics = (filtered.rewards, filtered.reward_metrics) if filtered else self.env.score(rollout)
         with _timer(times, "advantages"):
             adv_metrics = self.advantages(rollout, rewards)
             if self.algo.drop_zero_adv:
@@ -143,12 +155,23 @@ class Trainer:
             self.env.sync_weights()
         self.step += 1
         metrics = {"step": self.step, **self._global_reward_metrics(rewards, reward_metrics, rollout),
-                   **adv_metrics, **rollout_metrics, **update_metrics}
+                   **adv_metrics, **rollout_metrics, **update_metrics, **(filtered.metrics if filtered else {})}
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
         return metrics
 
     # ============================================================== stages
+    def dynamic_sampling(self) -> FilteredBatch:
+        """Rollout and score for DAPO's dynamic sampling (``unirl.dynamic_sampling``): batches of prompts
+        drawn in order (``prompt_batches`` counts them, checkpointed) until the step's groups are kept."""
+
+        def next_rows() -> list[dict]:
+            self.prompt_batches += 1
+            return self.env.next_prompts(self.prompt_batches - 1)
+
+        return sample_filtered(self.env, self.accelerator, self.algo.filter_groups, prompts_per_step=self.cfg.prompts_per_step,
+                               group_size=self.cfg.group_size, next_rows=next_rows)
+
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
         """Advantages from rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
         for estimators that work per token (``reinforce++-baseline`` whitens over tokens).
@@ -186,15 +209,16 @@ class Trainer:
 
     def drop_zero_advantage(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """FlowGRPO's filter: keep the samples with a non-zero advantage at some token/step, topped up
-        with dropped ones (at random) until the kept count divides into the step's number of
-        mini-batches, so the number of optimizer steps does not change."""
+        with dropped ones (at random) until the kept count divides into the step's micro-batches per
+        process (FlowGRPO: its per-process sampling batches), so the number of optimizer steps does
+        not change and every micro-batch is equally full."""
         adv = rollout.tensors["advantages"]
         nonzero = adv.ne(0) if adv.ndim == 1 else adv.ne(0).any(dim=-1)  # [N]
-        num_mini = self._num_mini_batches()
+        multiple = self._zero_adv_multiple()
         count = int(nonzero.sum())
-        target = count + (-count % num_mini)
+        target = count + (-count % multiple)
         if target == 0 and sum_over_processes(self.accelerator, count) > 0:
-            target = num_mini  # other processes train: this one must take part in every optimizer step
+            target = multiple  # other processes train: this one must take part in every optimizer step
         if target > count:
             dropped = (~nonzero).nonzero().squeeze(-1)
             generator = torch.Generator().manual_seed(self.cfg.seed * 6_151 + self.step)
@@ -203,6 +227,13 @@ class Trainer:
         total, kept_total = sum_over_processes(self.accelerator, len(rollout)), sum_over_processes(self.accelerator, len(kept))
         metrics = {"adv/dropped_frac": 1.0 - kept_total / total, "adv/kept": float(kept_total)}
         return rollout.select(kept), metrics
+
+    def _zero_adv_multiple(self) -> int:
+        """What the zero-advantage filter's kept count is a multiple of: the micro-batches of a step
+        (B*G / micro_batch_size), or the mini-batches when micro-batches are packed by tokens."""
+        if self.cfg.micro_batch_tokens is not None:
+            return self._num_mini_batches()
+        return self.cfg.prompts_per_step * self.cfg.group_size // self.cfg.micro_batch_size
 
     def _num_mini_batches(self) -> int:
         return num_mini_batches(self.cfg.prompts_per_step, self.cfg.group_size, self.cfg.mini_batch_size)
@@ -405,7 +436,8 @@ class Trainer:
         weights = None
         if algo.tis_cap is not None and "engine_logp" in micro.tensors:
             engine_logp = micro.tensors["engine_logp"][:, columns].to(device)
-            weights = truncated_importance_weights(old_logp, engine_logp, cap=algo.tis_cap)
+            weights = rollout_is_weights(old_logp, engine_logp, mask, mode=algo.rollout_is, high=algo.tis_cap,
+                                         low=algo.rollout_is_min)
         agg = dict(denominator=denominator, seq_lengths=seq_lengths)
         policy_loss, _ = clipped_policy_loss(
             cur["logp"], old_logp, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
@@ -418,9 +450,10 @@ class Trainer:
             kl = aggregate(self.env.kl(cur, ref), mask, algo.loss_agg, **agg)
             loss = loss + algo.kl_coef * kl
             shares["loss/kl"] = kl.detach()
-        if algo.entropy_coef > 0 and "entropy" in cur:
+        if "entropy" in cur:  # logged whatever entropy_coef (text: from the chunked head, no gradient unless trained)
             entropy = aggregate(cur["entropy"], mask, algo.loss_agg, **agg)
-            loss = loss - algo.entropy_coef * entropy
+            if algo.entropy_coef > 0:
+                loss = loss - algo.entropy_coef * entropy
             shares["actor/entropy"] = entropy.detach()
         shares["loss/total"] = shares["loss/policy"] if loss is policy_loss else loss.detach()
         inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
@@ -481,7 +514,7 @@ class Trainer:
     # ========================================================= checkpoints
     def save_checkpoint(self) -> Path:
         """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.checkpoints``)."""
-        state = {"step": self.step, "optimizer_steps": self.optimizer_steps}
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
         return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
                                            keep=self.cfg.keep_checkpoints, config=self.config_dict)
 
@@ -489,6 +522,7 @@ class Trainer:
         state = checkpoints.resume(self.accelerator, self.run_dir, self.config_dict)
         if state is not None:
             self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
+            self.prompt_batches = state.get("prompt_batches", 0)
 
 
 # ================================================================ helpers

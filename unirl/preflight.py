@@ -217,9 +217,21 @@ def _check_rewards(cfg: Any, modality: str, config_dir: Path | None, report: Rep
         from unirl.scoring import RewardSet
 
         try:
-            RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation)
+            names = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, eps=cfg.algo.adv_eps).names
         except (ValueError, RewardError) as err:
             report.problems.append(str(err) if str(err).startswith("rewards:") else f"rewards: {err}")
+        else:
+            _check_filter_metric(cfg, names, report)
+
+
+def _check_filter_metric(cfg: Any, names: list[str], report: Report) -> None:
+    """Dynamic sampling's metric must be one of the run's raw reward components."""
+    groups = cfg.algo.filter_groups
+    if groups.enabled and groups.metric not in names:
+        report.problems.append(f"algo.filter_groups.metric: {groups.metric!r} is not a reward of this run "
+                               f"(its raw components: {names})")
+    elif groups.enabled:
+        report.passed.append(f"algo.filter_groups.metric: {groups.metric} is a raw reward component")
 
 
 # ----------------------------------------------------------------------------------------------

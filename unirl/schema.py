@@ -48,6 +48,30 @@ def check_groups(algo: "AlgoConfig", trainer: "TrainerConfig") -> None:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``; ``unirl/dynamic_sampling.py``)."""
+
+    #: Drop the groups whose ``metric`` is the same for every sample, and generate more batches of
+    #: ``trainer.prompts_per_step`` prompts until that many groups are kept (the surplus is dropped).
+    enabled: bool = False
+    #: The raw reward component judged, by its metric name (``gsm8k`` for ``reward/gsm8k``): never the
+    #: shaped total, whose overlong penalty would make a constant group look varied (verl-recipe #125).
+    metric: Optional[str] = None
+    #: Generation batches per step at most (verl's ``max_num_gen_batches``; the DAPO recipe's 10);
+    #: 0: no limit.
+    max_num_gen_batches: int = 10
+    #: At the limit with fewer groups kept: ``error`` stops the run (verl), ``train`` trains on the
+    #: groups kept (the same number on every process).
+    on_exhausted: Literal["error", "train"] = "error"
+
+    def __post_init__(self):
+        if self.enabled and not self.metric:
+            raise ValueError("algo.filter_groups.metric: name the raw reward component to judge (e.g. gsm8k)")
+        if self.max_num_gen_batches < 0:
+            raise ValueError(f"algo.filter_groups.max_num_gen_batches must be >= 0, got {self.max_num_gen_batches}")
+
+
+@dataclass
 class AlgoConfig:
     """Policy-gradient settings (the functions live in ``unirl/core``)."""
 
@@ -59,15 +83,16 @@ class AlgoConfig:
     #: The std convention of ``adv_scale``: ``unbiased`` (Bessel's correction; verl, TRL) or
     #: ``biased`` (numpy's ``np.std``; FlowGRPO's ``PerPromptStatTracker``).
     adv_std: Literal["unbiased", "biased"] = "unbiased"
-    #: Added to the std before dividing (verl/TRL 1e-6; FlowGRPO 1e-4).
+    #: Added to the std before dividing (verl 1e-6; TRL and FlowGRPO 1e-4).
     adv_eps: float = 1e-6
     #: Clamp advantages to [-adv_clip, adv_clip] (FlowGRPO uses 5); null disables.
     adv_clip: Optional[float] = None
     #: Drop samples whose advantage is zero at every token/step before the update (FlowGRPO does),
     #: so under ``token-mean`` they do not dilute the policy term; ``adv/dropped_frac`` logs how many.
-    #: The number of optimizer steps per training step stays the same: the kept samples are split
-    #: into as many mini-batches, topped up with dropped samples (chosen at random) until they
-    #: divide evenly, as FlowGRPO does.
+    #: The number of optimizer steps per training step stays the same: the kept samples are topped up
+    #: with dropped ones (chosen at random) to a multiple of the step's micro-batches per process
+    #: (B*G / micro_batch_size; the mini-batches with micro_batch_tokens), as FlowGRPO tops up to a
+    #: multiple of its per-process sampling batches, so every micro-batch is equally full.
     drop_zero_adv: bool = False
     clip_low: float = 0.2
     #: DAPO's clip-higher uses a larger upper bound (e.g. 0.28).
@@ -90,12 +115,27 @@ class AlgoConfig:
     kl_clamp: Optional[float] = 10.0
     #: Entropy bonus coefficient (text); 0 disables.
     entropy_coef: float = 0.0
-    #: Truncated importance sampling cap for the rollout-engine vs trainer mismatch; null disables.
+    #: Importance-sampling bound C_max for the rollout-engine vs trainer mismatch (TRL's
+    #: ``vllm_importance_sampling_clip_max``, verl's ``rollout_is_threshold``); null: no correction.
     tis_cap: Optional[float] = None
     #: How several rewards combine (TRL's multi_objective_aggregation): ``sum_then_normalize`` takes
     #: the weighted sum of the raw rewards, then advantages normalise it; ``normalize_then_sum``
-    #: normalises each reward within its group first, then takes the weighted sum.
+    #: normalises each reward within its group first ((r - mean) / (std + adv_eps)), then takes the
+    #: weighted sum, which the advantage estimator normalises again. TRL normalises that sum over the
+    #: batch: ``adv_scale: batch`` with ``adv_eps: 1e-4`` gives TRL's advantages exactly (the sum's
+    #: group means are already 0).
     reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    #: How ``tis_cap`` corrects the mismatch (TRL's ``vllm_importance_sampling_mode``): token_truncate
+    #: (TIS, ``min(rho_t, C)``; what unirl did before the modes), token_mask (tokens outside the
+    #: bounds get weight 0), sequence_truncate / sequence_mask (the same on the product of a
+    #: sequence's ratios: verl's Seq-TIS / Seq-MIS). TRL's default is sequence_mask with C_max 3.
+    #: ``unirl.core.rollout_correction``; the mismatch figures are logged whatever the mode.
+    rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,
+    #: mask modes reject below it; null: none.
+    rollout_is_min: Optional[float] = None
+    #: DAPO's dynamic sampling.
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self):
         if self.clip_low < 0 or self.clip_high < 0:
@@ -115,6 +155,8 @@ class AlgoConfig:
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
             check_range(self, name, low=0)
         check_range(self, "clip_low", low=0, high=1, high_open=True)  # the ratio's lower bound 1 - clip_low > 0
+        if self.rollout_is_min is not None and not 0 < self.rollout_is_min < (self.tis_cap or math.inf):
+            raise ValueError(f"algo.rollout_is_min must be in (0, tis_cap={self.tis_cap}), got {self.rollout_is_min}")
         if self.level == "sequence" and self.loss_agg != "seq-mean-token-mean":
             raise ValueError(
                 f"level=sequence (GSPO) aggregates with loss_agg=seq-mean-token-mean, as verl does; "
@@ -128,10 +170,22 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    #: Linear warm-up steps (optimizer steps), then constant.
+    #: Linear warm-up from 0 over this many optimizer steps (verl's and transformers' ramp: the first
+    #: step runs at LR 0), then ``lr_scheduler``.
     warmup_steps: int = 0
     #: Gradient-norm clipping; null disables.
     max_grad_norm: Optional[float] = 1.0
+    #: After the warm-up: ``constant`` (verl's default), ``linear`` decay to ``min_lr_ratio * lr`` (TRL's
+    #: default, to 0), ``cosine`` half-wave to ``min_lr_ratio * lr`` (verl's cosine). Over the run's
+    #: optimizer steps: total_steps x ppo_epochs x mini-batches per step (unirl/optim.py). Steps count
+    #: optimizer steps, as TRL's; verl steps its schedule once per training step, so its
+    #: ``lr_warmup_steps`` is ``warmup_steps`` / (optimizer steps per training step) here.
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    #: Warm-up as a fraction of the run's optimizer steps (verl's ``lr_warmup_steps_ratio``, TRL's
+    #: ``warmup_ratio``), rounded down as verl does; use it or ``warmup_steps``, not both.
+    warmup_ratio: float = 0.0
+    #: The LR that ``linear`` and ``cosine`` end at, as a fraction of ``lr`` (verl's ``min_lr_ratio``).
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self):
         if self.lr <= 0:
@@ -146,6 +200,15 @@ class OptimConfig:
         for i, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
                 raise ValueError(f"betas[{i}] must be >= 0 and < 1, got {beta!r}")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_ratio > 0 and self.warmup_steps > 0:
+            raise ValueError("optim.warmup_steps and optim.warmup_ratio are both set; keep one")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass

@@ -35,10 +35,12 @@ class RewardSet:
         configs: the ``rewards:`` list of the run config.
         aggregation: ``sum_then_normalize`` (weighted sum of raw rewards) or ``normalize_then_sum``
             (each reward normalised within its group, then the weighted sum).
+        eps: added to each group's std by ``normalize_then_sum`` (TRL adds 1e-4).
         workers: threads for ``submit``; 0 scores inline.
     """
 
-    def __init__(self, configs: Sequence[RewardConfig], *, aggregation: str = "sum_then_normalize", workers: int = 0):
+    def __init__(self, configs: Sequence[RewardConfig], *, aggregation: str = "sum_then_normalize", workers: int = 0,
+                 eps: float = 1e-6):
         from rewards.loading import load_reward
 
         if not configs:
@@ -52,6 +54,7 @@ class RewardSet:
                 raise ValueError(f"reward {c.name!r}: weight must be a finite number, got {c.weight!r}")
         self.configs = list(configs)
         self.aggregation = aggregation
+        self.eps = eps
         self.names = [_metric_name(c.name) for c in self.configs]
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"rewards: the same reward is listed twice ({self.names}); merge them or rename one")
@@ -90,8 +93,10 @@ class RewardSet:
         """The combined reward [N] and ``reward/<name>`` means (over the samples each applies to).
 
         A reward that returned None for a sample adds nothing to that sample's total. With
-        ``normalize_then_sum`` each reward is first replaced by ``(r - group mean) / group std``
-        over the samples of the group it applies to (``group_advantages`` with ``scale="group"``).
+        ``normalize_then_sum`` each reward is first replaced by ``(r - group mean) / (group std + eps)``
+        over the samples of the group it applies to (``group_advantages`` with ``scale="group"``), TRL's
+        per-reward step; TRL then normalises the sum over the batch, which is the advantage estimator's
+        job here (``adv_scale: batch``).
         """
         n = len(group_ids)
         total = torch.zeros(n, dtype=torch.float32)  # [N]
@@ -106,7 +111,7 @@ class RewardSet:
             metrics[f"reward/{name}"] = torch.nanmean(scores).item()  # NaN when it applies to no sample
             value = torch.where(applies, scores, 0.0)
             if self.aggregation == "normalize_then_sum":
-                value = _group_normalise(value, applies, group_ids.cpu())
+                value = _group_normalise(value, applies, group_ids.cpu(), self.eps)
             total.add_(value, alpha=cfg.weight)
         return total, metrics
 
@@ -193,12 +198,12 @@ def concat_components(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, tor
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
-def _group_normalise(values: torch.Tensor, applies: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """(x - group mean) / group std over the samples a reward applies to (0 for the others)."""
+def _group_normalise(values: torch.Tensor, applies: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - group mean) / (group std + eps) over the samples a reward applies to (0 for the others)."""
     out = torch.zeros_like(values)
     idx = applies.nonzero().squeeze(-1)
     if len(idx):
-        out[idx] = group_advantages(values[idx], group_ids[idx], scale="group")
+        out[idx] = group_advantages(values[idx], group_ids[idx], scale="group", eps=eps)
     return out
 
 

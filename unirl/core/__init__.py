@@ -13,7 +13,10 @@ from unirl.core.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from unirl.core.filtering import nonconstant_groups
 from unirl.core.kl import KL_ESTIMATORS, gaussian_kl, kl_divergence
+from unirl.core.rollout_correction import IS_MODES, rollout_is_weights, rollout_mismatch_metrics
+from unirl.core.shaping import overlong_penalty
 from unirl.core.losses import (
     AGG_MODES,
     aggregate,
@@ -28,6 +31,7 @@ from unirl.core.losses import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "aggregate",
     "aggregate_denominator",
@@ -40,8 +44,12 @@ __all__ = [
     "grpo_advantages",
     "kl_divergence",
     "masked_mean",
+    "nonconstant_groups",
+    "overlong_penalty",
     "policy_loss_metrics",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "rollout_is_weights",
+    "rollout_mismatch_metrics",
     "truncated_importance_weights",
 ]

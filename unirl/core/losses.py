@@ -35,8 +35,12 @@ import math
 
 import torch
 
+from unirl.core.rollout_correction import rollout_is_weights
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LEVELS = ("token", "sequence")
+#: verl's clamp of GSPO's sequence log-ratio (``compute_policy_loss_gspo``).
+GSPO_LOG_RATIO_MAX = 10.0
 
 
 def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -201,7 +205,8 @@ def clipped_policy_loss(
       ``r_t = exp(sg[log s_i] + logp_t - sg[logp_t])`` (sg = stop-gradient). Its value is ``s_i`` at
       every token; with ``agg="seq-mean-token-mean"`` (what GSPO uses) and a per-sequence advantage,
       the gradient equals that of the sequence-level objective ``-mean_i min(s_i A_i, clip(s_i) A_i)``.
-      Clipping then acts on whole sequences. GSPO's paper uses tiny bounds (3e-4 / 4e-4). ``agg`` must
+      Clipping then acts on whole sequences. ``log s_i`` is clamped at 10 as verl does (a sequence past
+      it gets ratio e^10 and no gradient). GSPO's paper uses tiny bounds (3e-4 / 4e-4). ``agg`` must
       be ``"seq-mean-token-mean"`` (verl hard-codes it for GSPO; another mode is a ValueError).
 
     ``weights`` multiply the per-token loss after clipping (detached), e.g. truncated importance
@@ -329,8 +334,10 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor |
     old_logp = torch.where(mask, old_logp.detach(), 0.0)  # [N, T]
     token_log_ratio = logp - old_logp  # [N, T]
     seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [N]
-    # GSPO-token: value log s_i at every token, gradient d logp_t.
-    return token_log_ratio, seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # [N, T]
+    # GSPO-token: value log s_i at every token, gradient d logp_t; clamped above at verl's 10 for
+    # numerical safety (a sequence past it has ratio e^10 = 22,026 and, as in verl, no gradient).
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # [N, T]
+    return token_log_ratio, log_ratio.clamp(max=GSPO_LOG_RATIO_MAX)
 
 
 def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -382,7 +389,8 @@ def truncated_importance_weights(
     trainer/rollout corrects for it without the variance of untruncated weights (TIS: Yao et al.
     2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
     https://fengyao.notion.site/off-policy-rl). Computed as ``exp(min(d, log cap))`` so no ``exp``
-    overflows. Pass the result as ``weights`` to ``clipped_policy_loss``.
+    overflows. Pass the result as ``weights`` to ``clipped_policy_loss``. The ``token_truncate`` mode of
+    ``unirl.core.rollout_correction.rollout_is_weights``, which has the others.
 
     Args:
         old_logp: [N, T] trainer log-probs of the sampled tokens (the "old" policy).
@@ -395,8 +403,7 @@ def truncated_importance_weights(
     _check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap!r}")
-    log_ratio = (old_logp - rollout_logp).detach()  # [N, T]
-    return torch.exp(log_ratio.clamp(max=math.log(cap)))
+    return rollout_is_weights(old_logp, rollout_logp, None, mode="token_truncate", high=cap)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

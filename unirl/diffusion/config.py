@@ -84,7 +84,8 @@ class SamplingConfig:
     flux_guidance: float = 3.5
     #: Use guidance in the rollouts and in the training forward (FlowGRPO's ``train.cfg``). False: the
     #: policy is the conditional model alone (rollouts unguided, one forward per step, half the cost);
-    #: evaluation still uses ``guidance_scale``.
+    #: evaluation still uses ``guidance_scale``. With guidance the gradient flows through both branches,
+    #: as in the newest FlowGRPO (its July 2025 ``train_sd3.py`` detached the unconditional one).
     train_cfg: bool = True
     #: FlowGRPO's ``a`` in the SDE's ``sigma_t = a sqrt(t / (1 - t))`` (flow) or the CPS angle fraction.
     noise_level: float = 0.7

@@ -223,7 +223,8 @@ class DiffusionEnvironment(Environment):
         self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
                                      shuffle=cfg.data.shuffle, rank=accelerator.process_index,
                                      world_size=accelerator.num_processes)
-        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers)
+        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
+                                 eps=cfg.algo.adv_eps)
 
     @property
     def model(self):

@@ -109,6 +109,23 @@ class RolloutConfig:
 
 
 @dataclass
+class OverlongConfig:
+    """What happens to responses that run long (DAPO's overlong shaping, TRL's truncation mask)."""
+
+    #: DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer.len``): a response longer
+    #: than ``rollout.max_new_tokens - buffer`` tokens loses ``(length - that) / buffer * penalty_factor``
+    #: reward (``unirl.core.overlong_penalty``), logged as ``reward/overlong_penalty``; the raw
+    #: ``reward/<name>`` components (and dynamic sampling's metric) are not changed. null disables.
+    buffer: Optional[int] = None
+    #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``).
+    penalty_factor: float = 1.0
+    #: TRL's ``mask_truncated_completions``: responses cut at ``rollout.max_new_tokens`` (no EOS) are
+    #: left out of the loss (their tokens out of the loss mask, so out of its normaliser too); they
+    #: still count in their group's advantage statistics, as in TRL.
+    mask_truncated: bool = False
+
+
+@dataclass
 class TextConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -117,6 +134,7 @@ class TextConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/text"
 
@@ -125,6 +143,11 @@ class TextConfig:
             raise ValueError("rewards: at least one reward is needed")
         if self.model.logprob_chunk_size is not None and self.model.logprob_chunk_size < 1:
             raise ValueError(f"model.logprob_chunk_size must be >= 1 or null, got {self.model.logprob_chunk_size}")
+        if self.overlong.buffer is not None and not 1 <= self.overlong.buffer <= self.rollout.max_new_tokens:
+            raise ValueError(f"overlong.buffer must be in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}], "
+                             f"got {self.overlong.buffer}")
+        if self.overlong.penalty_factor < 0:
+            raise ValueError(f"overlong.penalty_factor must be >= 0, got {self.overlong.penalty_factor}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
         check_groups(self.algo, self.trainer)

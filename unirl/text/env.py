@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.core import kl_divergence
+from unirl.core import kl_divergence, overlong_penalty, rollout_is_weights, rollout_mismatch_metrics
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet
 from unirl.text.config import TextConfig
@@ -35,6 +35,7 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
 
 class TextEnvironment(Environment):
     recompute_old_logprobs = True
+    left_padded = ("prompt_ids", "prompt_mask")
 
     def __init__(self, cfg: TextConfig):
         self.cfg = cfg
@@ -79,7 +80,8 @@ class TextEnvironment(Environment):
                                      shuffle=cfg.data.shuffle, rank=accelerator.process_index,
                                      world_size=accelerator.num_processes)
         # 4. Rewards and the rollout engine.
-        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers)
+        self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
+                                 eps=cfg.algo.adv_eps)
         if cfg.rollout.engine == "vllm":
             r = cfg.rollout
             self.engine = VLLMEngine(
@@ -187,13 +189,21 @@ class TextEnvironment(Environment):
     def score(self, rollout: Rollout):
         components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
         rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
-        return self.rewards.combine(components, rollout.group_ids)
+        rewards, metrics = self.rewards.combine(components, rollout.group_ids)
+        if self.cfg.overlong.buffer is not None:  # DAPO's soft overlong punishment, on the combined reward
+            penalty = overlong_penalty(rollout.tensors["response_mask"].sum(-1), max_length=self.cfg.rollout.max_new_tokens,
+                                       buffer=self.cfg.overlong.buffer, factor=self.cfg.overlong.penalty_factor)  # [N]
+            rewards = rewards + penalty
+            rollout.tensors["score/overlong_penalty"] = penalty
+            metrics["reward/overlong_penalty"] = penalty.mean().item()
+        return rewards, metrics
 
     # ------------------------------------------------------------- log-probs
     def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling), and
-        their entropies when ``algo.entropy_coef > 0``; ``model.logprob_chunk_size`` tokens at a time, so
-        the full-vocabulary logits never exist (``unirl.text.logprobs``)."""
+        their entropies in the update's forward (grad enabled; logged as ``actor/entropy``, trained only
+        when ``algo.entropy_coef > 0``); ``model.logprob_chunk_size`` tokens at a time, so the
+        full-vocabulary logits never exist (``unirl.text.logprobs``)."""
         if columns != slice(None):
             raise ValueError("the text environment evaluates whole responses (column_slices is one piece)")
         device = self.accelerator.device
@@ -212,15 +222,23 @@ class TextEnvironment(Environment):
         logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
                                           temperature=self.cfg.rollout.temperature,
                                           chunk_size=self.cfg.model.logprob_chunk_size,
-                                          with_entropy=self.cfg.algo.entropy_coef > 0, source=source,
+                                          with_entropy=torch.is_grad_enabled() or self.cfg.algo.entropy_coef > 0,
+                                          entropy_grad=self.cfg.algo.entropy_coef > 0, source=source,
                                           model_kwargs=extra)  # [n, R] each
-        out = {"logp": logp, "mask": t["response_mask"]}
+        out = {"logp": logp, "mask": self._trained_tokens(t)}
         if entropy is not None:
             out["entropy"] = entropy
         return out
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        return batch.tensors["response_mask"]
+        return self._trained_tokens(batch.tensors)
+
+    def _trained_tokens(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[n, R] the response tokens, without the truncated responses' with ``overlong.mask_truncated``."""
+        mask = tensors["response_mask"]
+        if self.cfg.overlong.mask_truncated:
+            mask = mask * tensors["finished"].to(mask.dtype).unsqueeze(-1)  # TRL's mask_truncated_completions
+        return mask
 
     def trim_padding(self, batch: Rollout) -> Rollout:
         """Prompts (left-padded) cut to the batch's longest, and every response-aligned tensor (the
@@ -263,11 +281,23 @@ class TextEnvironment(Environment):
         diff = (rollout.tensors["engine_logp"] - old["logp"].cpu()).abs()[mask]
         lengths = rollout.tensors["response_mask"].sum(-1)
         return {
+            **self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
             "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
             "rollout/response_length_mean": lengths.mean().item(),
             "rollout/truncated_frac": 1.0 - rollout.tensors["finished"].float().mean().item(),
         }
+
+    def _mismatch_metrics(self, engine_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+        """``rollout/mismatch_kl``, ``rollout/ppl_ratio`` ... (``rollout_mismatch_metrics``) whatever the
+        correction mode, and the weights' ``rollout/is_mean`` and ``rollout/is_zero_frac`` when one is on."""
+        algo = self.cfg.algo
+        weights = None
+        if algo.tis_cap is not None:
+            weights = rollout_is_weights(old_logp, engine_logp, mask, mode=algo.rollout_is, high=algo.tis_cap,
+                                         low=algo.rollout_is_min)
+        figures = rollout_mismatch_metrics(old_logp, engine_logp, mask, weights)
+        return {f"rollout/{k}": v for k, v in zip(figures, torch.stack(list(figures.values())).tolist())}
 
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()

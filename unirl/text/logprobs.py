@@ -189,12 +189,14 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 @contextmanager
 def _head_computes_logprobs(head: torch.nn.Linear, targets: torch.Tensor, *, temperature: float, chunk_size: int,
-                            with_entropy: bool, source: Optional[torch.Tensor] = None) -> Iterator[dict]:
+                            with_entropy: bool, source: Optional[torch.Tensor] = None,
+                            entropy_grad: bool = True) -> Iterator[dict]:
     """While open, ``head`` maps the hidden states it receives to ``[n, R, 1]`` log-probs of ``targets``
     [n, R] (``[n, R, 2]`` with the entropy). The hidden states are ``[n, P+R, H]`` and positions
     P-1 .. P+R-2 predict the targets, or, with ``source`` [n, R], packed rows ``[rows, L, H]`` whose
     flattened position ``source[i, j]`` predicts ``targets[i, j]`` (``unirl.text.packing``). The tensor
-    it returned is left in the yielded dict under ``"out"``."""
+    it returned is left in the yielded dict under ``"out"``. ``entropy_grad=False``: the entropy is
+    detached, so the backward pass skips its term (the entropy is only logged)."""
     produced: dict = {}
     R = targets.shape[1]
 
@@ -211,6 +213,8 @@ def _head_computes_logprobs(head: torch.nn.Linear, targets: torch.Tensor, *, tem
         logp, entropy = token_logprobs(hidden, head.weight, targets, temperature=temperature,
                                        chunk_size=chunk_size, with_entropy=with_entropy, bias=head.bias,
                                        compute_dtype=dtype)
+        if with_entropy and not entropy_grad:
+            entropy = entropy.detach()
         out = torch.stack([logp, entropy], dim=-1) if with_entropy else logp.unsqueeze(-1)  # [n, R, 1|2]
         produced["out"] = out
         return out
@@ -229,8 +233,8 @@ def _head_computes_logprobs(head: torch.nn.Linear, targets: torch.Tensor, *, tem
 def response_logprobs(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, position_ids: torch.Tensor, response_ids: torch.Tensor, *,
                       temperature: float, chunk_size: Optional[int], with_entropy: bool = False,
-                      source: Optional[torch.Tensor] = None,
-                      model_kwargs: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      source: Optional[torch.Tensor] = None, model_kwargs: Optional[dict] = None,
+                      entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of ``response_ids`` [n, R], the last R of ``input_ids`` [n, P+R], under
     the causal LM ``model`` (possibly DDP/Accelerate/PEFT-wrapped; its forward always runs).
 
@@ -242,6 +246,9 @@ def response_logprobs(model: torch.nn.Module, head: torch.nn.Module, input_ids: 
     through ``token_logprobs`` inside the model's forward (module docstring), or, when None, from the
     model's full ``[n, R, V]`` logits. The chunked path needs the head's output to be the model's
     logits (no soft-capping or scaling after it): anything else is an error, not a silent difference.
+
+    ``entropy_grad=False``: the entropy comes back without gradient (logged, not trained), and the
+    backward pass costs what it costs without it.
     """
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                   **(model_kwargs or {}))
@@ -256,12 +263,15 @@ def response_logprobs(model: torch.nn.Module, head: torch.nn.Module, input_ids: 
             logits = logits.reshape(-1, logits.shape[-1])[source]  # [n, R, V]
         logits = logits.float() / temperature
         logp = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [n, R]
-        return logp, (entropy_from_logits(logits) if with_entropy else None)
+        if not with_entropy:
+            return logp, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return logp, entropy_from_logits(logits)
     if type(head) is not torch.nn.Linear:
         raise ValueError(f"model.logprob_chunk_size needs the output head to be a plain torch.nn.Linear, got "
                          f"{type(head).__name__} (LoRA or modules_to_save on lm_head?); set model.logprob_chunk_size=null")
     with _head_computes_logprobs(head, response_ids, temperature=temperature, chunk_size=chunk_size,
-                                 with_entropy=with_entropy, source=source) as produced:
+                                 with_entropy=with_entropy, source=source, entropy_grad=entropy_grad) as produced:
         out = model(**kwargs).logits  # [n, R, 1|2]
     # The model must return the head's result as is. DDP may pass it through an identity autograd op
     # (its _DDPSink, with find_unused_parameters), so compare values, and keep the model's tensor.

@@ -1,0 +1,194 @@
+"""DAPO's dynamic sampling: the group filter against verl's rule, and whole steps on the tiny text
+model with a scripted reward where known prompts are always solved, always failed, or split.
+
+The scripted reward scores by the prompt alone ("a+b=?"): a % 3 == 0 always 1, a % 3 == 1 always 0,
+a % 3 == 2 gives the group's first sample 1 and the others 0. The overlong penalty is switched on so
+the shaped total varies inside constant groups: the filter must read the raw component.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unirl.cli import load_run_config
+from unirl.config import config_to_dict
+from unirl.core import nonconstant_groups
+from unirl.env import Rollout, concat_rollouts
+from unirl.loop import Trainer
+from unirl.schema import FilterGroupsConfig
+from unirl.text.env import TextEnvironment
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPTED = '''
+def scripted(samples, prompts, **kwargs):
+    seen, out = set(), []
+    for prompt in prompts:
+        a = int(prompt.split("+")[0])
+        if a % 3 == 0:
+            out.append(1.0)
+        elif a % 3 == 1:
+            out.append(0.0)
+        else:  # the group's first sample solves it, the others do not
+            out.append(0.0 if prompt in seen else 1.0)
+            seen.add(prompt)
+    return out
+'''
+
+
+def _kind(prompt: str) -> int:
+    return int(prompt.split("+")[0]) % 3
+
+
+def _verl_kept(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """verl's filter_groups: a uid is kept when the std of its metric is > 0 or it has one sample."""
+    keep = torch.zeros(len(values), dtype=torch.bool)
+    for uid in group_ids.unique():
+        rows = group_ids == uid
+        vals = values[rows]
+        keep[rows] = bool(vals.numel() == 1 or vals.std() > 0)
+    return keep
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_nonconstant_groups_is_verls_rule(seed):
+    g = torch.Generator().manual_seed(seed)
+    group_ids = torch.randint(0, 9, (40,), generator=g)
+    values = torch.randint(0, 2, (40,), generator=g).float()
+    values[group_ids == 3] = 1.0  # a constant group for sure
+    expected = _verl_kept(values, group_ids)
+    assert torch.equal(nonconstant_groups(values, group_ids), expected)
+    assert expected.any() and not expected.all()
+
+
+def test_nonconstant_groups_by_hand():
+    values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, float("nan"), float("nan"), float("nan"), 2.0])
+    group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4])
+    # 0: constant; 1: varies; 2: 0.5 and a reward that does not apply -> constant; 3: no value; 4: one sample.
+    assert nonconstant_groups(values, group_ids).tolist() == [False, False, True, True, False, False, False, False, True]
+
+
+def test_concat_rollouts_pads_each_side_and_renumbers_groups():
+    a = Rollout(tensors={"prompt_ids": torch.tensor([[0, 5], [0, 5]]), "response_ids": torch.tensor([[7], [8]])},
+                group_ids=torch.tensor([3, 3]), prompts=["p", "p"], samples=["x", "y"], columns={"c": [1, 1]})
+    b = Rollout(tensors={"prompt_ids": torch.tensor([[4, 4, 4]]), "response_ids": torch.tensor([[9, 9, 9]])},
+                group_ids=torch.tensor([0]), prompts=["q"], samples=["z"], columns={"c": [2]})
+    whole = concat_rollouts([a, b], left_padded=("prompt_ids",))
+    assert whole.tensors["prompt_ids"].tolist() == [[0, 0, 5], [0, 0, 5], [4, 4, 4]]
+    assert whole.tensors["response_ids"].tolist() == [[7, 0, 0], [8, 0, 0], [9, 9, 9]]
+    assert whole.group_ids.tolist() == [0, 0, 1] and whole.samples == ["x", "y", "z"] and whole.columns == {"c": [1, 1, 2]}
+
+
+def test_config_needs_a_metric():
+    with pytest.raises(ValueError, match="filter_groups.metric"):
+        FilterGroupsConfig(enabled=True)
+
+
+def _trainer(tmp_path, *overrides) -> Trainer:
+    reward = tmp_path / "scripted.py"
+    reward.write_text(SCRIPTED)
+    cfg = load_run_config("text", "tiny", [
+        "rollout.engine=hf", "rollout.max_new_tokens=6", "trainer.prompts_per_step=4", "trainer.group_size=3",
+        "trainer.mini_batch_size=12", "trainer.micro_batch_size=12", "trainer.eval_every=0", "trainer.progress=false",
+        f"rewards=[{{name: '{reward}:scripted'}}]", "overlong.buffer=6", "algo.filter_groups.enabled=true",
+        "algo.filter_groups.metric=scripted", *overrides], output_dir=str(tmp_path / "run"))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer.setup()
+    return trainer
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_each_step_trains_exactly_prompts_per_step_varied_groups(tmp_path, tiny_lm_dir):
+    trainer = _trainer(tmp_path, "algo.filter_groups.max_num_gen_batches=0")
+    try:
+        seen_batches = 0
+        for _ in range(3):
+            filtered = trainer.dynamic_sampling()
+            rollout = filtered.rollout
+            raw = rollout.tensors["score/scripted"]
+            assert len(torch.unique(rollout.group_ids)) == 4 and len(rollout) == 12
+            # Padded only as far as its own longest response (a dropped group may have been longer).
+            assert rollout.tensors["response_ids"].shape[1] == int(rollout.tensors["response_mask"].sum(-1).max())
+            assert {_kind(p) for p in rollout.prompts} == {2}  # only the split prompts are kept
+            assert nonconstant_groups(raw, rollout.group_ids).all()
+            # The shaped total varies in constant groups too (lengths differ), so it could not be the filter.
+            assert (rollout.tensors["score/overlong_penalty"] != 0).any()
+            m = filtered.metrics
+            assert m["filter/kept_groups"] == 4 and m["filter/prompts_seen"] == 4 * m["filter/gen_batches"]
+            assert m["filter/varied_groups"] >= 4
+            seen_batches += int(m["filter/gen_batches"])
+            assert trainer.prompt_batches == seen_batches  # prompts are drawn in order, none twice
+        assert seen_batches > 3, "the data has constant groups: some step needed a second batch"
+        metrics = trainer.train_step()  # the whole step on a filtered batch
+        assert metrics["filter/kept_groups"] == 4 and metrics["adv/zero_std_frac"] == 0.0
+        assert metrics["reward/scripted"] == pytest.approx(1 / 3)  # one of three samples solves a split prompt
+    finally:
+        trainer.env.close()
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_at_the_limit_it_stops_with_a_clear_error_or_trains_on_what_was_kept(tmp_path, tiny_lm_dir):
+    trainer = _trainer(tmp_path, "algo.filter_groups.max_num_gen_batches=1", "trainer.prompts_per_step=8",
+                       "trainer.mini_batch_size=24", "trainer.micro_batch_size=24")
+    try:
+        with pytest.raises(RuntimeError, match=r"max_num_gen_batches\) kept \d of trainer.prompts_per_step=8"):
+            trainer.dynamic_sampling()
+        trainer.algo.filter_groups.on_exhausted = "train"
+        filtered = trainer.dynamic_sampling()
+        groups = len(torch.unique(filtered.rollout.group_ids))
+        assert 0 < groups < 8 and filtered.metrics["filter/kept_groups"] == groups
+        assert {_kind(p) for p in filtered.rollout.prompts} == {2}
+    finally:
+        trainer.env.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_every_process_keeps_the_same_number_of_groups(tmp_path, tiny_lm_dir, nproc):
+    reward = tmp_path / "scripted.py"
+    reward.write_text(SCRIPTED)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+           "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(out),
+           "rollout.engine=hf", "rollout.max_new_tokens=4", "trainer.total_steps=2", "trainer.prompts_per_step=2",
+           "trainer.group_size=3", "trainer.mini_batch_size=6", "trainer.micro_batch_size=6", "trainer.eval_every=0",
+           "trainer.progress=false", f"rewards=[{{name: '{reward}:scripted'}}]", "algo.filter_groups.enabled=true",
+           "algo.filter_groups.metric=scripted", "algo.filter_groups.max_num_gen_batches=0"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # 2 groups on each process: the global batch is world x prompts_per_step groups
+        assert r["filter/kept_groups"] == 2 * nproc and r["adv/num_groups"] == 2 * nproc
+        assert r["adv/zero_std_frac"] == 0.0
+        assert r["filter/prompts_seen"] == 2 * nproc * r["filter/gen_batches"]
+
+
+@pytest.mark.slow
+def test_the_tiny_dapo_config_keeps_every_step_full_of_varied_groups(tmp_path, tiny_lm_dir):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny_dapo", "--output-dir",
+                           str(out), "rollout.engine=hf", "trainer.total_steps=4", "trainer.eval_every=0",
+                           "trainer.progress=false"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["filter/kept_groups"] == 16 and r["adv/num_groups"] == 16 and r["adv/zero_std_frac"] == 0.0
+        assert r["filter/prompts_seen"] == 16 * r["filter/gen_batches"]

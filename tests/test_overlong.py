@@ -1,0 +1,91 @@
+"""DAPO's soft overlong punishment against verl's DAPO reward manager formula, and TRL's
+``mask_truncated_completions``: truncated responses add nothing to the loss or its gradient (the tiny
+text model, real sampling cut short)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unirl.cli import load_run_config
+from unirl.config import config_to_dict
+from unirl.core import overlong_penalty
+from unirl.loop import Trainer
+from unirl.text.env import TextEnvironment
+
+
+def _verl_dapo(valid_response_length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
+    """verl ``DAPORewardManager``: the overlong reward added to the score."""
+    expected_len = max_resp_len - buffer_len
+    exceed_len = valid_response_length - expected_len
+    return min(-exceed_len / buffer_len * penalty_factor, 0)
+
+
+def test_overlong_penalty_by_hand_and_against_verl():
+    # max 20, buffer 8: no penalty up to 12 tokens, then -1/8 a token, -1 at 20 (factor 1).
+    lengths = torch.tensor([0, 12, 13, 16, 20])
+    torch.testing.assert_close(overlong_penalty(lengths, max_length=20, buffer=8),
+                               torch.tensor([0.0, 0.0, -0.125, -0.5, -1.0]))
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        max_len = int(torch.randint(8, 300, (1,), generator=g))
+        buffer = int(torch.randint(1, max_len + 1, (1,), generator=g))
+        factor = float(torch.rand(1, generator=g)) * 2
+        lengths = torch.randint(0, max_len + 1, (64,), generator=g)
+        expected = torch.tensor([_verl_dapo(int(n), max_len, buffer, factor) for n in lengths])
+        torch.testing.assert_close(overlong_penalty(lengths, max_length=max_len, buffer=buffer, factor=factor),
+                                   expected.float())
+    with pytest.raises(ValueError, match="buffer must be in"):
+        overlong_penalty(lengths, max_length=10, buffer=11)
+
+
+def _trainer(tmp_path, *overrides) -> Trainer:
+    cfg = load_run_config("text", "tiny", [
+        "rollout.engine=hf", "rollout.max_new_tokens=6", "trainer.prompts_per_step=4", "trainer.group_size=4",
+        "trainer.mini_batch_size=16", "trainer.micro_batch_size=16", "trainer.eval_every=0",
+        "trainer.progress=false", *overrides], output_dir=str(tmp_path / "run"))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer.setup()
+    return trainer
+
+
+def _loss_and_grads(trainer: Trainer, batch):
+    model = trainer.env.model
+    loss, _, _ = trainer._micro_loss(model, trainer.env.trim_padding(batch), trainer._mini_denominator(batch))
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_truncated_completions_add_nothing_to_the_loss_or_gradient(tmp_path, tiny_lm_dir):
+    trainer = _trainer(tmp_path, "overlong.mask_truncated=true", "overlong.buffer=3")
+    try:
+        env = trainer.env
+        torch.manual_seed(0)
+        rollout = env.rollout(env.next_prompts(0), 4)
+        rewards, metrics = env.score(rollout)
+        finished = rollout.tensors["finished"]
+        assert 0 < int(finished.sum()) < len(finished), "need finished and truncated samples"
+        # The overlong penalty is on the combined reward only: max 6, buffer 3.
+        lengths = rollout.tensors["response_mask"].sum(-1)
+        torch.testing.assert_close(rewards - rollout.tensors["score/gsm8k"],
+                                   (-(lengths - 3) / 3).clamp(max=0))
+        assert metrics["reward/overlong_penalty"] < 0
+        trainer.advantages(rollout, rewards)
+        trainer.old_and_reference(rollout)
+        assert (env.loss_mask(rollout)[~finished] == 0).all()
+        full_loss, full_grads = _loss_and_grads(trainer, rollout)
+        kept_loss, kept_grads = _loss_and_grads(trainer, rollout.select(finished.nonzero().squeeze(-1)))
+        torch.testing.assert_close(full_loss, kept_loss)
+        assert len(full_grads) == len(kept_grads) > 0 and max(g.abs().max() for g in kept_grads) > 0
+        for a, b in zip(full_grads, kept_grads):
+            torch.testing.assert_close(a, b)
+        # Without the mask the truncated samples do count: the check above could fail.
+        env.cfg.overlong.mask_truncated = False
+        unmasked_loss, _ = _loss_and_grads(trainer, rollout)
+        assert not torch.allclose(unmasked_loss, kept_loss)
+    finally:
+        trainer.env.close()

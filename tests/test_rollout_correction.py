@@ -1,0 +1,134 @@
+"""Rollout correction (unirl/core/rollout_correction.py) against TRL's ``vllm_importance_sampling_mode``
+and verl's ``rollout_corr_helper`` formulas, re-typed here from their sources, over several seeds, and
+by hand; the mismatch figures against verl's ``compute_offpolicy_metrics``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unirl.core import clipped_policy_loss, rollout_is_weights, rollout_mismatch_metrics, truncated_importance_weights
+from unirl.schema import AlgoConfig
+
+SEEDS = [0, 1, 2, 3, 4]
+F64 = torch.float64
+
+
+def _trl(old, sampling, mask, mode, clip_max, clip_min):
+    """TRL ``_generate_and_score_completions``: the vLLM importance-sampling ratio [N, T] or [N, 1]."""
+    diff = (old - sampling) * mask
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = clip_min if clip_min is not None else -math.inf
+    hi = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+def _inputs(seed, n=6, t=9, spread=0.3):
+    g = torch.Generator().manual_seed(seed)
+    old = -3 * torch.rand(n, t, generator=g, dtype=F64)
+    rollout = old + spread * torch.randn(n, t, generator=g, dtype=F64)
+    mask = torch.rand(n, t, generator=g) < 0.8
+    mask[:, 0] = True
+    return old, rollout, mask
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("low", [None, 0.5])
+def test_weights_are_trls(seed, mode, low):
+    old, rollout, mask = _inputs(seed)
+    ours = rollout_is_weights(old, rollout, mask, mode=mode, high=1.5, low=low)
+    expected = _trl(old, rollout, mask.double(), mode, 1.5, low).expand_as(old)
+    torch.testing.assert_close(ours, expected)
+    if mode.endswith("mask"):  # the check can fail: something was rejected and something kept
+        assert (ours[mask] == 0).any() and (ours[mask] != 0).any()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sequence_truncate_is_verls_seq_tis(seed):
+    """verl ``compute_rollout_correction_weights(rollout_is="sequence")``: exp of the masked sum of
+    log-ratios (kept within +-20), times the mask, truncated above at the threshold."""
+    old, rollout, mask = _inputs(seed, spread=0.5)
+    m = mask.double()
+    log_sum = ((old - rollout) * m).sum(-1, keepdim=True).clamp(-20, 20)
+    expected = (torch.exp(log_sum).expand_as(old) * m).clamp(max=2.0)
+    ours = rollout_is_weights(old, rollout, mask, mode="sequence_truncate", high=2.0)
+    torch.testing.assert_close(ours * m, expected)
+
+
+def test_by_hand():
+    # log-ratios [ln 1.5, ln 3, -ln 2]; bounds [0.6, 2].
+    old = torch.tensor([[math.log(1.5), math.log(3.0), -math.log(2.0)]], dtype=F64)
+    zero = torch.zeros_like(old)
+    w = lambda mode: rollout_is_weights(old, zero, None, mode=mode, high=2.0, low=0.6)  # noqa: E731
+    torch.testing.assert_close(w("token_truncate"), torch.tensor([[1.5, 2.0, 0.6]], dtype=F64))
+    torch.testing.assert_close(w("token_mask"), torch.tensor([[1.5, 0.0, 0.0]], dtype=F64))
+    # The product 1.5 * 3 * 0.5 = 2.25: truncated to 2 at every token, or the whole sequence rejected.
+    torch.testing.assert_close(w("sequence_truncate"), torch.full((1, 3), 2.0, dtype=F64))
+    torch.testing.assert_close(w("sequence_mask"), torch.zeros(1, 3, dtype=F64))
+    # A masked-out token adds nothing to the product: 1.5 * 0.5 = 0.75 without the second, kept.
+    assert rollout_is_weights(old, zero, torch.tensor([[True, False, True]]), mode="sequence_mask",
+                              high=2.0)[0, 0] == pytest.approx(0.75)
+    # No overflow: a log-ratio of 1000 truncates to the cap, and the mask rejects it.
+    huge = torch.tensor([[1000.0]], dtype=F64)
+    assert rollout_is_weights(huge, torch.zeros(1, 1, dtype=F64), None, mode="sequence_truncate", high=3.0).item() == 3.0
+    assert rollout_is_weights(huge, torch.zeros(1, 1, dtype=F64), None, mode="token_mask", high=3.0).item() == 0.0
+    # The token_truncate mode is the former TIS weights.
+    torch.testing.assert_close(truncated_importance_weights(old, zero, cap=2.0),
+                               rollout_is_weights(old, zero, None, mode="token_truncate", high=2.0))
+
+
+def test_a_rejected_sequence_gets_no_gradient():
+    old, rollout, mask = _inputs(3, n=4, t=5, spread=0.0)
+    rollout[1] += 2.0  # sequence 1's product is e^-10 (far below C_min) with every token off the engine
+    weights = rollout_is_weights(old, rollout, mask, mode="sequence_mask", high=3.0, low=0.5)
+    assert (weights[1] == 0).all() and (weights[[0, 2, 3]] == 1).all()
+    logp = old.clone().requires_grad_(True)
+    loss, _ = clipped_policy_loss(logp, old, torch.ones(4, dtype=F64), mask, weights=weights)
+    loss.backward()
+    assert (logp.grad[1] == 0).all() and (logp.grad[0][mask[0]] != 0).all()
+
+
+def _verl_offpolicy(old, rollout, mask):
+    """verl ``compute_offpolicy_metrics`` (the figures unirl logs)."""
+    m = mask.double()
+
+    def masked_mean(x, axis=None):
+        return (x * m).sum() / m.sum() if axis is None else (x * m).sum(axis) / m.sum(axis)
+
+    mean_train, mean_rollout = masked_mean(old, -1), masked_mean(rollout, -1)
+    log_ratio = old - rollout
+    return {
+        "mismatch_kl": masked_mean(rollout - old),
+        "mismatch_k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1),
+        "training_ppl": torch.exp(-mean_train).mean(),
+        "rollout_ppl": torch.exp(-mean_rollout).mean(),
+        "ppl_ratio": torch.exp(mean_rollout - mean_train).mean(),
+    }
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mismatch_figures_are_verls(seed):
+    old, rollout, mask = _inputs(seed)
+    ours = rollout_mismatch_metrics(old, rollout, mask)
+    for name, value in _verl_offpolicy(old, rollout, mask).items():
+        torch.testing.assert_close(ours[name], value, msg=name)
+    assert ours["mismatch_k3_kl"] > 0 and ours["ppl_ratio"] != 1
+    weights = rollout_is_weights(old, rollout, mask, mode="token_mask", high=1.2, low=0.8)
+    more = rollout_mismatch_metrics(old, rollout, mask, weights)
+    torch.testing.assert_close(more["is_mean"], weights[mask].mean())
+    torch.testing.assert_close(more["is_zero_frac"], (weights[mask] == 0).double().mean().to(more["is_zero_frac"].dtype))
+
+
+def test_config_checks_the_lower_bound():
+    assert AlgoConfig().rollout_is == "token_truncate"
+    with pytest.raises(ValueError, match="rollout_is_min must be in"):
+        AlgoConfig(tis_cap=2.0, rollout_is_min=3.0)
+    with pytest.raises(ValueError, match="rollout_is_min must be in"):
+        AlgoConfig(tis_cap=2.0, rollout_is_min=0.0)
