@@ -397,7 +397,28 @@ def _to_plain(value: Any) -> Any:
 
 def _resolve_paths(instance: Any, config_dir: Path) -> None:
     """Replace, in place, each ``PATH``/``FILE_SPEC`` value found only beside the config file by its absolute path."""
-    from unirl.data_paths import is_scheme, locate
+    from unirl.data_paths import locate
+
+    for owner, name, where, attr in _path_values(instance):
+        located = locate(where, config_dir)
+        if located.path is not None and located.tried[0][0] != located.path:  # found only beside the config
+            setattr(owner, name, str(located.path) + attr)
+
+
+def absolute_paths(instance: Any) -> None:
+    """Replace, in place, each ``PATH``/``FILE_SPEC`` value that names an existing file or directory
+    by its absolute path, so a saved config works from any working directory (a run's ``config.yaml``
+    given to ``unirl eval --config``). Values found nowhere (hub names, registered rewards) stay."""
+    for owner, name, where, attr in _path_values(instance):
+        path = Path(where).expanduser()
+        if path.exists() and not path.is_absolute():
+            setattr(owner, name, str(path.absolute()) + attr)
+
+
+def _path_values(instance: Any):
+    """``(owner, field name, path part, ':function' or '')`` of each ``PATH``/``FILE_SPEC`` value
+    that may name a file (not empty, not ``unirl://`` or another URL, not a registered name or module)."""
+    from unirl.data_paths import is_scheme
 
     for field in dataclasses.fields(instance):
         value = getattr(instance, field.name)
@@ -409,15 +430,13 @@ def _resolve_paths(instance: Any, config_dir: Path) -> None:
                 if not sep or not (where.endswith(".py") or "/" in where):
                     continue  # a registered name or package.module:function, not a file
                 attr = ":" + attr
-            located = locate(where, config_dir)
-            if located.path is not None and located.tried[0][0] != located.path:  # found only beside the config
-                setattr(instance, field.name, str(located.path) + attr)
+            yield instance, field.name, where, attr
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            _resolve_paths(value, config_dir)
+            yield from _path_values(value)
         elif isinstance(value, (list, tuple)):
             for item in value:
                 if dataclasses.is_dataclass(item) and not isinstance(item, type):
-                    _resolve_paths(item, config_dir)
+                    yield from _path_values(item)
 
 
 # ----------------------------------------------------------------------------------------------
