@@ -19,8 +19,9 @@ written (it may be a hub name); ``unirl.preflight`` reports it with every place 
 Supported annotations: int, float (an int is accepted and converted), str, bool (only true/false),
 ``Optional[X]`` / ``X | None``, ``Literal[...]``, ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``,
 ``dict[str, X]``, ``Any``, ``pathlib.Path`` (from a string), nested dataclasses (from a mapping)
-and lists of them. A ``ValueError`` raised by a dataclass's ``__post_init__`` (cross-field checks)
-comes out as a ``ConfigError`` prefixed with that dataclass's path.
+and lists of them (a bare string fills the field a dataclass names in ``config_shorthand``). A
+``ValueError`` raised by a dataclass's ``__post_init__`` (cross-field checks) comes out as a
+``ConfigError`` prefixed with that dataclass's path.
 
 YAML is read with YAML 1.2 scalars rather than PyYAML's 1.1 ones: ``1e-4`` is a float (PyYAML
 reads a string), and only true/false are booleans (``yes``/``no``/``on``/``off`` stay strings,
@@ -54,6 +55,10 @@ PATH = types.MappingProxyType({"unirl_path": "path"})
 #: Field metadata of a spec that may be ``path/to/file.py:function``: the part before the last
 #: ``:`` is such a path when it ends in ``.py`` or contains a ``/``.
 FILE_SPEC = types.MappingProxyType({"unirl_path": "file:attr"})
+#: Class attribute of a config dataclass naming the field a bare string fills: with
+#: ``config_shorthand = "name"``, ``rewards: [gsm8k]`` (or ``rewards=[my_rewards.py:fn]`` on the
+#: command line) reads as ``rewards: [{name: gsm8k}]``.
+SHORTHAND = "config_shorthand"
 
 
 class ConfigError(ValueError):
@@ -268,6 +273,9 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
 def _build_dataclass(cls: type, value: Any, path: str) -> Any:
     if isinstance(value, cls):
         return value
+    shorthand = getattr(cls, SHORTHAND, None)
+    if isinstance(value, str) and shorthand is not None:  # rewards: [gsm8k] is rewards: [{name: gsm8k}]
+        value = {shorthand: value}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{path or '<root>'}: expected a mapping for {cls.__name__}, got {_describe(value)}")
     fields = _fields(cls)

@@ -109,6 +109,9 @@ class OptimConfig:
 class RewardConfig:
     """One reward: a registered name, ``path/file.py:function`` or ``package.module:function``."""
 
+    #: A bare string is a reward's name: ``rewards: [gsm8k, my_rewards.py:fn]`` (``unirl.config.SHORTHAND``).
+    config_shorthand = "name"
+
     name: str = field(default="gsm8k", metadata=FILE_SPEC)
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
