@@ -107,6 +107,7 @@ def evaluate(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[
     from unirl import logs
     from unirl.evaluate import evaluate_diffusion, evaluate_text
 
+    logs.configure(verbose=verbose)
     cfg = load_config(env, config, overrides)
     out = Path(output_dir) if output_dir is not None else _default_eval_dir(checkpoint)
     if test_data is not None:

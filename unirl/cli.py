@@ -104,9 +104,23 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 def _one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
-    if len(lines) > 1 and type(error).__module__.split(".")[0] != "unirl":
+    library = type(error).__module__.split(".")[0] not in ("unirl", "rewards")
+    if len(lines) > 1 and library:
         text += " ..."  # a library's long message: its first line names the problem
+    cause = _root_cause(error)
+    if library and cause is not None:  # diffusers' "see the root cause in the stacktrace above", without it
+        cause_lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        text += f"; caused by {type(cause).__name__}: {cause_lines[0] if cause_lines else ''}".rstrip(": ")
     return text
+
+
+def _root_cause(error: BaseException) -> BaseException | None:
+    """The innermost exception ``error`` was raised from or while handling (None when there is none)."""
+    seen, cause = {id(error)}, None
+    while (nxt := (error.__cause__ or error.__context__)) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        error = cause = nxt
+    return cause
 
 
 def main(argv: list[str] | None = None) -> int:

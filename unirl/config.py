@@ -249,6 +249,9 @@ def _apply_override(cls: type, data: dict, item: str) -> None:
             return
         if isinstance(node, dict) and node.get(part) is None:
             node[part] = seed
+        shorthand = getattr(_strip_optional(child_tp), SHORTHAND, None)
+        if shorthand is not None and isinstance(node[part], str):  # rewards=[gsm8k] then rewards[0].weight=2
+            node[part] = {shorthand: node[part]}
         node, tp, path = node[part], child_tp, sub_path
 
 

@@ -155,24 +155,36 @@ class RunOutput:
 
     @contextlib.contextmanager
     def _descriptors_to_file(self):
+        """Descriptors 1 and 2, and Python's ``sys.stdout``/``sys.stderr`` (a notebook's are not the
+        descriptors), point at the log; ``self._console`` keeps the console's stderr for warnings."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        on_descriptor = _fileno(sys.stderr) == 2
         saved = os.dup(1), os.dup(2)
-        self._console = os.fdopen(os.dup(2), "w", buffering=1)
-        with open(self.path, "ab") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
+        self._console = os.fdopen(os.dup(2), "w", buffering=1) if on_descriptor else sys.stderr
+        log = open(self.path, "a", buffering=1, encoding="utf-8")
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
         try:
-            yield
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                yield
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
+            log.flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             for fd in saved:
                 os.close(fd)
-            self._console.close()
+            log.close()
+            if on_descriptor:
+                self._console.close()
             self._console = None
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return None
 
 
 def from_library(filename: str) -> bool:

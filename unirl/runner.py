@@ -1,7 +1,7 @@
 """Running a typed training config: the one path behind ``unirl train`` and ``unirl.train``.
 
-1. Paths made absolute (the saved ``config.yaml`` works from any directory) and the offline checks
-   (``unirl.preflight``): a dry run stops here.
+1. The offline checks (``unirl.preflight``): a dry run stops here; then the paths found from the
+   working directory are made absolute, so the saved ``config.yaml`` works from any directory.
 2. The environment and the loop, with the libraries' start-up output sent to ``RUN/run.log``
    (``unirl.logs.RunOutput``) unless ``verbose``.
 3. One start line before and one end line after (steps, first and last reward, evaluation figures,
@@ -102,6 +102,7 @@ def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
     from unirl.config import config_to_dict
     from unirl.loop import Trainer
 
+    logs.configure(verbose=verbose)  # the CLI did at its start; a Python caller has not
     run_dir = Path(cfg.output_dir)
     main = int(os.environ.get("RANK", "0")) == 0
     if main:

@@ -53,10 +53,11 @@ class DataConfig:
     hub_config: Optional[str] = None
     train_split: str = "train"
     test_split: str = "test"
-    #: How a row becomes a prompt: ``gsm8k`` (question + verl's instruction, gold from ``#### N``)
-    #: or ``plain`` (the ``prompt_key`` column as is).
-    adapter: Literal["gsm8k", "plain"] = "gsm8k"
-    prompt_key: str = "question"
+    #: How a row becomes a prompt: ``plain`` (the ``prompt_key`` column as it is) or ``gsm8k``
+    #: (question + verl's instruction, gold from ``#### N``; the ``gsm8k`` config sets it).
+    adapter: Literal["gsm8k", "plain"] = "plain"
+    #: The column holding the prompt; null: ``prompt``, else ``question``, else the rows' only text column.
+    prompt_key: Optional[str] = None
     #: Apply the tokenizer's chat template when it has one.
     chat_template: bool = True
     #: Prompts longer than this (tokens) are an error.
