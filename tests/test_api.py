@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -167,3 +168,16 @@ def test_import_unirl_loads_no_library():
     code = "import sys, unirl; unirl.train; print(sorted(m for m in ('torch', 'transformers', 'vllm', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install -e .[cpu])")
+def test_the_python_example_of_the_docs_runs_as_written(tmp_path, tiny_lm_dir):
+    text = (REPO / "docs" / "python.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    proc = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last, checkpoint = proc.stdout.splitlines()[-1].split()
+    assert 0 <= float(first) <= 1 and 0 <= float(last) <= 1
+    assert Path(checkpoint).parent.parent.parent == tmp_path / "runs" and Path(checkpoint).name == "step_000020"

@@ -136,3 +136,31 @@ def test_config_list_show_version_and_help(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "config name (diffusion: flux_pickscore, sd3_ocr, tiny" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("env", ["text", "diffusion"])
+def test_every_recipe_sets_its_keys_and_the_overrides_win(env):
+    import unirl
+    from unirl.config import config_to_dict
+    from unirl.config_commands import flatten
+    from unirl.recipes import RECIPES
+
+    base = flatten(config_to_dict(unirl.load_config(env, "tiny")))
+    for name, recipe in RECIPES.items():
+        cfg = flatten(config_to_dict(unirl.load_config(env, "tiny", recipe=name)))
+        assert {k: cfg[k] for k in recipe.keys} == recipe.keys, name
+        assert {k: v for k, v in cfg.items() if k not in recipe.keys} == {k: v for k, v in base.items() if k not in recipe.keys}
+    cfg = unirl.load_config(env, "tiny", ["algo.clip_high=0.001"], recipe="gspo")
+    assert (cfg.algo.clip_low, cfg.algo.clip_high) == (3e-4, 0.001)
+    with pytest.raises(ValueError, match=r"unknown recipe 'dr-grpo'. Did you mean 'dr_grpo'\?"):
+        unirl.load_config(env, "tiny", recipe="dr-grpo")
+
+
+def test_the_recipe_option_on_the_command_line(tmp_path, capsys):
+    code, out, err = _run(capsys, "train", "text", "--config", "tiny", "--recipe", "dr_grpo", "--dry-run",
+                          "--output-dir", str(tmp_path / "run"))
+    assert code == 0, out + err
+    algo = yaml.safe_load(out)["algo"]
+    assert (algo["adv_scale"], algo["loss_agg"]) == ("none", "seq-mean-token-sum-norm")
+    code, out, _ = _run(capsys, "config", "list")
+    assert "dr_grpo   algo.adv_estimator=grpo, algo.adv_scale=none, algo.loss_agg=seq-mean-token-sum-norm: Dr. GRPO" in out

@@ -44,14 +44,16 @@ __all__ = ["TrainResult", "evaluate", "load_config", "train"]
 _MODALITY = {"text": "text", "diffusion": "image"}
 
 
-def load_config(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str, Any] = ()):
+def load_config(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str, Any] = (), *,
+                recipe: str | None = None):
     """The environment's typed config from a shipped name, a YAML path, a mapping or a config object,
-    with ``overrides`` (``key=value`` strings or ``{"key": value}``) applied. Errors are the CLI's
-    (``ConfigError`` naming the key)."""
+    with a ``recipe``'s keys (``unirl.recipes``) and then ``overrides`` (``key=value`` strings or
+    ``{"key": value}``) applied. Errors are the CLI's (``ConfigError`` naming the key)."""
     from unirl.config import config_to_dict, load_config as load, resolve_config_path
+    from unirl.recipes import recipe_overrides
 
     cls = config_class(env)
-    items = _override_strings(overrides)
+    items = recipe_overrides(recipe) + _override_strings(overrides)
     if isinstance(config, cls):
         return load(cls, config_to_dict(config), items)
     if isinstance(config, Mapping):
@@ -65,16 +67,17 @@ def load_config(env: str, config: Any = "tiny", overrides: Iterable[str] | Mappi
 def train(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str, Any] = (), *,
           rewards: Sequence[Any] | None = None, train_data: Any = None, test_data: Any = None,
           output_dir: str | Path | None = None, new_run: bool = False, progress: bool = True,
-          verbose: bool = False) -> TrainResult:
+          verbose: bool = False, recipe: str | None = None) -> TrainResult:
     """Train ``env`` (``text`` or ``diffusion``) on ``config`` as ``unirl train`` does; returns a ``TrainResult``.
 
     ``rewards`` replaces the config's rewards; ``train_data``/``test_data`` its data files;
     ``output_dir`` its run directory (``new_run``: a fresh, time-stamped directory beside it);
-    ``progress=False`` hides the progress bar; ``verbose`` shows the libraries' start-up output."""
+    ``progress=False`` hides the progress bar; ``verbose`` shows the libraries' start-up output;
+    ``recipe`` (``dr_grpo``, ``gspo``, ``rloo``: ``unirl.recipes``) sets its keys before ``overrides``."""
     from unirl.config import resolve_config_path
     from unirl.preflight import PreflightError, existing_run_problem
 
-    cfg = load_config(env, config, overrides)
+    cfg = load_config(env, config, overrides, recipe=recipe)
     if output_dir is not None:
         cfg.output_dir = str(output_dir)
     if new_run:

@@ -1,6 +1,6 @@
 """The ``unirl`` command.
 
-    unirl train text --config gsm8k [--output-dir DIR | --new-run] [--dry-run] [key=value ...]
+    unirl train text --config gsm8k [--recipe dr_grpo] [--output-dir DIR | --new-run] [--dry-run] [key=value ...]
     unirl train diffusion --config sd3_ocr ...
     unirl rewards list
     unirl serve-reward NAME [--host 127.0.0.1] [--port P]
@@ -49,13 +49,14 @@ def _load_file(env_name: str, path, overrides: list[str], output_dir: str | None
 
 
 def train(env_name: str, config: str, overrides: list[str], output_dir: str | None = None, dry_run: bool = False,
-          verbose: bool = False, new_run: bool = False):
+          verbose: bool = False, new_run: bool = False, recipe: str | None = None):
     """``unirl train``: the config file and overrides, then ``unirl.runner.train_config`` (as ``unirl.train``)."""
     from unirl.config import resolve_config_path
+    from unirl.recipes import recipe_overrides
     from unirl.runner import new_run_dir, train_config
 
     config_file = resolve_config_path(env_name, config)
-    cfg = _load_file(env_name, config_file, overrides, output_dir)
+    cfg = _load_file(env_name, config_file, recipe_overrides(recipe) + list(overrides), output_dir)
     if new_run:
         cfg.output_dir = str(new_run_dir(cfg.output_dir))
     return train_config(env_name, cfg, config_file=config_file, label=config, dry_run=dry_run, verbose=verbose)
@@ -90,6 +91,12 @@ def _config_names() -> str:
     from unirl.config import available_configs
 
     return "; ".join(f"{env}: {', '.join(available_configs(env))}" for env in sorted(ENVIRONMENTS))
+
+
+def _recipe_names() -> str:
+    from unirl.recipes import RECIPES
+
+    return ", ".join(RECIPES)
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -147,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("env", choices=sorted(ENVIRONMENTS))
     p_train.add_argument("--config", required=True, help=f"config name ({_config_names()}) or a YAML path")
     p_train.add_argument("--output-dir", default=None, help="run directory (overrides output_dir)")
+    p_train.add_argument("--recipe", default=None, help=f"a variant's keys, set before the overrides: {_recipe_names()} "
+                                                         f"(unirl config list shows the keys)")
     p_train.add_argument("--new-run", action="store_true",
                          help="a fresh run directory beside output_dir, named with the date and time (OUTPUT_DIR-YYYYmmdd-HHMMSS)")
     p_train.add_argument("--dry-run", action="store_true",
@@ -202,7 +211,7 @@ def _dispatch(args) -> int:
     if args.command == "train":
         try:
             train(args.env, args.config, args.overrides, args.output_dir, args.dry_run,
-                  verbose=getattr(args, "verbose", False), new_run=args.new_run)
+                  verbose=getattr(args, "verbose", False), new_run=args.new_run, recipe=args.recipe)
         except Preempted as e:  # a signal-stopped run: one line saying where its checkpoint is
             print(f"unirl: {e}", file=sys.stderr)
             return e.exit_code

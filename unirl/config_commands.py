@@ -1,7 +1,7 @@
 """``unirl config list`` and ``unirl config show``: the shipped configs, and every key of one with its value and default.
 
 ``unirl config list`` prints each shipped config (``configs/<env>/NAME.yaml``) with the first line of
-its header comment. ``unirl config show ENV --config NAME [key=value ...]`` loads the config as a run
+its header comment, and each recipe (``unirl/recipes.py``) with the keys it sets. ``unirl config show ENV --config NAME [key=value ...]`` loads the config as a run
 would (overrides applied) and prints every key, its value and its default, a ``*`` marking the
 keys the config (or an override) changes. What each key means: docs/configs.md.
 """
@@ -23,6 +23,7 @@ def add_subcommands(subparsers) -> None:
     p_show = config_sub.add_parser("show", help="every key of a config with its value and default")
     p_show.add_argument("env", choices=["diffusion", "text"])
     p_show.add_argument("--config", required=True, help="config name (unirl config list) or a YAML path")
+    p_show.add_argument("--recipe", default=None, help="a recipe's keys, set before the overrides (unirl config list)")
     p_show.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. algo.clip_high=0.28")
     p_show.set_defaults(func=show_command)
 
@@ -36,7 +37,18 @@ def list_command(args: argparse.Namespace) -> int:
     for env, name, about in rows:
         print(f"{env.ljust(widths[0])}  {name.ljust(widths[1])}  {about}")
     print(f"\nunirl train ENV --config NAME; every key of one: unirl config show ENV --config NAME ({CONFIGS_ROOT})")
+    print("\nRecipes (unirl train ENV --config NAME --recipe RECIPE; the keys it sets):")
+    for name, line in recipe_lines():
+        print(f"  {name.ljust(8)}  {line}")
     return 0
+
+
+def recipe_lines() -> list[tuple[str, str]]:
+    """``(name, "key=value, ...: about (reference)")`` of each recipe."""
+    from unirl.recipes import RECIPES
+
+    return [(name, ", ".join(f"{k}={_text(v)}" for k, v in recipe.keys.items()) + f": {recipe.about} ({recipe.reference})")
+            for name, recipe in RECIPES.items()]
 
 
 def show_command(args: argparse.Namespace) -> int:
@@ -44,7 +56,7 @@ def show_command(args: argparse.Namespace) -> int:
     from unirl.config import config_to_dict
     from unirl.runner import config_class
 
-    values = flatten(config_to_dict(load_config(args.env, args.config, args.overrides)))
+    values = flatten(config_to_dict(load_config(args.env, args.config, args.overrides, recipe=args.recipe)))
     defaults = flatten(config_to_dict(config_class(args.env)()))
     rows = [(("* " if values[k] != defaults.get(k) else "  ") + k, _text(values[k]), _text(defaults.get(k)))
             for k in values]

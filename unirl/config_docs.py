@@ -90,6 +90,14 @@ def page(env_classes: dict[str, type]) -> str:
             cells = [f"`{key}`", type_name, f"`{default}`" if default else "", meaning]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         lines.append("")
+    from unirl.recipes import RECIPES
+
+    lines += ["## Recipes", "", "`unirl train ENV --config NAME --recipe RECIPE` (`unirl.train(..., recipe=...)`) sets these keys "
+              "before the overrides (`unirl/recipes.py`).", "", "| recipe | keys | what it changes |", "|---|---|---|"]
+    for name, recipe in RECIPES.items():
+        keys = "<br>".join(f"`{k}={json.dumps(v)}`" for k, v in recipe.keys.items())
+        lines.append(f"| `{name}` | {keys} | {recipe.about} ([paper]({recipe.reference})) |")
+    lines.append("")
     return "\n".join(lines)
 
 
