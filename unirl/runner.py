@@ -94,6 +94,8 @@ def train_config(env_name: str, cfg: Any, *, config_file: str | Path | None = No
     # 2. Paths found from the working directory made absolute, so the saved config.yaml works from anywhere.
     absolute_paths(cfg)
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().absolute())
+    if Path(cfg.model.name_or_path).expanduser().is_dir():  # a local model directory, not a hub name or a toy
+        cfg.model.name_or_path = str(Path(cfg.model.name_or_path).expanduser().absolute())
     return _train(env_name, cfg, label or (str(config_file) if config_file else "(in code)"), verbose)
 
 
