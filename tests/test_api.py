@@ -164,6 +164,13 @@ def test_a_directory_holding_a_run_is_refused_before_data_is_written(tmp_path):
     assert not (tmp_path / "run" / "data").exists()
 
 
+def test_unirl_evaluate_stays_the_function_once_the_modules_are_imported():
+    import unirl.api
+    import unirl.evaluation  # noqa: F401  (a submodule named "evaluate" would replace the function)
+
+    assert unirl.evaluate is unirl.api.evaluate and unirl.train is unirl.api.train
+
+
 def test_import_unirl_loads_no_library():
     code = "import sys, unirl; unirl.train; print(sorted(m for m in ('torch', 'transformers', 'vllm', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout

@@ -9,7 +9,7 @@
                          train_data=[{"prompt": "2+3=?"}, {"prompt": "4+1=?"}])
     result.rewards, result.run_dir, result.checkpoint
 
-These are the command line's own code paths (``unirl.runner.train_config``, ``unirl.evaluate``), so
+These are the command line's own code paths (``unirl.runner.train_config``, ``unirl.evaluation``), so
 a config, its seed and its overrides give the same run from either. What Python adds is what a
 command line cannot pass: reward callables and in-memory datasets.
 
@@ -108,7 +108,7 @@ def evaluate(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[
     reward ``accuracy`` and ``pass@k``), also written to ``output_dir/summary.json`` (default
     ``CHECKPOINT/eval``). The libraries' output goes to ``output_dir/eval.log`` unless ``verbose``."""
     from unirl import logs
-    from unirl.evaluate import evaluate_diffusion, evaluate_text
+    from unirl.evaluation import evaluate_diffusion, evaluate_text
 
     logs.configure(verbose=verbose)
     cfg = load_config(env, config, overrides)

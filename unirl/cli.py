@@ -65,7 +65,7 @@ def train(env_name: str, config: str, overrides: list[str], output_dir: str | No
 def evaluate(env_name: str, config: str, overrides: list[str], checkpoint: str, output_dir: str | None, n: int,
              ks: list[int], verbose: bool = False) -> None:
     from unirl.api import evaluate as evaluate_checkpoint
-    from unirl.evaluate import summary_line
+    from unirl.evaluation import summary_line
 
     cfg = load_run_config(env_name, config, overrides)
     summary = evaluate_checkpoint(env_name, cfg, checkpoint=checkpoint, output_dir=output_dir, n=n, ks=ks,

@@ -1,4 +1,7 @@
-"""``unirl eval text|diffusion --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
+"""Scoring a checkpoint on held-out prompts: ``unirl eval`` and ``unirl.evaluate`` (this module is not
+named ``evaluate``, so that ``unirl.evaluate`` stays the function once it is imported).
+
+``unirl eval text|diffusion --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
 
 Text scores a policy without training it: the config's held-out split (``data.test``, ``data.eval_size``)
 and rewards, through the config's rollout engine (vLLM; ``rollout.engine=hf`` for transformers).
