@@ -150,8 +150,8 @@ def test_reward_forms_and_their_errors(tmp_path):
         return [0.0] * len(samples)
 
     with pytest.raises(ValueError, match="reward name 'gsm8k' is taken by a registered reward; pass the function as"):
-        unirl.train("text", "tiny", rewards=[gsm8k], output_dir=tmp_path / "run")
-    assert not (tmp_path / "run").exists()
+        unirl.train("text", "tiny", rewards=[gsm8k], train_data=ROWS, output_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
 def test_a_directory_holding_a_run_is_refused_before_data_is_written(tmp_path):

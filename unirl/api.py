@@ -83,20 +83,20 @@ def train(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str
     if new_run:
         cfg.output_dir = str(new_run_dir(cfg.output_dir))
     cfg.trainer.progress = progress
-    # The run directory is checked before the in-memory data is written into it.
+    reward_configs, callables = _reward_configs(rewards, env) if rewards is not None else (cfg.rewards, [])
+    cfg.rewards = reward_configs
+    # The rewards and the run directory are checked before the in-memory data is written into it.
     problem = existing_run_problem(cfg.output_dir, cfg.trainer.resume)
     if problem:
         raise PreflightError([problem])
-    run_dir = Path(cfg.output_dir).expanduser().absolute()
-    if train_data is not None:
-        cfg.data.train = _data_file(train_data, run_dir / "data" / "train.jsonl", "train_data")
-    if test_data is not None:
-        cfg.data.test = _data_file(test_data, run_dir / "data" / "test.jsonl", "test_data")
-    reward_configs, callables = _reward_configs(rewards, env) if rewards is not None else (cfg.rewards, [])
-    cfg.rewards = reward_configs
     config_file = resolve_config_path(env, config) if isinstance(config, (str, Path)) else None
     label = str(config) if isinstance(config, (str, Path)) else f"({type(config).__name__})"
     with _registered(callables, _MODALITY[env]):
+        run_dir = Path(cfg.output_dir).expanduser().absolute()
+        if train_data is not None:
+            cfg.data.train = _data_file(train_data, run_dir / "data" / "train.jsonl", "train_data")
+        if test_data is not None:
+            cfg.data.test = _data_file(test_data, run_dir / "data" / "test.jsonl", "test_data")
         return train_config(env, cfg, config_file=config_file, label=label, verbose=verbose)
 
 
