@@ -118,6 +118,12 @@ def register_reward(
     return decorator
 
 
+def unregister_reward(name: str) -> None:
+    """Undo ``register_reward(name)`` (``unirl.train`` registers reward callables for one run only)."""
+    REWARDS.remove(name)
+    _INFO.pop(name, None)
+
+
 def _first_line(obj: Any) -> str:
     doc = inspect.getdoc(obj) or ""
     return doc.strip().splitlines()[0] if doc.strip() else ""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.evaluate import pass_at_k
+from unirl.evaluation import pass_at_k
 
 REPO = Path(__file__).resolve().parents[1]
 

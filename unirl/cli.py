@@ -1,6 +1,6 @@
 """The ``unirl`` command.
 
-    unirl train text --config gsm8k [--output-dir DIR] [--dry-run] [key=value ...]
+    unirl train text --config gsm8k [--recipe dr_grpo] [--output-dir DIR | --new-run] [--dry-run] [key=value ...]
     unirl train diffusion --config sd3_ocr ...
     unirl rewards list
     unirl serve-reward NAME [--host 127.0.0.1] [--port P]
@@ -8,9 +8,14 @@
     unirl data cat unirl://ocr/test.txt
     unirl eval text --config gsm8k --checkpoint runs/text-gsm8k/checkpoints/step_000100 [--n 8]
     unirl plot runs/a runs/b [--out curves.png] [--metrics reward/mean,eval/accuracy]
+    unirl config list
+    unirl config show text --config tiny [key=value ...]
+    unirl --version
 
-Errors a user can cause end with one line and exit 2 (``--debug`` shows the traceback); vLLM,
-transformers and diffusers log at WARNING unless ``--verbose``.
+Errors a user can cause end with one line and exit 2 (``--debug`` shows the traceback). A run's
+console holds its progress bar and unirl's own lines; vLLM's, transformers', torch's and
+Accelerate's start-up output goes to ``RUN/run.log`` (``unirl eval``: ``OUT/eval.log``) unless
+``--verbose`` (``unirl/logs.py``).
 
 ``--config`` takes a name (``configs/<env>/NAME.yaml``, shipped inside the package) or a path to a
 YAML file. Before anything loads, ``unirl.preflight`` checks the data files, rewards, batch sizes,
@@ -21,19 +26,10 @@ output directory and model name; ``--dry-run`` prints the resolved config and th
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-# environment -> (config dataclass, environment class); imported only when used.
-ENVIRONMENTS = {
-    "text": ("unirl.text.config:TextConfig", "unirl.text.env:TextEnvironment"),
-    "diffusion": ("unirl.diffusion.config:DiffusionConfig", "unirl.diffusion.env:DiffusionEnvironment"),
-}
-
-
-def _import(path: str):
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+from unirl.runner import ENVIRONMENTS
+from unirl.runner import import_object as _import
 
 
 def load_run_config(env_name: str, config: str, overrides: list[str], output_dir: str | None = None):
@@ -52,58 +48,29 @@ def _load_file(env_name: str, path, overrides: list[str], output_dir: str | None
     return load_config(_import(ENVIRONMENTS[env_name][0]), path, overrides)
 
 
-def train(env_name: str, config: str, overrides: list[str], output_dir: str | None = None, dry_run: bool = False):
-    from unirl.config import config_to_dict, resolve_config_path
-    from unirl.preflight import PreflightError, preflight
+def train(env_name: str, config: str, overrides: list[str], output_dir: str | None = None, dry_run: bool = False,
+          verbose: bool = False, new_run: bool = False, recipe: str | None = None):
+    """``unirl train``: the config file and overrides, then ``unirl.runner.train_config`` (as ``unirl.train``)."""
+    from unirl.config import resolve_config_path
+    from unirl.recipes import recipe_overrides
+    from unirl.runner import new_run_dir, train_config
 
-    # 1. The config, with paths resolved beside its file; 2. the offline checks, before any model loads.
     config_file = resolve_config_path(env_name, config)
-    cfg = _load_file(env_name, config_file, overrides, output_dir)
-    resolved = config_to_dict(cfg)
-    report = preflight(cfg, env_name, config_file)
-    if dry_run:
-        import yaml
-
-        print(yaml.safe_dump(resolved, sort_keys=False), end="")
-        print(report.format(), end="")
-    if report.problems:
-        raise PreflightError(report.problems)
-    if dry_run:
-        return None
-    from unirl.loop import Trainer
-
-    env = _import(ENVIRONMENTS[env_name][1])(cfg)
-    trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
-                      config_dict=resolved)
-    history = trainer.train()
-    # Several processes leave together: one tearing the process group down while another is still
-    # busy (the main process writing logs) can abort gloo ("terminate called without an active exception").
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.state.destroy_process_group()
-    return history
+    cfg = _load_file(env_name, config_file, recipe_overrides(recipe) + list(overrides), output_dir)
+    if new_run:
+        cfg.output_dir = str(new_run_dir(cfg.output_dir))
+    return train_config(env_name, cfg, config_file=config_file, label=config, dry_run=dry_run, verbose=verbose)
 
 
 def evaluate(env_name: str, config: str, overrides: list[str], checkpoint: str, output_dir: str | None, n: int,
-             ks: list[int]) -> None:
-    if env_name == "text":
-        from unirl.evaluate import evaluate_text, summary_line
+             ks: list[int], verbose: bool = False) -> None:
+    from unirl.api import evaluate as evaluate_checkpoint
+    from unirl.evaluation import summary_line
 
-        cfg = load_run_config(env_name, config, overrides)
-        out = output_dir or str(_default_eval_dir(checkpoint))
-        print(summary_line(evaluate_text(cfg, checkpoint, out, n=n, ks=ks)))
-    else:
-        from unirl.evaluate import evaluate_diffusion, summary_line
-
-        cfg = load_run_config(env_name, config, overrides)
-        out = output_dir or str(_default_eval_dir(checkpoint))
-        print(summary_line(evaluate_diffusion(cfg, checkpoint, out)))
-
-
-def _default_eval_dir(checkpoint: str):
-    from pathlib import Path
-
-    path = Path(checkpoint)
-    return (path / "eval") if path.is_dir() else Path("eval") / path.name
+    cfg = load_run_config(env_name, config, overrides)
+    summary = evaluate_checkpoint(env_name, cfg, checkpoint=checkpoint, output_dir=output_dir, n=n, ks=ks,
+                                  verbose=verbose)
+    print(summary_line(summary))
 
 
 def plot(runs: list[str], out: str | None, metrics: str | None) -> None:
@@ -111,6 +78,25 @@ def plot(runs: list[str], out: str | None, metrics: str | None) -> None:
 
     names = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
     print(f"wrote {plot_runs(runs, out, names)}")
+
+
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    from unirl import __version__
+
+    parser.add_argument("--version", action="version", version=f"unirl {__version__}")
+
+
+def _config_names() -> str:
+    """The shipped config names per environment, for --help: ``text: gsm8k, tiny; diffusion: ...``."""
+    from unirl.config import available_configs
+
+    return "; ".join(f"{env}: {', '.join(available_configs(env))}" for env in sorted(ENVIRONMENTS))
+
+
+def _recipe_names() -> str:
+    from unirl.recipes import RECIPES
+
+    return ", ".join(RECIPES)
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -125,9 +111,23 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 def _one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
-    if len(lines) > 1 and type(error).__module__.split(".")[0] != "unirl":
+    library = type(error).__module__.split(".")[0] not in ("unirl", "rewards")
+    if len(lines) > 1 and library:
         text += " ..."  # a library's long message: its first line names the problem
+    cause = _root_cause(error)
+    if library and cause is not None:  # diffusers' "see the root cause in the stacktrace above", without it
+        cause_lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        text += f"; caused by {type(cause).__name__}: {cause_lines[0] if cause_lines else ''}".rstrip(": ")
     return text
+
+
+def _root_cause(error: BaseException) -> BaseException | None:
+    """The innermost exception ``error`` was raised from or while handling (None when there is none)."""
+    seen, cause = {id(error)}, None
+    while (nxt := (error.__cause__ or error.__context__)) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        error = cause = nxt
+    return cause
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="show the traceback of an error instead of one line")
     parser = argparse.ArgumentParser(prog="unirl", description="RL post-training for LLMs and diffusion models.",
                                      parents=[flags])
+    _add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
+    from unirl.config_commands import add_subcommands as add_config_subcommands
+
+    add_config_subcommands(sub)  # unirl config list, unirl config show ENV --config NAME
     from unirl.reward_commands import add_subcommands
 
     add_subcommands(sub)  # unirl rewards list, unirl serve-reward NAME
@@ -148,15 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     add_data_subcommands(sub)  # unirl data list, unirl data cat SOURCE
     p_train = sub.add_parser("train", help="train a policy", parents=[flags])
     p_train.add_argument("env", choices=sorted(ENVIRONMENTS))
-    p_train.add_argument("--config", required=True, help="config name (configs/<env>/NAME.yaml) or a YAML path")
+    p_train.add_argument("--config", required=True, help=f"config name ({_config_names()}) or a YAML path")
     p_train.add_argument("--output-dir", default=None, help="run directory (overrides output_dir)")
+    p_train.add_argument("--recipe", default=None, help=f"a variant's keys, set before the overrides: {_recipe_names()} "
+                                                         f"(unirl config list shows the keys)")
+    p_train.add_argument("--new-run", action="store_true",
+                         help="a fresh run directory beside output_dir, named with the date and time (OUTPUT_DIR-YYYYmmdd-HHMMSS)")
     p_train.add_argument("--dry-run", action="store_true",
                          help="print the resolved config and the offline checks (data, rewards, batch, output, "
                               "model cache), load nothing; exit 0 when clean, 2 with every problem listed")
     p_train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.total_steps=10")
     p_eval = sub.add_parser("eval", help="score a checkpoint on the config's held-out prompts", parents=[flags])
     p_eval.add_argument("env", choices=sorted(ENVIRONMENTS))
-    p_eval.add_argument("--config", required=True, help="config name or YAML path (its test split and rewards)")
+    p_eval.add_argument("--config", required=True,
+                        help=f"config name ({_config_names()}), a YAML path or a run's config.yaml (its test split and rewards)")
     p_eval.add_argument("--checkpoint", required=True,
                         help="a run's checkpoints/step_N/ (full or LoRA), a model directory or a hub name")
     p_eval.add_argument("--output-dir", default=None, help="where samples and the summary go (default CHECKPOINT/eval)")
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         bad = [e for e in extra if "=" not in e or e.startswith("-")]
-        if bad or args.command not in ("train", "eval"):
+        if bad or args.command not in ("train", "eval", "config"):
             parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides are key=value)")
         args.overrides = list(args.overrides) + extra
     from unirl import logs
@@ -220,7 +229,8 @@ def _dispatch(args) -> int:
         # SIGTERM before the loop takes over (checks, loading, vLLM start-up) stops with one line, not silently.
         previous = signal.signal(signal.SIGTERM, stop_during_startup)
         try:
-            train(args.env, args.config, args.overrides, args.output_dir, args.dry_run)
+            train(args.env, args.config, args.overrides, args.output_dir, args.dry_run,
+                  verbose=getattr(args, "verbose", False), new_run=args.new_run, recipe=args.recipe)
         except Preempted as e:  # a signal-stopped run: one line saying where its checkpoint is
             print(f"unirl: {e}", file=sys.stderr)
             return e.exit_code
@@ -229,7 +239,8 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "eval":
         ks = [int(k) for k in args.k.split(",") if k.strip()]
-        evaluate(args.env, args.config, args.overrides, args.checkpoint, args.output_dir, args.n, ks)
+        evaluate(args.env, args.config, args.overrides, args.checkpoint, args.output_dir, args.n, ks,
+                 verbose=getattr(args, "verbose", False))
         return 0
     if args.command == "plot":
         plot(args.runs, args.out, args.metrics)

@@ -19,8 +19,9 @@ written (it may be a hub name); ``unirl.preflight`` reports it with every place 
 Supported annotations: int, float (an int is accepted and converted), str, bool (only true/false),
 ``Optional[X]`` / ``X | None``, ``Literal[...]``, ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``,
 ``dict[str, X]``, ``Any``, ``pathlib.Path`` (from a string), nested dataclasses (from a mapping)
-and lists of them. A ``ValueError`` raised by a dataclass's ``__post_init__`` (cross-field checks)
-comes out as a ``ConfigError`` prefixed with that dataclass's path.
+and lists of them (a bare string fills the field a dataclass names in ``config_shorthand``). A
+``ValueError`` raised by a dataclass's ``__post_init__`` (cross-field checks) comes out as a
+``ConfigError`` prefixed with that dataclass's path.
 
 YAML is read with YAML 1.2 scalars rather than PyYAML's 1.1 ones: ``1e-4`` is a float (PyYAML
 reads a string), and only true/false are booleans (``yes``/``no``/``on``/``off`` stay strings,
@@ -54,6 +55,10 @@ PATH = types.MappingProxyType({"unirl_path": "path"})
 #: Field metadata of a spec that may be ``path/to/file.py:function``: the part before the last
 #: ``:`` is such a path when it ends in ``.py`` or contains a ``/``.
 FILE_SPEC = types.MappingProxyType({"unirl_path": "file:attr"})
+#: Class attribute of a config dataclass naming the field a bare string fills: with
+#: ``config_shorthand = "name"``, ``rewards: [gsm8k]`` (or ``rewards=[my_rewards.py:fn]`` on the
+#: command line) reads as ``rewards: [{name: gsm8k}]``.
+SHORTHAND = "config_shorthand"
 
 
 class ConfigError(ValueError):
@@ -248,6 +253,9 @@ def _apply_override(cls: type, data: dict, item: str) -> None:
             return
         if isinstance(node, dict) and node.get(part) is None:
             node[part] = seed
+        shorthand = getattr(_strip_optional(child_tp), SHORTHAND, None)
+        if shorthand is not None and isinstance(node[part], str):  # rewards=[gsm8k] then rewards[0].weight=2
+            node[part] = {shorthand: node[part]}
         node, tp, path = node[part], child_tp, sub_path
 
 
@@ -272,6 +280,9 @@ def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
 def _build_dataclass(cls: type, value: Any, path: str) -> Any:
     if isinstance(value, cls):
         return value
+    shorthand = getattr(cls, SHORTHAND, None)
+    if isinstance(value, str) and shorthand is not None:  # rewards: [gsm8k] is rewards: [{name: gsm8k}]
+        value = {shorthand: value}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{path or '<root>'}: expected a mapping for {cls.__name__}, got {_describe(value)}")
     fields = _fields(cls)
@@ -401,7 +412,28 @@ def _to_plain(value: Any) -> Any:
 
 def _resolve_paths(instance: Any, config_dir: Path) -> None:
     """Replace, in place, each ``PATH``/``FILE_SPEC`` value found only beside the config file by its absolute path."""
-    from unirl.data_paths import is_scheme, locate
+    from unirl.data_paths import locate
+
+    for owner, name, where, attr in _path_values(instance):
+        located = locate(where, config_dir)
+        if located.path is not None and located.tried[0][0] != located.path:  # found only beside the config
+            setattr(owner, name, str(located.path) + attr)
+
+
+def absolute_paths(instance: Any) -> None:
+    """Replace, in place, each ``PATH``/``FILE_SPEC`` value that names an existing file or directory
+    by its absolute path, so a saved config works from any working directory (a run's ``config.yaml``
+    given to ``unirl eval --config``). Values found nowhere (hub names, registered rewards) stay."""
+    for owner, name, where, attr in _path_values(instance):
+        path = Path(where).expanduser()
+        if path.exists() and not path.is_absolute():
+            setattr(owner, name, str(path.absolute()) + attr)
+
+
+def _path_values(instance: Any):
+    """``(owner, field name, path part, ':function' or '')`` of each ``PATH``/``FILE_SPEC`` value
+    that may name a file (not empty, not ``unirl://`` or another URL, not a registered name or module)."""
+    from unirl.data_paths import is_scheme
 
     for field in dataclasses.fields(instance):
         value = getattr(instance, field.name)
@@ -413,15 +445,13 @@ def _resolve_paths(instance: Any, config_dir: Path) -> None:
                 if not sep or not (where.endswith(".py") or "/" in where):
                     continue  # a registered name or package.module:function, not a file
                 attr = ":" + attr
-            located = locate(where, config_dir)
-            if located.path is not None and located.tried[0][0] != located.path:  # found only beside the config
-                setattr(instance, field.name, str(located.path) + attr)
+            yield instance, field.name, where, attr
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            _resolve_paths(value, config_dir)
+            yield from _path_values(value)
         elif isinstance(value, (list, tuple)):
             for item in value:
                 if dataclasses.is_dataclass(item) and not isinstance(item, type):
-                    _resolve_paths(item, config_dir)
+                    yield from _path_values(item)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,16 +1,33 @@
-"""Quiet by default: the libraries unirl drives log warnings and errors only, unless ``--verbose``.
+"""Quiet by default: a run's console holds its progress bar and unirl's own lines, unless ``--verbose``.
 
-vLLM, transformers, diffusers and Accelerate log at INFO (and draw their own progress bars) during
-start-up and loading; a run's own output is its progress bar and the lines unirl prints. One
-warning is dropped outright: see ``RotaryReloadFilter``.
+vLLM, transformers, diffusers, torch and Accelerate log at INFO (and draw their own progress bars)
+during start-up and loading; ``configure`` lowers them to WARNING, and during a run ``RunOutput``
+sends what is left (their warnings, their Python ``warnings``, and the C-level notices written
+straight to the file descriptors while the models load) to ``RUN/run.log``. Warnings raised
+outside those libraries (unirl's own, a user's reward file) still reach the console. One warning
+is dropped outright: see ``RotaryReloadFilter``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+import sys
+import warnings
+from pathlib import Path
 
 _LIBRARIES = ("vllm", "transformers", "diffusers", "accelerate", "peft", "torch.distributed", "httpx")
+#: Loggers whose records go to the run's log file during a quiet run.
+_LOG_FILE_LOGGERS = ("vllm", "transformers", "diffusers", "accelerate", "peft", "torch", "httpx", "huggingface_hub",
+                     "datasets", "triton")
+#: Packages whose Python ``warnings`` go to the run's log file: their start-up notices (deprecations
+#: inside vLLM, torch's and transformers' FutureWarnings), not about the user's input.
+LIBRARY_PACKAGES = frozenset({"vllm", "torch", "transformers", "diffusers", "accelerate", "peft", "huggingface_hub",
+                              "datasets", "triton", "safetensors", "tokenizers", "torchvision", "timm"})
+#: The log file in the run directory.
+LOG_NAME = "run.log"
 
 
 def configure(verbose: bool = False) -> None:
@@ -20,6 +37,8 @@ def configure(verbose: bool = False) -> None:
     it configures its logger at import."""
     level = logging.INFO if verbose else logging.WARNING
     os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(level))
+    if not verbose:  # vLLM's own handler prints to stdout; its records go to RunOutput's file instead
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     for name in _LIBRARIES:
         logging.getLogger(name).setLevel(level)
     if not verbose:
@@ -74,3 +93,104 @@ def silence_rotary_reload_warning() -> None:
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if not any(isinstance(f, RotaryReloadFilter) for f in logger.filters):
         logger.addFilter(RotaryReloadFilter())
+
+
+class RunOutput:
+    """The libraries' output of one run (or one evaluation) in ``directory/run.log``, unirl's on the console.
+
+    While entered: the libraries' loggers write to the file instead of their console handlers, and
+    Python warnings raised inside ``LIBRARY_PACKAGES`` go there too (others reach the console as
+    usual). ``quiet(fn)`` wraps a call whose C-level output (vLLM's worker start-up, torch's NUMA
+    notice, loading bars) must go to the file as well: file descriptors 1 and 2 point at it while
+    ``fn`` runs. With ``verbose`` nothing is redirected (``path`` is then None).
+    """
+
+    def __init__(self, directory: str | Path, *, verbose: bool = False, name: str = LOG_NAME):
+        rank = int(os.environ.get("RANK", "0"))
+        self.path = None if verbose else Path(directory) / (name if rank == 0 else f"{Path(name).stem}.rank{rank}.log")
+        self._saved: list = []
+        self._console = None  # the console's stderr while the descriptors point at the file
+
+    def __enter__(self) -> "RunOutput":
+        if self.path is None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handler = logging.FileHandler(self.path, mode="a", encoding="utf-8")
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        for name in _LOG_FILE_LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved.append((logger, logger.handlers[:], logger.propagate))
+            logger.handlers, logger.propagate = [self._handler], False
+        self._showwarning = warnings.showwarning
+        warnings.showwarning = self._route_warning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path is None:
+            return
+        warnings.showwarning = self._showwarning
+        for logger, handlers, propagate in self._saved:
+            logger.handlers, logger.propagate = handlers, propagate
+        self._saved = []
+        self._handler.close()
+
+    def _route_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if from_library(filename):
+            self._handler.stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+            self._handler.flush()
+        else:
+            self._showwarning(message, category, filename, lineno, file or self._console, line)
+
+    def quiet(self, fn):
+        """``fn`` with file descriptors 1 and 2 pointing at the log file while it runs."""
+        if self.path is None:
+            return fn
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self._descriptors_to_file():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def _descriptors_to_file(self):
+        """Descriptors 1 and 2, and Python's ``sys.stdout``/``sys.stderr`` (a notebook's are not the
+        descriptors), point at the log; ``self._console`` keeps the console's stderr for warnings."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        on_descriptor = _fileno(sys.stderr) == 2
+        saved = os.dup(1), os.dup(2)
+        self._console = os.fdopen(os.dup(2), "w", buffering=1) if on_descriptor else sys.stderr
+        log = open(self.path, "a", buffering=1, encoding="utf-8")
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                yield
+        finally:
+            log.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            log.close()
+            if on_descriptor:
+                self._console.close()
+            self._console = None
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return None
+
+
+def from_library(filename: str) -> bool:
+    """Whether ``filename`` lies in an installed package of ``LIBRARY_PACKAGES``."""
+    parts = Path(filename).parts
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1] in LIBRARY_PACKAGES
+    return False

@@ -11,7 +11,7 @@ contacted) and what passed:
 2. rewards: every spec resolves (a ``file.py:function`` file exists and has the function, a
    registered name is known, a missing optional package is named) and its kwargs are parameters;
 3. batch arithmetic (samples per step, optimizer steps, micro-batches);
-4. the output directory can be written (nothing is created);
+4. the output directory can be written and holds no earlier run unless ``trainer.resume`` (nothing is created);
 5. the model: a local directory, a toy model built at start-up, or a hub name in the local cache.
 
 A real run calls it too, before loading anything, and stops on a problem (``PreflightError``).
@@ -76,7 +76,7 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     DATA_CHECKS[env_name](cfg, config_dir, report)
     _check_rewards(cfg, SAMPLE_MODALITY[env_name], config_dir, report)
     _check_batch(cfg, report)
-    _check_output_dir(cfg.output_dir, report)
+    _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
     return report
 
@@ -250,13 +250,17 @@ def _check_batch(cfg: Any, report: Report) -> None:
     )
 
 
-def _check_output_dir(output_dir: str, report: Report) -> None:
+def _check_output_dir(output_dir: str, report: Report, resume: bool = False) -> None:
     path = Path(output_dir).expanduser().absolute()
     if path.exists():
         if not path.is_dir():
             report.problems.append(f"output_dir: {path} exists and is not a directory")
         elif not os.access(path, os.W_OK | os.X_OK):
             report.problems.append(f"output_dir: {path} is not writable")
+        elif existing_run_problem(output_dir, resume):
+            report.problems.append(existing_run_problem(output_dir, resume))
+        elif (path / "metrics.jsonl").exists():
+            report.passed.append(f"output_dir: {path} holds a run that trainer.resume=true continues")
         else:
             report.passed.append(f"output_dir: {path} exists and is writable")
         return
@@ -267,6 +271,15 @@ def _check_output_dir(output_dir: str, report: Report) -> None:
         report.problems.append(f"output_dir: {path} cannot be created: {parent} is not a writable directory")
     else:
         report.passed.append(f"output_dir: {path} can be created")
+
+
+def existing_run_problem(output_dir: str, resume: bool) -> str | None:
+    """What the loop refuses (``Trainer._guard_run_dir``): a directory holding a run, without ``trainer.resume``."""
+    path = Path(output_dir).expanduser().absolute()
+    if resume or not (path / "metrics.jsonl").exists():
+        return None
+    return (f"output_dir: {path} already holds a run (metrics.jsonl); pass trainer.resume=true to continue it, "
+            f"--new-run (unirl.train(..., new_run=True)) for a fresh directory beside it, or another --output-dir")
 
 
 def _check_model(name: str, report: Report) -> None:

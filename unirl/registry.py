@@ -41,6 +41,10 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered (by {_where(self._items[name])})")
         self._items[name] = obj
 
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (a registration scoped to one run: ``unirl.train``'s reward callables)."""
+        self._items.pop(name, None)
+
     def get(self, name: str) -> T:
         try:
             return self._items[name]

@@ -94,6 +94,7 @@ class AlgoConfig:
     #: (B*G / micro_batch_size; the mini-batches with micro_batch_tokens), as FlowGRPO tops up to a
     #: multiple of its per-process sampling batches, so every micro-batch is equally full.
     drop_zero_adv: bool = False
+    #: PPO's lower clip: the ratio is clipped to at least 1 - clip_low.
     clip_low: float = 0.2
     #: DAPO's clip-higher uses a larger upper bound (e.g. 0.28).
     clip_high: float = 0.2
@@ -166,9 +167,15 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    #: AdamW learning rate (after the warm-up).
     lr: float = 1e-6
+    #: AdamW's decoupled weight decay.
     weight_decay: float = 0.0
+    #: AdamW's (beta1, beta2).
     betas: tuple[float, float] = (0.9, 0.999)
+    #: AdamW's epsilon.
     eps: float = 1e-8
     #: Linear warm-up from 0 over this many optimizer steps (verl's and transformers' ramp: the first
     #: step runs at LR 0), then ``lr_scheduler``.
@@ -215,8 +222,15 @@ class OptimConfig:
 class RewardConfig:
     """One reward: a registered name, ``path/file.py:function`` or ``package.module:function``."""
 
+    #: A bare string is a reward's name: ``rewards: [gsm8k, my_rewards.py:fn]`` (``unirl.config.SHORTHAND``).
+    config_shorthand = "name"
+
+    #: A registered name (``unirl rewards list``), ``path/file.py:function``, ``package.module:function``
+    #: or ``http://host:port`` (``unirl serve-reward``).
     name: str = field(default="gsm8k", metadata=FILE_SPEC)
+    #: Multiplies this reward in the run's total.
     weight: float = 1.0
+    #: Settings for the reward: its keyword parameters (a class reward's constructor's); unknown ones are an error.
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: Seconds one call of this reward may take before the run stops with an error naming it (a hung
     #: reward otherwise hangs the run); null: no limit. An ``http://`` reward's client has its own
@@ -233,6 +247,7 @@ class RewardConfig:
 class TrainerConfig:
     """The loop: how many samples per step and how they are cut for the update."""
 
+    #: Training steps (each: rollout, score, advantages, update).
     total_steps: int = 100
     #: B: prompts per step (per process).
     prompts_per_step: int = 8
@@ -250,6 +265,7 @@ class TrainerConfig:
     #: padded only to its own longest. Replaces ``micro_batch_size`` for the trainer's passes; the loss
     #: is the same (the mini-batch normaliser is global). null: ``micro_batch_size`` samples each.
     micro_batch_tokens: Optional[int] = None
+    #: Seed of the run: weights' initial RNG, prompt order, sampling.
     seed: int = 0
     #: Run the held-out evaluation every N steps (and at the end); 0 disables.
     eval_every: int = 0
@@ -265,6 +281,7 @@ class TrainerConfig:
     #: (wandb offline with ``WANDB_MODE=offline``) and get the same keys as metrics.jsonl, plus the
     #: evaluation's images (diffusion grids) and answers (text, as a table).
     log_with: list[str] = field(default_factory=list)
+    #: The trackers' project name (wandb, tensorboard).
     project: str = "unirl"
     #: Show a progress bar.
     progress: bool = True

@@ -24,11 +24,17 @@ SD3_LORA_TARGETS = [
 
 @dataclass
 class LoraConfig:
+    """A LoRA adapter on the transformer (peft, saved in diffusers' format)."""
+
     #: False: full fine-tuning of the transformer (the reference is then a frozen copy).
     enabled: bool = True
+    #: LoRA rank.
     r: int = 32
+    #: LoRA scale numerator (the update is scaled by alpha / r).
     alpha: int = 64
+    #: Dropout on the LoRA branch's input.
     dropout: float = 0.0
+    #: Names of the transformer's linear layers that get an adapter.
     target_modules: list[str] = field(default_factory=lambda: list(SD3_LORA_TARGETS))
 
     def __post_init__(self):
@@ -39,6 +45,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    """The pipeline: its family, checkpoint, dtype and what is trained."""
+
     #: The model family (``unirl.diffusion.families``): ``sd3`` (Stable Diffusion 3 / 3.5,
     #: ``StableDiffusion3Pipeline``) or ``flux`` (FLUX.1, ``FluxPipeline``). A config field rather than
     #: a guess from the checkpoint, so that ``--dry-run`` shows it and the sampling checks can use it;
@@ -52,6 +60,7 @@ class ModelConfig:
     #: dtype of the frozen components and the transformer's base weights; LoRA weights stay float32.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    #: Recompute the transformer's activations in the backward pass (less memory, more compute).
     gradient_checkpointing: bool = False
 
 
@@ -69,6 +78,8 @@ class SdeWindowConfig:
 
 @dataclass
 class SamplingConfig:
+    """Sampling the images: resolution, steps, guidance and the SDE that makes them stochastic."""
+
     #: Image height and width in pixels (a multiple of the VAE scale factor times the patch size).
     resolution: int = 512
     #: Denoising steps of a training rollout.
@@ -89,6 +100,7 @@ class SamplingConfig:
     train_cfg: bool = True
     #: FlowGRPO's ``a`` in the SDE's ``sigma_t = a sqrt(t / (1 - t))`` (flow) or the CPS angle fraction.
     noise_level: float = 0.7
+    #: The stochastic sampler: ``flow`` (FlowGRPO's SDE) or ``cps`` (coefficients-preserving sampling).
     sde_type: Literal["flow", "cps"] = "flow"
     sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
     #: Fraction of the stochastic steps trained per sample, ``T = int(K * fraction)`` of K (FlowGRPO's
@@ -140,7 +152,9 @@ class EmaConfig:
     the whole run) the EMA is updated when ``(k + 1) % update_every == 0``, with decay
     ``min((1 + k) / (10 + k), decay)``."""
 
+    #: Keep the EMA (evaluation and checkpoints use it).
     enabled: bool = True
+    #: The ceiling of the decay schedule above.
     decay: float = 0.9
     #: Update every N optimizer steps (FlowGRPO's ``update_step_interval``; its SD3 script uses 8).
     update_every: int = 1
@@ -154,6 +168,8 @@ class EmaConfig:
 
 @dataclass
 class DataConfig:
+    """The prompts for training and evaluation."""
+
     #: A ``.txt`` file with one prompt per line, a ``.jsonl`` file with a ``prompt`` field (other
     #: fields become reward columns), ``tiny`` (a small prompt list built in code), a bundled file
     #: ``unirl://NAME`` (``unirl data list``) or generated prompts (``unirl://ocr/generated?n=20000&seed=0``).
@@ -165,6 +181,7 @@ class DataConfig:
     eval_size: Optional[int] = 16
     #: Images drawn on the evaluation grid PNG.
     grid_size: int = 16
+    #: Shuffle the training prompts each epoch (seeded by ``trainer.seed``); false: file order.
     shuffle: bool = True
 
     def __post_init__(self):
@@ -184,6 +201,7 @@ class DiffusionConfig:
     #: ``exact`` is the KL of the two Gaussian steps (divides by the step variance s^2 |dt|: 3.7x to
     #: 112x stronger per step on SD3's shift-3 10-step schedule). Equal for ``sde_type: cps``.
     kl_form: Literal["flowgrpo", "exact"] = "flowgrpo"
+    #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="brightness")])
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -179,7 +179,10 @@ def cached_build(directory: Path, spec: dict, marker_name: str, build) -> Path:
         return directory
     if directory.exists():
         shutil.rmtree(directory)
-    build(directory)
+    # The builds seed the global RNG; a run that builds (a cold cache) must draw the same afterwards
+    # as one that finds the build, so they run in a fork of the caller's RNG.
+    with torch.random.fork_rng(devices=[]):
+        build(directory)
     marker.write_text(json.dumps({"digest": digest, "spec": spec}, indent=1))
     return directory
 

@@ -11,10 +11,17 @@ from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, c
 
 @dataclass
 class LoraConfig:
+    """A LoRA adapter on the policy (peft); the reference is then the adapter switched off."""
+
+    #: Train a LoRA adapter instead of every weight.
     enabled: bool = False
+    #: LoRA rank.
     r: int = 16
+    #: LoRA scale numerator (the update is scaled by alpha / r).
     alpha: int = 32
+    #: Dropout on the LoRA branch's input.
     dropout: float = 0.0
+    #: Names of the linear layers that get an adapter (peft's ``target_modules``).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def __post_init__(self):
@@ -25,10 +32,13 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    """The policy: which model, its dtype and how it is trained."""
+
     #: A hub name, a local directory, or ``tiny`` for the embedded tiny Qwen2-style model.
     name_or_path: str = "tiny"
     #: Trainer dtype: float32, bfloat16, float16.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: Recompute activations in the backward pass (less memory, more compute).
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     #: Tokens per chunk of the trainer's log-prob pass: the sampled tokens' log-probs (and entropies)
@@ -48,6 +58,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """The prompts: where they come from and how a row becomes a prompt."""
+
     #: A local .jsonl/.json/.parquet file (a relative path not found from the working directory is
     #: looked up beside the config file; ``unirl://NAME`` is a bundled file), a ``datasets`` hub name,
     #: or ``tiny`` (the tiny model's addition task, generated with the model).
@@ -56,12 +68,15 @@ class DataConfig:
     test: Optional[str] = field(default="tiny", metadata=PATH)
     #: Hub config name and split names when ``train``/``test`` are hub names.
     hub_config: Optional[str] = None
+    #: Split of ``train`` when it is a hub dataset.
     train_split: str = "train"
+    #: Split of ``test`` when it is a hub dataset.
     test_split: str = "test"
-    #: How a row becomes a prompt: ``gsm8k`` (question + verl's instruction, gold from ``#### N``)
-    #: or ``plain`` (the ``prompt_key`` column as is).
-    adapter: Literal["gsm8k", "plain"] = "gsm8k"
-    prompt_key: str = "question"
+    #: How a row becomes a prompt: ``plain`` (the ``prompt_key`` column as it is) or ``gsm8k``
+    #: (question + verl's instruction, gold from ``#### N``; the ``gsm8k`` config sets it).
+    adapter: Literal["gsm8k", "plain"] = "plain"
+    #: The column holding the prompt; null: ``prompt``, else ``question``, else the rows' only text column.
+    prompt_key: Optional[str] = None
     #: Apply the tokenizer's chat template when it has one.
     chat_template: bool = True
     #: Prompts longer than this (tokens, after the chat template) are found before training: an error
@@ -72,6 +87,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     #: Number of held-out rows used per evaluation (null: all).
     eval_size: Optional[int] = None
+    #: Shuffle the training rows each epoch (seeded by ``trainer.seed``); false: file order.
     shuffle: bool = True
 
     def __post_init__(self):
@@ -81,18 +97,27 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    """Sampling the answers: the engine and its sampling settings."""
+
     #: ``vllm`` (colocated, weights synced every step) or ``hf`` (transformers ``generate``).
     engine: Literal["vllm", "hf"] = "vllm"
+    #: Longest answer sampled, in tokens.
     max_new_tokens: int = 256
+    #: Sampling temperature (> 0); the log-probs are those of the tempered distribution.
     temperature: float = 1.0
+    #: Nucleus sampling threshold (1: off).
     top_p: float = 1.0
+    #: Top-k sampling (-1: off).
     top_k: int = -1
     #: vLLM settings for GPUs (ignored by the CPU build where they do not apply).
     gpu_memory_utilization: float = 0.3
+    #: vLLM's tensor-parallel GPUs per engine.
     tensor_parallel_size: int = 1
+    #: vLLM without CUDA graphs (slower sampling, faster start-up, less memory).
     enforce_eager: bool = True
     #: vLLM dtype; "auto" follows the trainer's dtype.
     dtype: str = "auto"
+    #: vLLM's longest prompt + answer (null: the model's own limit).
     max_model_len: Optional[int] = None
     #: Greedy decoding length for evaluation (null: max_new_tokens).
     eval_max_new_tokens: Optional[int] = None
@@ -130,6 +155,7 @@ class TextConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -50,27 +50,37 @@ def gsm8k_gold(answer: str) -> str:
     return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-def to_prompt_rows(rows: list[dict], *, adapter: str, prompt_key: str, source: str) -> list[dict]:
+#: The columns a prompt is looked for in when ``data.prompt_key`` is null, in this order (TRL's
+#: ``prompt``, GSM8K's ``question``); a row with neither and a single text column uses that one.
+PROMPT_COLUMNS = ("prompt", "question")
+
+
+def to_prompt_rows(rows: list[dict], *, adapter: str, prompt_key: str | None, source: str) -> list[dict]:
     """Rows with a ``prompt`` (the user message) plus every original column.
 
     ``gsm8k`` appends verl's instruction and adds ``answer`` = the gold number; ``plain`` takes
-    the ``prompt_key`` column as is. Every row is checked (a JSON object whose ``prompt_key`` is a
-    string); a bad one is a ``ValueError`` naming its place (``file:line`` for a .jsonl file).
+    the ``prompt_key`` column as is (``prompt_key`` None: ``find_prompt_key`` on the first row). Every
+    row is checked (a JSON object whose ``prompt_key`` is a string); a bad one is a ``ValueError``
+    naming its place (``file:line`` for a .jsonl file) and the settings to change.
     """
+    if prompt_key is None and rows:
+        prompt_key = find_prompt_key(rows[0], source)
     out = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"{row_place(source, i)}: row {i} must be a JSON object with a {prompt_key!r} column, "
                              f"got {json.dumps(row)[:80]}")
         if prompt_key not in row:
-            raise ValueError(f"{row_place(source, i)}: row {i} has no {prompt_key!r} column (columns: {sorted(row)})")
+            raise ValueError(f"{row_place(source, i)}: row {i} has no {prompt_key!r} column (columns: {sorted(row)}); "
+                             f"set data.prompt_key to the column holding the prompt (data.adapter is {adapter!r})")
         if not isinstance(row[prompt_key], str):
             raise ValueError(f"{row_place(source, i)}: row {i}'s {prompt_key!r} must be a string, got "
                              f"{json.dumps(row[prompt_key], default=str)[:80]}")
         new = dict(row)
         if adapter == "gsm8k":
             if "answer" not in row:
-                raise ValueError(f"{row_place(source, i)}: row {i} has no 'answer' column, which the gsm8k adapter needs")
+                raise ValueError(f"{row_place(source, i)}: row {i} has no 'answer' column, which data.adapter=gsm8k "
+                                 f"needs (data.adapter=plain takes the prompt column as it is)")
             new["prompt"] = f"{row[prompt_key]} {GSM8K_INSTRUCTION}"
             try:
                 new["answer"] = gsm8k_gold(str(row["answer"]))
@@ -95,6 +105,19 @@ def row_place(source: str, index: int) -> str:
                 if k == index:
                     return f"{path}:{lineno}"
     return source
+
+
+def find_prompt_key(row: dict, source: str) -> str:
+    """``prompt``, else ``question``, else the row's only text column; an error naming the settings otherwise."""
+    for key in PROMPT_COLUMNS:
+        if key in row:
+            return key
+    text = [k for k, v in row.items() if isinstance(v, str)]
+    if len(text) == 1:
+        return text[0]
+    raise ValueError(f"{source}: no 'prompt' or 'question' column and {len(text)} text columns ({sorted(row)}); set "
+                   f"data.prompt_key to the column holding the prompt, and data.adapter (plain: the column as it is; "
+                   f"gsm8k: GSM8K's question and '#### N' answer)")
 
 
 class PromptSampler:

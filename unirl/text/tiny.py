@@ -95,7 +95,15 @@ def build_tiny_lm(directory: str | Path | None = None, seed: int = 0) -> Path:
     marker = directory / "unirl_tiny.json"
     if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
         return directory
+    # The global RNG is the caller's: a run that builds the model (a cold cache) must draw the same
+    # samples afterwards as one that finds it built, so the build seeds and draws in a fork of it.
+    with torch.random.fork_rng(devices=[]):
+        _build(directory, spec, seed, digest)
+    return directory
 
+
+def _build(directory: Path, spec: dict, seed: int, digest: str) -> None:
+    """The model, the task data and the warm start, written to ``directory`` (the marker last)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     # 1. Tokenizer and model from config, seeded.
@@ -132,8 +140,7 @@ def build_tiny_lm(directory: str | Path | None = None, seed: int = 0) -> Path:
         with open(directory / name, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-    marker.write_text(json.dumps({"digest": digest, "spec": spec}, indent=1))
-    return directory
+    (directory / "unirl_tiny.json").write_text(json.dumps({"digest": digest, "spec": spec}, indent=1))
 
 
 def _format_warm_start(model, tokenizer, rows: list[dict], spec: dict, seed: int) -> None:

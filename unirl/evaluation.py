@@ -1,13 +1,21 @@
-"""``unirl eval text|diffusion --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
+"""Scoring a checkpoint on held-out prompts: ``unirl eval`` and ``unirl.evaluate`` (this module is not
+named ``evaluate``, so that ``unirl.evaluate`` stays the function once it is imported).
+
+``unirl eval text|diffusion --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
 
 Text scores a policy without training it: the config's held-out split (``data.test``, ``data.eval_size``)
 and rewards, through the config's rollout engine (vLLM; ``rollout.engine=hf`` for transformers).
 
-* ``--n 1`` (default): greedy answers; ``accuracy`` is the share that get the first reward's full
-  score (1 for ``gsm8k``), as a run's ``eval/accuracy``.
+The summary gives ``reward``, the weighted total of the config's rewards (as a run's
+``reward/mean``), and ``reward/<name>``, each reward's mean. With one reward:
+
+* ``--n 1`` (default): greedy answers; ``accuracy`` is the share that get the reward's full score
+  (1 for ``gsm8k``), as a run's ``eval/accuracy``.
 * ``--n N``: N answers per prompt sampled at ``rollout.temperature``; ``pass@k`` for k = 1 and N (and
   any ``--k``) with the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374):
   ``1 - C(n - c, k) / C(n, k)`` per prompt with c correct answers, averaged over prompts.
+
+With several rewards no answer is "correct" as a whole, so ``accuracy`` and ``pass@k`` are left out.
 
 ``--checkpoint`` takes a run's ``checkpoints/step_N/`` (a full model, LoRA runs save the merged model
 there too), a LoRA adapter directory (``adapter_config.json``: merged into ``model.name_or_path``
@@ -69,6 +77,7 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
 
 def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: list[int] | None = None) -> dict:
     """Score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also written to disk)."""
+    import torch
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,7 +105,8 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     rows = env._rows(cfg.data.test, cfg.data.test_split, "test")
     if cfg.data.eval_size is not None:
         rows = rows[: cfg.data.eval_size]
-    rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, eps=cfg.algo.adv_eps)
+    # The weighted sum of the raw rewards (normalize_then_sum's group normalisation is for advantages).
+    rewards = RewardSet(cfg.rewards, aggregation="sum_then_normalize")
     # 2. Answers: greedy for n = 1, sampled otherwise.
     r = cfg.rollout
     if r.engine == "vllm":
@@ -117,21 +127,25 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     flat_rows = [row for row, per_prompt in zip(rows, gens) for _ in per_prompt]
     columns = {k: [row.get(k) for row in flat_rows] for k in flat_rows[0] if k != "prompt"} if flat_rows else {}
     comps = rewards.components(texts, prompts=[row["prompt"] for row in flat_rows], columns=columns)
+    total, _ = rewards.combine(comps, torch.arange(len(texts)))  # [answers], each in a group of its own
     rewards.close()
-    first = next(iter(comps.values()))
-    correct = (first >= 1.0).view(len(rows), n)  # [prompts, n]
+    # accuracy and pass@k count an answer correct when it gets the reward's full score (1 for gsm8k);
+    # with several rewards there is no one "correct", so only the weighted total and each reward are given.
+    correct = (next(iter(comps.values())) >= 1.0).view(len(rows), n) if len(comps) == 1 else None  # [prompts, n]
     with open(out / "samples.jsonl", "w") as f:
         for i, (row, text) in enumerate(zip(flat_rows, texts)):
-            f.write(json.dumps({"index": i // n, "prompt": row["prompt"], "response": text,
+            f.write(json.dumps({"index": i // n, "prompt": row["prompt"], "response": text, "reward": float(total[i]),
                                 **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
-                                "correct": bool(correct.view(-1)[i])}) + "\n")
-    summary = {"checkpoint": str(checkpoint), "prompts": len(rows), "n": n,
-               "accuracy": correct.float().mean().item(),
+                                **({"correct": bool(correct.view(-1)[i])} if correct is not None else {})}) + "\n")
+    summary = {"checkpoint": str(checkpoint), "prompts": len(rows), "n": n, "reward": total.mean().item(),
                **{f"reward/{k}": v.nanmean().item() for k, v in comps.items()}}
     for k in sorted({1, n, *(ks or [])}):
         if k > n:
             raise ValueError(f"--k {k} is larger than --n {n}")
-        summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
+        if correct is not None:
+            summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
+    if correct is not None:
+        summary["accuracy"] = correct.float().mean().item()
     summary["seconds"] = round(time.perf_counter() - start, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -1,0 +1,126 @@
+"""A default run's console: the progress bar and unirl's own lines; the libraries' output in RUN/run.log.
+
+One default tiny run (vLLM engine, progress bar on, two steps) through the CLI in a subprocess, then
+``unirl eval`` of its checkpoint from another directory with its saved ``config.yaml`` and two
+rewards; and ``RunOutput``'s routing, line by line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+vllm_needed = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install -e .[cpu])")
+
+
+def _unirl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "unirl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900, env=env)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, tiny_lm_dir):
+    run = tmp_path_factory.mktemp("quiet") / "run"
+    proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "trainer.total_steps=2",
+                  "trainer.eval_every=2", "data.eval_size=8")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run, proc
+
+
+@vllm_needed
+@pytest.mark.slow
+def test_default_run_prints_a_start_line_the_bar_and_a_summary(default_run):
+    run, proc = default_run
+    # stdout: unirl's own two lines and nothing else.
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"unirl: training text with config tiny, model tiny -> {run}"
+    assert lines[-1].startswith("unirl: done, 2 steps in ") and len(lines) == 2
+    for part in ("reward/mean ", "eval/accuracy ", "(steps 0 -> 2)", f"checkpoint {run}/checkpoints/step_000002",
+                 f"curves {run}/metrics.jsonl (unirl plot {run})", f"library log {run}/run.log"):
+        assert part in lines[-1], part
+    # stderr: the progress bar only (its redraws are carriage returns).
+    bar = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    assert bar and all(line.startswith("train:") for line in bar), bar
+    # What used to reach the console is in the log: vLLM's start-up warnings, torch's C-level NUMA
+    # notice, vLLM's FutureWarnings, Accelerate's tied-weights notice at the checkpoint.
+    log = (run / "run.log").read_text()
+    for text in ("WARNING vllm.", "NUMA binding", "FutureWarning", "Removed shared tensor"):
+        assert text in log, text
+
+
+@vllm_needed
+@pytest.mark.slow
+def test_eval_from_another_directory_prints_one_line_with_the_weighted_total(default_run, tmp_path):
+    run, _ = default_run
+    (tmp_path / "half.py").write_text("def half(samples, **kwargs):\n    return [0.5] * len(samples)\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ckpt = run / "checkpoints" / "step_000002"
+    # The run's saved config.yaml holds absolute paths, so it works from any directory; the rewards
+    # as the command line's shorthand, the second one's weight by index.
+    proc = _unirl("eval", "text", "--config", str(run / "config.yaml"), "--checkpoint", str(ckpt),
+                  "--output-dir", str(tmp_path / "eval"), f"rewards=[gsm8k, {tmp_path / 'half.py'}:half]",
+                  "rewards[1].weight=0.5", "rewards[0].kwargs={method: strict_normalized}", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 8 prompts x 1, reward ")
+    assert not proc.stderr.strip(), proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["reward/half"] == 0.5
+    assert summary["reward"] == pytest.approx(summary["reward/gsm8k"] + 0.5 * 0.5, abs=1e-6)
+    assert "accuracy" not in summary and "pass@1" not in summary  # no single "correct" with two rewards
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert all(s["reward"] == pytest.approx(s["reward/gsm8k"] + 0.25) for s in samples)
+    assert "WARNING vllm." in (tmp_path / "eval" / "eval.log").read_text()
+
+
+def test_run_output_routes_library_output_to_the_log_and_the_users_warnings_to_the_console(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from unirl.logs import RunOutput, from_library
+
+    # The console's own warning printer (pytest records warnings otherwise): what a user's warning reaches.
+    shown: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: shown.append(str(message)))
+
+    library_file = "/venv/lib/python3.11/site-packages/vllm/engine.py"
+    assert from_library(library_file) and not from_library("/home/me/my_rewards.py")
+    before = {name: list(logging.getLogger(name).handlers) for name in ("vllm", "transformers")}
+    with RunOutput(tmp_path, verbose=False) as output:
+        logging.getLogger("vllm.worker").warning("libtcmalloc is not found")
+        logging.getLogger("transformers.modeling_utils").warning("tied weights")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn_explicit("deprecated inside vLLM", FutureWarning, library_file, 3)
+            warnings.warn_explicit("your prompt is empty", UserWarning, "/home/me/my_rewards.py", 7)
+
+        def noisy():
+            os.write(2, b"C-level notice on descriptor 2\n")
+            print("printed during set-up")
+            return 42
+
+        assert output.quiet(noisy)() == 42
+    err = capsys.readouterr().err
+    log = (tmp_path / "run.log").read_text()
+    for text in ("libtcmalloc is not found", "tied weights", "deprecated inside vLLM", "C-level notice on descriptor 2",
+                 "printed during set-up"):
+        assert text in log and text not in err, text
+    assert shown == ["your prompt is empty"] and "your prompt is empty" not in log
+    # Left as they were: the loggers have their own handlers again.
+    assert {name: list(logging.getLogger(name).handlers) for name in before} == before
+
+
+def test_verbose_redirects_nothing(tmp_path):
+    from unirl.logs import RunOutput
+
+    with RunOutput(tmp_path, verbose=True) as output:
+        assert output.path is None and output.quiet(len) is len
+    assert not (tmp_path / "run.log").exists()
