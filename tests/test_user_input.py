@@ -28,8 +28,8 @@ def test_rewards_by_name_and_by_file_on_the_command_line(tmp_path, capsys, monke
     code, out, err = _run(capsys, "train", "text", "--config", "tiny", "--dry-run", "rewards=[my_rewards.py:short, gsm8k]",
                           "rewards[1].weight=0.5", f"output_dir={tmp_path / 'run'}")
     assert code == 0, out + err
-    assert yaml.safe_load(out)["rewards"] == [{"name": "my_rewards.py:short", "weight": 1.0, "kwargs": {}},
-                                              {"name": "gsm8k", "weight": 0.5, "kwargs": {}}]
+    assert yaml.safe_load(out)["rewards"] == [{"name": "my_rewards.py:short", "weight": 1.0, "kwargs": {}, "timeout_s": None},
+                                              {"name": "gsm8k", "weight": 0.5, "kwargs": {}, "timeout_s": None}]
     assert "# ok      rewards[0].name: my_rewards.py:short resolves" in out
     assert "# ok      rewards[1].name: gsm8k (text reward, built-in)" in out
 
