@@ -74,7 +74,7 @@ def train(env_name: str, config: str, overrides: list[str], output_dir: str | No
 
     env = _import(ENVIRONMENTS[env_name][1])(cfg)
     trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
-                      config_dict=resolved)
+                      config_dict=resolved, critic=getattr(cfg, "critic", None))
     history = trainer.train()
     # Several processes leave together: one tearing the process group down while another is still
     # busy (the main process writing logs) can abort gloo ("terminate called without an active exception").
