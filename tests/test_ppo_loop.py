@@ -73,3 +73,19 @@ def test_a_critic_for_an_environment_without_one_is_a_clear_error(tmp_path, tiny
     with pytest.raises(ValueError, match="adv_estimator=gae trains a critic.*no critic config"):
         trainer.setup()
     trainer.env.close()
+
+
+def test_gsm8k_ppo_dry_run_from_an_empty_directory(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from unirl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert main(["train", "text", "--config", "gsm8k_ppo", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    resolved = yaml.safe_load(out)
+    assert resolved["algo"]["adv_estimator"] == "gae" and resolved["trainer"]["group_size"] == 1
+    assert resolved["critic"]["optim"]["lr"] == 1e-5 and resolved["optim"]["lr"] == 1e-6
+    assert "# PROBLEM" not in out
+    assert not list(tmp_path.glob("runs"))  # a dry run creates nothing
