@@ -80,7 +80,7 @@ def test_ppo_one_and_two_processes_agree(one_and_two):
                      "critic/explained_var", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "adv/mean",
                      "adv/abs_mean", "loss/policy", "actor/grad_norm"):
             assert b[name] == pytest.approx(a[name], abs=1e-5, rel=1e-5), (key, name)
-        assert a["critic/vf_loss"] > 0 and a["actor/reward_kl_penalty"] > 0, key
+        assert a["critic/vf_loss"] > 0 and a["actor/reward_kl_penalty"] != 0, key  # k1: a KL estimate of either sign
         assert a["kl_coef"] != 0.05 and b["kl_coef"] == pytest.approx(a["kl_coef"], abs=0, rel=1e-6), key
         torch.testing.assert_close(b["weights"], a["weights"], rtol=0, atol=1e-5, msg=f"{key}: actor weights differ")
         torch.testing.assert_close(b["critic_weights"], a["critic_weights"], rtol=0, atol=1e-5,

@@ -89,3 +89,35 @@ def test_gsm8k_ppo_dry_run_from_an_empty_directory(tmp_path, monkeypatch, capsys
     assert resolved["critic"]["optim"]["lr"] == 1e-5 and resolved["optim"]["lr"] == 1e-6
     assert "# PROBLEM" not in out
     assert not list(tmp_path.glob("runs"))  # a dry run creates nothing
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_values_sit_where_the_logprobs_are_packed_or_padded(tmp_path, tiny_lm_dir, lora):
+    """The critic's values are the head's output at the hidden states that predict each response token
+    (the log-probs' positions), the same whether responses share their prompt (packed) or not; with
+    LoRA the new head trains beside the adapter."""
+    from tests.conftest import text_env
+
+    env = text_env(tmp_path, "trainer.prompts_per_step=3", "trainer.group_size=2", "trainer.mini_batch_size=6",
+                   "trainer.micro_batch_size=6", "rollout.max_new_tokens=6",
+                   f"critic.lora.enabled={str(lora).lower()}")
+    model = env.value_model(env.cfg.critic)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert any("score" in name for name in trainable)
+    if lora:
+        assert all("lora_" in name or "score" in name for name in trainable)
+    rollout = env.rollout(env.next_prompts(0), 2)
+    with torch.no_grad():
+        packed = env.values(model, rollout)  # [N, R]
+        env.cfg.model.share_prompt = False
+        padded = env.values(model, rollout)
+        # By hand for sample 0: its own row [prompt | response], the head at positions P-1 .. P+R-2.
+        t = rollout.tensors
+        P = int(t["prompt_mask"][0].sum())
+        R = int(t["response_mask"][0].sum())
+        ids = torch.cat([t["prompt_ids"][0, -P:], t["response_ids"][0, :R]])[None]
+        by_hand = model(input_ids=ids).logits[0, P - 1:P + R - 1, 0]
+    mask = t["response_mask"].bool()
+    torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded[0, :R], by_hand, rtol=0, atol=1e-5)
+    env.close()
