@@ -50,6 +50,10 @@ class Trainer:
                  run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None):
         self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
         self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
+        self.critic: Critic | None = None  # built at setup when the advantage estimator reads values
+        k = algo.kl_ctrl  # the coefficient of the KL in the reward, when it is there
+        self.kl_ctrl = build_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl,
+                                           horizon=k.horizon) if algo.use_kl_in_reward else None
         self.run_dir = Path(run_dir)
         self.config_dict = config_dict or {}
         self.step = 0
@@ -73,9 +77,6 @@ class Trainer:
         model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.env.model = model
         self.critic = self._build_critic()  # prepared after the policy: its state follows the policy's in checkpoints
-        a = self.algo
-        self.kl_ctrl = build_kl_controller(a.kl_ctrl.type, kl_coef=a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl,
-                                           horizon=a.kl_ctrl.horizon) if a.use_kl_in_reward else None
         for obj in self.env.checkpoint_objects():
             self.accelerator.register_for_checkpointing(obj)
         self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
