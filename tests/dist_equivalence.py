@@ -6,7 +6,8 @@ the tiny LM, a diffusion rollout of the toy SD3, with fixed random rewards) is m
 (text responses trimmed to the share's own longest one, so widths differ between processes), and
 for every loss aggregation mode, with and without KL, a fresh Trainer runs the loop's advantage,
 old/reference and update stages. The main process writes the logged update figures and the updated
-trainable weights, which must not depend on the number of processes.
+trainable weights, which must not depend on the number of processes. PPO (text: GAE with a critic
+and the adaptive KL in the reward) runs the loop's ``learn`` stages, and adds the critic's weights.
 
     python tests/dist_equivalence.py --prepare --batch B.pt --work DIR
     accelerate launch --cpu --num_processes 2 tests/dist_equivalence.py --batch B.pt --work DIR --out OUT.pt
@@ -22,9 +23,12 @@ import torch
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 PROMPTS, GROUP, MICRO = 4, 4, 4  # global batch: 4 prompts x 4 samples, micro-batches of 4
+# PPO: a critic, GAE whitened over the global batch, the KL in the reward with a coefficient that adapts.
+PPO = ["algo.adv_estimator=gae", "algo.use_kl_in_reward=true", "algo.kl_estimator=k1", "algo.kl_ctrl.type=adaptive",
+       "algo.kl_ctrl.kl_coef=0.05", "algo.kl_ctrl.target_kl=0.001", "algo.kl_ctrl.horizon=20", "critic.optim.lr=1e-3"]
 
 
-def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path):
+def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path, overrides: list[str] = ()):
     from unirl.cli import ENVIRONMENTS, _import, load_run_config
     from unirl.config import config_to_dict
     from unirl.loop import Trainer
@@ -35,10 +39,10 @@ def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path):
               f"algo.loss_agg={agg}", f"algo.kl_coef={kl}", "optim.max_grad_norm=1.0", "algo.adv_scale=batch"]
     extra = {"text": ["rollout.engine=hf", "rollout.max_new_tokens=12", "optim.lr=3e-4"],
              "diffusion": ["optim.lr=1e-2", "ema.enabled=false"]}[env_name]
-    cfg = load_run_config(env_name, "tiny", common + extra, output_dir=str(run_dir))
+    cfg = load_run_config(env_name, "tiny", common + extra + list(overrides), output_dir=str(run_dir))
     env = _import(ENVIRONMENTS[env_name][1])(cfg)
     trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
-                      config_dict=config_to_dict(cfg))
+                      config_dict=config_to_dict(cfg), critic=getattr(cfg, "critic", None))
     trainer.setup()
     return trainer
 
@@ -86,6 +90,18 @@ def run(batch_path: Path, work: Path, out_path: Path) -> None:
         model = trainer.accelerator.unwrap_model(trainer.env.model)
         weights = torch.cat([p.detach().flatten().float().cpu() for p in model.parameters() if p.requires_grad])
         results[(env_name, agg, kl)] = {**adv, **metrics, "weights": weights, "world": state.num_processes}
+        trainer.env.close()
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        trainer = make_trainer("text", state.num_processes, agg, 0.0, work / f"ppo-{agg}", PPO)
+        rollout, rewards = local_share(batches["text"]["rollout"], batches["text"]["rewards"],
+                                       state.process_index, state.num_processes)
+        for _ in range(2):  # the second: a critic and a beta that moved, a policy away from the reference
+            _, metrics = trainer.learn(rollout, rewards)
+        results[("text-ppo", agg, 0.0)] = {
+            **metrics, "world": state.num_processes, "kl_coef": trainer.kl_ctrl.value,
+            **{name: torch.cat([p.detach().flatten().float().cpu() for p in trainer.accelerator.unwrap_model(m).parameters()
+                                if p.requires_grad]) for name, m in (("weights", trainer.env.model),
+                                                                     ("critic_weights", trainer.critic.model))}}
         trainer.env.close()
     if state.is_main_process:
         torch.save(results, out_path)

@@ -97,6 +97,11 @@ def test_group_of_one_gets_zero_advantage_for_every_estimator():
             # centred [3, -0.5, 0.5], mean 1, deviations [2, -1.5, -0.5], unbiased var 6.5 / 2.
             close(adv, [v / math.sqrt(3.25 + 1e-8) for v in (2.0, -1.5, -0.5)])
             continue
+        if name in ("gae", "reinforce++"):
+            # No groups: without values or tokens each reward is its own return, whitened over the
+            # batch: mean 2, deviations [1, -1, 0], unbiased var 2 / 2 = 1.
+            close(adv, [v / math.sqrt(1 + 1e-8) for v in (1.0, -1.0, 0.0)])
+            continue
         assert adv[0] == 0.0, name
         assert torch.isfinite(adv).all(), name
     # A whole batch of one sample: no NaN anywhere.
@@ -193,7 +198,7 @@ def test_advantages_zero_mean_per_group_and_permutation_equivariant(seed):
     for name in ADVANTAGE_ESTIMATORS:
         for scale in ("group", "batch", "none"):
             adv = compute_advantages(name, rewards, ids, scale=scale)
-            if name == "reinforce++-baseline":
+            if name in ("reinforce++-baseline", "reinforce++", "gae"):
                 close(adv.sum(), 0.0, tol=1e-9)  # whitened over the batch (lone samples keep their reward)
             else:
                 for g in ids.unique():
@@ -221,13 +226,16 @@ def test_group_stats_by_hand():
 
 
 def test_estimators_share_one_signature():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce++-baseline"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce++-baseline", "gae", "reinforce++"}
+    keyword = ("mask", "scale", "eps", "unbiased", "token_rewards", "values", "gamma", "lam")
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         params = inspect.signature(fn).parameters
-        assert list(params) == ["rewards", "group_ids", "mask", "scale", "eps", "unbiased"], name
-        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("mask", "scale", "eps", "unbiased"))
+        assert list(params) == ["rewards", "group_ids", *keyword], name
+        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in keyword)
         assert params["mask"].default is None and params["unbiased"].default is True
         assert params["scale"].default == "group" and params["eps"].default == 1e-6
+        assert params["token_rewards"].default is None and params["values"].default is None
+        assert params["gamma"].default == 1.0 and params["lam"].default == 1.0
 
 
 def test_advantage_bad_inputs():

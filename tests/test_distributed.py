@@ -54,7 +54,7 @@ def one_and_two(tmp_path_factory, tiny_lm_dir):
 
 def test_one_and_two_processes_give_the_same_update(one_and_two):
     one, two = one_and_two
-    assert len(one) == 16 and one.keys() == two.keys()  # 2 environments x 4 modes x (KL on, off)
+    assert len(one) == 18 and one.keys() == two.keys()  # 2 environments x 4 modes x (KL on, off), 2 PPO
     for key, a in one.items():
         b = two[key]
         assert (a["world"], b["world"]) == (1, 2), key
@@ -67,6 +67,24 @@ def test_one_and_two_processes_give_the_same_update(one_and_two):
         torch.testing.assert_close(b["weights"], a["weights"], rtol=0, atol=1e-5, msg=f"{key}: weights differ")
         if moved is not None:
             assert moved > 1e-5, f"{key}: the KL term changed nothing, so the check could not fail"
+
+
+def test_ppo_one_and_two_processes_agree(one_and_two):
+    """GAE's whitening and the KL controller see the global batch; the critic's update is the same."""
+    one, two = one_and_two
+    ppo = [key for key in one if key[0] == "text-ppo"]
+    assert len(ppo) == 2
+    for key in ppo:
+        a, b = one[key], two[key]
+        for name in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/vpred_mean",
+                     "critic/explained_var", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "adv/mean",
+                     "adv/abs_mean", "loss/policy", "actor/grad_norm"):
+            assert b[name] == pytest.approx(a[name], abs=1e-5, rel=1e-5), (key, name)
+        assert a["critic/vf_loss"] > 0 and a["actor/reward_kl_penalty"] != 0, key  # k1: a KL estimate of either sign
+        assert a["kl_coef"] != 0.05 and b["kl_coef"] == pytest.approx(a["kl_coef"], abs=0, rel=1e-6), key
+        torch.testing.assert_close(b["weights"], a["weights"], rtol=0, atol=1e-5, msg=f"{key}: actor weights differ")
+        torch.testing.assert_close(b["critic_weights"], a["critic_weights"], rtol=0, atol=1e-5,
+                                   msg=f"{key}: critic weights differ")
 
 
 def test_a_two_process_cli_run_logs_the_global_batch_once(tmp_path, tiny_lm_dir):

@@ -167,6 +167,16 @@ class Environment(ABC):
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-step KL penalty [n, T] between the policy's and the reference's ``evaluate`` outputs."""
 
+    def value_model(self, cfg: Any) -> torch.nn.Module:
+        """A new value model (PPO's critic) for this environment's samples, from its config block
+        (text: ``critic``). Environments without one raise."""
+        raise ValueError(f"{type(self).__name__} has no value model (critic): choose an advantage estimator "
+                         "that reads no values (algo.adv_estimator)")
+
+    def values(self, model: torch.nn.Module, batch: Rollout) -> torch.Tensor:
+        """The value model's values [n, T] at the positions ``evaluate``'s log-probs have."""
+        raise NotImplementedError(f"{type(self).__name__} has no value model (critic)")
+
     @contextlib.contextmanager
     def reference_model(self) -> Iterator[torch.nn.Module]:
         """Yield the frozen reference policy (a copy, or the same model with its LoRA disabled)."""

@@ -5,6 +5,12 @@ Each step is a short sequence of named stages, each timed as ``time/<stage>``:
     rollout -> score -> advantages -> old_logprobs (+ reference) -> update -> sync -> log
     (+ evaluate and checkpoint every N steps)
 
+PPO with a critic (``algo.adv_estimator: gae``) and the KL in the reward run verl's order, where the
+rewards on tokens read the old and reference log-probs and the advantages read the critic's values:
+
+    rollout -> score -> old_logprobs (+ reference) -> values -> advantages (token rewards with the KL
+    penalty, GAE) -> update_critic -> update (after ``trainer.critic_warmup`` steps) -> sync -> log
+
 The algorithm lives in ``unirl/core`` (advantages, clipped loss, KL, aggregation); the environment
 (``unirl/env.py``) supplies samples, rewards and log-probs. Shapes: N = B*G samples, T tokens or
 trained denoising steps.
@@ -23,11 +29,14 @@ import torch
 from rewards.registry import RewardError
 from unirl import checkpoints
 from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
-from unirl.core import (aggregate, aggregate_denominator, clipped_policy_loss, compute_advantages, group_stats,
-                        policy_loss_metrics, rollout_is_weights)
+from unirl.core import (ADVANTAGE_ESTIMATORS, aggregate, aggregate_denominator, clipped_policy_loss,
+                        estimate_advantages, group_stats, kl_penalized_rewards, policy_loss_metrics, rollout_is_weights,
+                        token_scores)
+from unirl.critic import Critic
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.dynamic_sampling import FilteredBatch, sample_filtered
 from unirl.env import Environment, Rollout
+from unirl.kl_control import build_kl_controller
 from unirl.metrics import MetricLog, reduce_over_processes
 from unirl.optim import build_optimizer, build_scheduler
 from unirl.preemption import Preempted, StopSignals
@@ -39,8 +48,13 @@ __all__ = ["Preempted", "Trainer"]
 
 class Trainer:
     def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
-                 run_dir: str | Path, config_dict: dict[str, Any] | None = None):
+                 run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None):
         self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
+        self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
+        self.critic: Critic | None = None  # built at setup when the advantage estimator reads values
+        k = algo.kl_ctrl  # the coefficient of the KL in the reward, when it is there
+        self.kl_ctrl = build_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl,
+                                           horizon=k.horizon) if algo.use_kl_in_reward else None
         self.run_dir = Path(run_dir)
         self.config_dict = config_dict or {}
         self.step = 0
@@ -69,14 +83,28 @@ class Trainer:
         self.scheduler = scheduler
         self.env.model = model
         checkpoints.check_supported(self.accelerator)
+        self.critic = self._build_critic()  # prepared after the policy: its state follows the policy's in checkpoints
         for obj in self.env.checkpoint_objects():
             self.accelerator.register_for_checkpointing(obj)
         self.accelerator.register_for_checkpointing(scheduler)  # after the environment's: their files keep their numbers
+        if self.critic is not None:
+            self.accelerator.register_for_checkpointing(self.critic.scheduler)
         self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
         if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
             self._resume()
         self.run_log.start(self.config_dict)
         self.env.sync_weights()
+
+    def _build_critic(self) -> Critic | None:
+        """A critic when the advantage estimator reads values (``reads_values``: ``gae``), else None."""
+        if not getattr(ADVANTAGE_ESTIMATORS.get(self.algo.adv_estimator), "reads_values", False):
+            return None
+        if self.critic_cfg is None:
+            raise ValueError(f"algo.adv_estimator={self.algo.adv_estimator} trains a critic, and "
+                             f"{type(self.env).__name__} has no critic config")
+        return Critic(self.critic_cfg, env=self.env, accelerator=self.accelerator, micro_batches=self._micro_batches,
+                      num_mini_batches=self._num_mini_batches(), ppo_epochs=self.cfg.ppo_epochs, seed=self.cfg.seed,
+                      total_steps=self.cfg.total_steps)
 
     def _guard_run_dir(self) -> None:
         if (self.run_dir / "metrics.jsonl").exists() and not self.cfg.resume:
@@ -142,23 +170,46 @@ class Trainer:
                 rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
         with _timer(times, "score"):
             rewards, reward_metrics = (filtered.rewards, filtered.reward_metrics) if filtered else self.env.score(rollout)
-        with _timer(times, "advantages"):
-            adv_metrics = self.advantages(rollout, rewards)
-            if self.algo.drop_zero_adv:
-                rollout, drop_metrics = self.drop_zero_advantage(rollout)
-                adv_metrics.update(drop_metrics)
-        with _timer(times, "old_logprobs"):
-            rollout_metrics = self.old_and_reference(rollout)
-        with _timer(times, "update"):
-            update_metrics = self.update(rollout)
-        with _timer(times, "sync"):
-            self.env.sync_weights()
+        rollout, learn_metrics = self.learn(rollout, rewards, times)
         self.step += 1
-        metrics = {"step": self.step, **self._global_reward_metrics(rewards, reward_metrics, rollout),
-                   **adv_metrics, **rollout_metrics, **update_metrics, **(filtered.metrics if filtered else {})}
+        metrics = {"step": self.step, **self._global_reward_metrics(rewards, reward_metrics, rollout), **learn_metrics,
+                   **(filtered.metrics if filtered else {})}
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
         return metrics
+
+    def learn(self, rollout: Rollout, rewards: torch.Tensor, times: dict[str, float] | None = None
+              ) -> tuple[Rollout, dict[str, float]]:
+        """The stages after scoring: advantages, old/reference log-probs, the updates and the weight sync
+        (and, for PPO, the critic's values and update; see the module docstring for the two orders).
+        Returns the rollout that trained (``algo.drop_zero_adv`` may drop samples) and the figures."""
+        times = {} if times is None else times
+        metrics: dict[str, float] = {}
+        # The KL in the reward reads the old and reference log-probs: they come first (verl's order).
+        logprobs_first = self.kl_ctrl is not None
+        if logprobs_first:
+            with _timer(times, "old_logprobs"):
+                metrics.update(self.old_and_reference(rollout))
+        if self.critic is not None:
+            with _timer(times, "values"):
+                self.critic.compute_values(rollout)
+        with _timer(times, "advantages"):
+            metrics.update(self.advantages(rollout, rewards))
+            if self.algo.drop_zero_adv:
+                rollout, drop_metrics = self.drop_zero_advantage(rollout)
+                metrics.update(drop_metrics)
+        if not logprobs_first:
+            with _timer(times, "old_logprobs"):
+                metrics.update(self.old_and_reference(rollout))
+        if self.critic is not None:
+            with _timer(times, "update_critic"):
+                metrics.update(self.critic.update(rollout, self.step))
+        if self.step >= self.cfg.critic_warmup:  # verl's critic warm-up: the actor waits for a trained critic
+            with _timer(times, "update"):
+                metrics.update(self.update(rollout))
+            with _timer(times, "sync"):
+                self.env.sync_weights()
+        return rollout, metrics
 
     # ============================================================== stages
     def dynamic_sampling(self) -> FilteredBatch:
@@ -178,21 +229,32 @@ class Trainer:
 
         With several processes the rewards, group ids and masks of all of them are gathered and the
         advantages (and their statistics: FlowGRPO's batch std, REINFORCE++'s whitening) computed over
-        the global batch; each process keeps its own rows."""
+        the global batch; each process keeps its own rows.
+
+        The estimators see the rewards on tokens (``token_rewards``: each score on its sample's last
+        trained token, minus the KL penalty when it is in the reward) and, as ``rewards``, their row
+        sums (the scores themselves without the KL penalty); ``gae`` also the critic's values, and its
+        returns (the critic's target) are stored as ``rollout.tensors["returns"]``."""
         algo = self.algo
         mask = self.env.loss_mask(rollout).bool()  # [N, T]
         # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank (one
         # process: its ids as they are, the estimators take any integers).
         rank, n = self.accelerator.process_index, len(rollout)
-        all_rewards = gather_rows(self.accelerator, rewards.float())  # [N_all]
+        token_rewards, kl_metrics = self.token_rewards(rollout, rewards, mask)  # [N, T]
+        all_token_rewards = gather_rows(self.accelerator, token_rewards)  # [N_all, T_max]
+        all_rewards = all_token_rewards.sum(-1)  # [N_all]: the scores exactly, without a KL penalty
+        values = rollout.tensors.get("values")  # [N, T]: the critic's, for estimators that read them
+        all_values = None if values is None else gather_rows(self.accelerator, values)
         if self.accelerator.num_processes > 1:
             local_ids = torch.unique(rollout.group_ids, return_inverse=True)[1]  # [N]
             all_ids = gather_rows(self.accelerator, local_ids + rank * n)  # [N_all]
         else:
             all_ids = rollout.group_ids  # [N]
         all_mask = gather_rows(self.accelerator, mask)  # [N_all, T_max]
-        adv = compute_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, scale=algo.adv_scale,
-                                 eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased")
+        adv, returns = estimate_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, scale=algo.adv_scale,
+                                           eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased",
+                                           token_rewards=all_token_rewards, values=all_values, gamma=algo.gamma,
+                                           lam=algo.lam)
         if algo.adv_clip is not None:
             adv = adv.clamp(-algo.adv_clip, algo.adv_clip)
         stats = group_stats(all_rewards, all_ids)
@@ -200,12 +262,34 @@ class Trainer:
         local = adv[rank * n:(rank + 1) * n]  # every process has N samples here (before any drop)
         rollout.tensors["advantages"] = local[:, : mask.shape[1]] if local.ndim == 2 else local
         rollout.tensors["rewards"] = rewards
+        if returns is not None:
+            rollout.tensors["returns"] = returns[rank * n:(rank + 1) * n, : mask.shape[1]]
         # Every figure in one host transfer: the masked means as sums over the mask, no boolean indexing.
         masked = torch.where(all_mask, per_token, 0.0)  # [N_all, T_max]
         count = all_mask.sum().clamp_min(1)
         names = ["adv/mean", "adv/abs_mean", *(f"adv/{k}" for k in stats)]
-        values = torch.stack([masked.sum() / count, masked.abs().sum() / count, *(v.float() for v in stats.values())])
-        return dict(zip(names, values.tolist()))
+        figures = torch.stack([masked.sum() / count, masked.abs().sum() / count, *(v.float() for v in stats.values())])
+        return {**dict(zip(names, figures.tolist())), **kl_metrics}
+
+    def token_rewards(self, rollout: Rollout, rewards: torch.Tensor, mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards on tokens [N, T]: each score on its sample's last trained token (verl's
+        ``token_level_scores``), and with ``algo.use_kl_in_reward`` minus ``beta * KL`` on every trained
+        token (verl's ``apply_kl_penalty``: KL between the old policy and the reference, by
+        ``env.kl``). Beta comes from the controller, which then updates on the global batch's mean
+        per-sequence KL; logged ``actor/reward_kl_penalty`` (that KL) and
+        ``actor/reward_kl_penalty_coeff`` (the beta used)."""
+        scores = token_scores(rewards.float(), mask)  # [N, T]
+        if self.kl_ctrl is None:
+            return scores, {}
+        old, ref = ({k[len(p):]: v for k, v in rollout.tensors.items() if k.startswith(p)} for p in ("old/", "ref/"))
+        kl = self.env.kl(old, ref).float()  # [N, T]
+        beta = self.kl_ctrl.value
+        penalised, sequence_kl = kl_penalized_rewards(scores, kl[:, : mask.shape[1]], mask, beta)  # [N, T], [N]
+        everyone = gather_rows(self.accelerator, sequence_kl)  # [N_all]
+        current_kl = everyone.mean().item()
+        self.kl_ctrl.update(current_kl, n=len(everyone))
+        return penalised, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
     def drop_zero_advantage(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
         """FlowGRPO's filter: keep the samples with a non-zero advantage at some token/step, topped up
@@ -240,8 +324,9 @@ class Trainer:
 
     def _on_policy(self) -> bool:
         """Whether every forward of the update sees the weights that the old log-probs belong to: one
-        mini-batch and one epoch, so the only optimizer step comes after all of them."""
-        return self.cfg.ppo_epochs == 1 and self._num_mini_batches() == 1
+        mini-batch and one epoch, so the only optimizer step comes after all of them. (Not when the KL
+        is in the reward: the rewards need the old log-probs before the update.)"""
+        return self.cfg.ppo_epochs == 1 and self._num_mini_batches() == 1 and self.kl_ctrl is None
 
     @torch.no_grad()
     def old_and_reference(self, rollout: Rollout) -> dict[str, float]:
@@ -255,13 +340,20 @@ class Trainer:
         metrics = {}
         if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv)
             return metrics
+        old = None
         if self.env.recompute_old_logprobs:
             if self._on_policy():
                 rollout.tensors.pop("old_logp", None)  # a stale copy would be used instead of the first forward's
             else:
-                rollout.tensors["old_logp"] = self._evaluate_all(model, rollout)["logp"]
+                old = self._evaluate_all(model, rollout)
+                rollout.tensors["old_logp"] = old["logp"]
                 metrics.update(self._rollout_metrics(rollout))
-        if self.algo.kl_coef > 0:
+        if self.kl_ctrl is not None:
+            # The KL in the reward compares the old policy's outputs with the reference's (diffusion: the
+            # means of its steps, which the sampler did not keep, so the policy evaluates them here).
+            old = self._evaluate_all(model, rollout) if old is None else old
+            rollout.tensors.update({f"old/{k}": v for k, v in old.items()})
+        if self.algo.kl_coef > 0 or self.kl_ctrl is not None:
             with self.env.reference_model() as ref:
                 ref_out = self._evaluate_all(ref, rollout)
             for k, v in ref_out.items():
@@ -515,6 +607,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.checkpoints``)."""
         state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
+        if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
+            state["kl_ctrl"] = self.kl_ctrl.state_dict()
         return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
                                            keep=self.cfg.keep_checkpoints, config=self.config_dict)
 
@@ -523,6 +617,8 @@ class Trainer:
         if state is not None:
             self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
             self.prompt_batches = state.get("prompt_batches", 0)
+            if self.kl_ctrl is not None and "kl_ctrl" in state:
+                self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
 
 # ================================================================ helpers

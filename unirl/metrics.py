@@ -16,7 +16,7 @@ import torch
 
 def is_share(name: str) -> bool:
     """Metrics that are a share of a loss-like total (micro-batches, pieces and processes add up)."""
-    return name.startswith("loss/") or name == "actor/entropy"
+    return name.startswith("loss/") or name in ("actor/entropy", "critic/vf_loss")
 
 
 class MetricLog:

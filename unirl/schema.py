@@ -72,10 +72,32 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class KLControlConfig:
+    """The coefficient of the KL in the reward (``algo.use_kl_in_reward``), verl's ``algorithm.kl_ctrl``."""
+
+    #: ``fixed`` (beta stays ``kl_coef``) or ``adaptive`` (Ziegler et al. 2019; ``unirl/kl_control.py``).
+    type: Literal["fixed", "adaptive"] = "fixed"
+    #: The initial beta (verl's default 0.001).
+    kl_coef: float = 0.001
+    #: ``adaptive``: the per-token KL it steers towards (verl's default 0.1).
+    target_kl: float = 0.1
+    #: ``adaptive``: sequences over which beta may change by 20% (verl's 10000).
+    horizon: int = 10000
+
+    def __post_init__(self):
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.target_kl <= 0 or self.horizon < 1:
+            raise ValueError(f"target_kl must be > 0 and horizon >= 1, got {self.target_kl} and {self.horizon}")
+
+
+@dataclass
 class AlgoConfig:
     """Policy-gradient settings (the functions live in ``unirl/core``)."""
 
-    #: Advantage estimator: ``grpo``, ``rloo`` or ``reinforce++-baseline``.
+    #: Advantage estimator: ``grpo``, ``rloo`` or ``reinforce++-baseline`` (one reward a sample, groups
+    #: as the baseline); ``gae`` (PPO: a critic is trained as the baseline, ``critic:``) or
+    #: ``reinforce++`` (discounted token rewards, whitened), which read the rewards on tokens.
     adv_estimator: str = "grpo"
     #: How ``grpo`` scales the centred rewards: by the group's std (GRPO), the batch's std
     #: (FlowGRPO's global_std) or not at all (Dr.GRPO).
@@ -137,6 +159,15 @@ class AlgoConfig:
     rollout_is_min: Optional[float] = None
     #: DAPO's dynamic sampling.
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    #: Subtract ``beta * KL(old policy || reference)`` from the reward on every token (verl's
+    #: ``algorithm.use_kl_in_reward``, estimator ``kl_estimator``); beta from ``kl_ctrl``. Logged as
+    #: ``actor/reward_kl_penalty`` (the batch's mean KL) and ``actor/reward_kl_penalty_coeff`` (beta).
+    use_kl_in_reward: bool = False
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    #: Discount and GAE's lambda of the token-reward estimators (``gae``, ``reinforce++``; verl's 1 and 1).
+    gamma: float = 1.0
+    #: GAE's lambda: 1 gives reward-to-go minus the value, 0 the one-step TD error (verl's 1).
+    lam: float = 1.0
 
     def __post_init__(self):
         if self.clip_low < 0 or self.clip_high < 0:
@@ -163,6 +194,8 @@ class AlgoConfig:
                 f"level=sequence (GSPO) aggregates with loss_agg=seq-mean-token-mean, as verl does; "
                 f"got loss_agg={self.loss_agg} (set algo.loss_agg=seq-mean-token-mean)"
             )
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma} and {self.lam}")
 
 
 @dataclass
@@ -288,6 +321,9 @@ class TrainerConfig:
     #: Threads scoring finished chunks of samples while the next chunk is sampled (0: score inline).
     #: The rewards are identical either way.
     reward_workers: int = 0
+    #: The first N steps update only the critic (verl's ``trainer.critic_warmup``), so the actor's first
+    #: advantages come from a value model that has seen some returns.
+    critic_warmup: int = 0
 
     def __post_init__(self):
         n = self.prompts_per_step * self.group_size
@@ -305,6 +341,8 @@ class TrainerConfig:
             raise ValueError(f"micro_batch_tokens must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.reward_workers < 0:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
+        if self.critic_warmup < 0:
+            raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
         for name in ("eval_every", "save_every"):

@@ -1,12 +1,14 @@
 """The pure policy-gradient core shared by the text (GRPO) and diffusion (FlowGRPO) environments.
 
-Functions over tensors only: advantages from group rewards, KL penalties, clipped policy losses and
-their aggregation. No config objects, no ``.item()``, no distributed calls, no I/O.
+Functions over tensors only: advantages from group rewards, rewards on tokens and PPO's
+critic-based advantages (GAE), KL penalties, clipped policy and value losses and their aggregation.
+No config objects, no ``.item()``, no distributed calls, no I/O.
 """
 
 from unirl.core.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
+    estimate_advantages,
     group_advantages,
     group_stats,
     grpo_advantages,
@@ -27,6 +29,14 @@ from unirl.core.losses import (
     policy_loss_metrics,
     truncated_importance_weights,
 )
+from unirl.core.returns import (
+    discounted_returns,
+    gae_advantages,
+    kl_penalized_rewards,
+    reinforce_pp_advantages,
+    token_scores,
+)
+from unirl.core.value import explained_variance, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -37,19 +47,27 @@ __all__ = [
     "aggregate_denominator",
     "clipped_policy_loss",
     "compute_advantages",
+    "discounted_returns",
+    "estimate_advantages",
+    "explained_variance",
+    "gae_advantages",
     "entropy_from_logits",
     "gaussian_kl",
     "group_advantages",
     "group_stats",
     "grpo_advantages",
     "kl_divergence",
+    "kl_penalized_rewards",
     "masked_mean",
     "nonconstant_groups",
     "overlong_penalty",
     "policy_loss_metrics",
+    "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "rollout_is_weights",
     "rollout_mismatch_metrics",
+    "token_scores",
     "truncated_importance_weights",
+    "value_loss",
 ]

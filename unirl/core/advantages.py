@@ -6,13 +6,20 @@ equal-sized groups), so a batch that lost some samples to filtering still works.
 
 Every estimator in ``ADVANTAGE_ESTIMATORS`` has the same signature::
 
-    fn(rewards [N], group_ids [N], *, mask=None, scale="group", eps=1e-6, unbiased=True) -> [N] or [N, T]
+    fn(rewards [N], group_ids [N], *, mask=None, scale="group", eps=1e-6, unbiased=True,
+       token_rewards=None, values=None, gamma=1.0, lam=1.0) -> (advantages [N] or [N, T], returns [N, T] or None)
 
-so a trainer calls ``compute_advantages(name, rewards, group_ids, mask=..., ...)`` and never
-branches on the name. ``mask`` [N, T] marks the trained tokens (or denoising steps); estimators that
-whiten over tokens (``reinforce++-baseline``) need it and return per-token advantages [N, T], the
-others return [N] (the same advantage for every token of a sample). Estimators that have no use for
-``mask``, ``scale``, ``eps`` or ``unbiased`` accept and ignore them.
+so a trainer calls ``estimate_advantages(name, rewards, group_ids, mask=..., ...)`` and never
+branches on the name (``compute_advantages`` gives the advantages alone). ``mask`` [N, T] marks the
+trained tokens (or denoising steps); estimators that whiten over tokens (``reinforce++-baseline``
+and the token-reward ones) need it and return per-token advantages [N, T], the others return [N]
+(the same advantage for every token of a sample). ``token_rewards`` [N, T] are the rewards placed on
+tokens (``unirl.core.token_rewards``: the score on the last one, minus a KL penalty); the outcome
+estimators read ``rewards`` [N] instead, which the trainer passes as their row sums. ``values``
+[N, T] are a critic's; ``returns`` are the critic's regression target, None for estimators without
+one. Estimators that have no use for an argument accept and ignore it; an estimator that reads
+``values`` says so with the attribute ``reads_values = True`` (the trainer then builds a critic).
+The token-reward estimators (``gae``, ``reinforce++``) live in ``unirl/core/returns.py``.
 
 Std convention: by default every std here is the *unbiased* one (Bessel's correction, ``torch.std``'s
 default), as GRPO implementations (verl, TRL) use; ``unbiased=False`` gives the biased one (numpy's
@@ -127,9 +134,13 @@ def grpo_advantages(
     scale: str = "group",
     eps: float = 1e-6,
     unbiased: bool = True,
-) -> torch.Tensor:
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, None]:
     """GRPO (https://arxiv.org/abs/2402.03300): ``group_advantages`` under the registry contract."""
-    return group_advantages(rewards, group_ids, scale=scale, eps=eps, unbiased=unbiased)
+    return group_advantages(rewards, group_ids, scale=scale, eps=eps, unbiased=unbiased), None
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
@@ -141,7 +152,11 @@ def rloo_advantages(
     scale: str = "group",
     eps: float = 1e-6,
     unbiased: bool = True,
-) -> torch.Tensor:
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, None]:
     """REINFORCE leave-one-out: ``r_i - mean of the other samples of its group``.
 
     Kool et al. 2019 (https://openreview.net/forum?id=r1lgTGL5DE), used for LLMs by Ahmadian et al.
@@ -154,13 +169,13 @@ def rloo_advantages(
         group_ids: [N] integer group ids.
 
     Returns:
-        advantages [N].
+        ``(advantages [N], None)``.
     """
     _check(rewards, group_ids)
     inverse, counts, means, _ = _group_moments(rewards, group_ids)
     # r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g); zero when n == 1.
     factor = torch.where(counts > 1, counts / (counts - 1).clamp_min(1), torch.zeros_like(counts))  # [num_groups]
-    return factor[inverse] * (rewards - means[inverse])
+    return factor[inverse] * (rewards - means[inverse]), None
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce++-baseline")
@@ -172,7 +187,11 @@ def reinforce_pp_baseline_advantages(
     scale: str = "group",
     eps: float = 1e-6,
     unbiased: bool = True,
-) -> torch.Tensor:
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, None]:
     """REINFORCE++ with a group baseline (https://arxiv.org/abs/2501.03262), as verl computes it
     (``compute_reinforce_plus_plus_baseline_outcome_advantage``).
 
@@ -194,22 +213,29 @@ def reinforce_pp_baseline_advantages(
         mask: [N, T] boolean or 0/1 response mask, or None.
 
     Returns:
-        advantages [N, T] (0 at masked positions) when ``mask`` is given, else [N].
+        ``(advantages, None)``: advantages [N, T] (0 at masked positions) when ``mask`` is given, else [N].
     """
     _check(rewards, group_ids)
     inverse, counts, means, _ = _group_moments(rewards, group_ids)
     baseline = torch.where(counts > 1, means, torch.zeros_like(means))  # [num_groups]
     centered = rewards - baseline[inverse]  # [N]
     if mask is None:
-        return _masked_whiten(centered.unsqueeze(-1), torch.ones_like(centered, dtype=torch.bool).unsqueeze(-1)).squeeze(-1)
-    if mask.ndim != 2 or mask.shape[0] != rewards.shape[0]:
-        raise ValueError(f"mask must be [N, T] with N = {rewards.shape[0]}, got shape {tuple(mask.shape)}")
-    mask = mask if mask.dtype == torch.bool else mask != 0
-    return _masked_whiten(centered.unsqueeze(-1).expand(mask.shape), mask)  # [N, T]
+        ones = torch.ones_like(centered, dtype=torch.bool).unsqueeze(-1)  # [N, 1]
+        return masked_whiten(centered.unsqueeze(-1), ones).squeeze(-1), None
+    mask = check_mask(mask, rewards.shape[0])
+    return masked_whiten(centered.unsqueeze(-1).expand(mask.shape), mask), None  # [N, T]
 
 
-def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(values - mean) / sqrt(var + 1e-8)`` over the masked-in entries (unbiased var), 0 elsewhere.
+def check_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``mask`` as a boolean [N, T], or a ValueError naming the expected shape."""
+    if mask.ndim != 2 or mask.shape[0] != n:
+        raise ValueError(f"mask must be [N, T] with N = {n}, got shape {tuple(mask.shape)}")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` over the masked-in entries (unbiased var), 0 elsewhere
+    (verl's ``masked_whiten``).
 
     Fewer than two masked-in entries have no variance to estimate: the whitened values are 0."""
     count = mask.sum()
@@ -222,14 +248,20 @@ def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, centered * torch.rsqrt(var + 1e-8), zeros)
 
 
-def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Look up estimator ``name`` in ``ADVANTAGE_ESTIMATORS`` and apply it.
+def estimate_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, **kwargs
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Look up estimator ``name`` in ``ADVANTAGE_ESTIMATORS`` and apply it: ``(advantages, returns)``.
 
     Raises ValueError (listing the registered names) for an unknown ``name``.
     """
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(ADVANTAGE_ESTIMATORS.unknown_message(name))
     return ADVANTAGE_ESTIMATORS.get(name)(rewards, group_ids, **kwargs)
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The advantages of ``estimate_advantages`` (without the critic's returns)."""
+    return estimate_advantages(name, rewards, group_ids, **kwargs)[0]
 
 
 def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -193,7 +193,7 @@ class DiffusionEnvironment(Environment):
                 r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian",
                 target_modules=lora.target_modules))
         else:
-            if cfg.algo.kl_coef > 0:
+            if cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
                 self.ref = copy.deepcopy(transformer).eval()
             transformer.requires_grad_(True)
         self._model = transformer
@@ -341,7 +341,8 @@ class DiffusionEnvironment(Environment):
             # The mean only for a KL: without one nothing reads it.
             logp, mean, _ = rescore_step(self.family, model, one["latents"], one["next_latents"], one["timestep"],
                                          stored["cond"], stored["coef"][j], guidance_scale=self.train_guidance,
-                                         offset=one.get("offset"), with_mean=self.cfg.algo.kl_coef > 0)
+                                         offset=one.get("offset"),
+                                         with_mean=self.cfg.algo.kl_coef > 0 or self.cfg.algo.use_kl_in_reward)
             out = {"logp": logp.unsqueeze(1), "std": stored["narrow"]["std"][j],
                    "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j],
                    "mask": None}  # [n, 1, ...]; no mask: every stored step is trained

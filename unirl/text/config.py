@@ -151,6 +151,34 @@ class OverlongConfig:
 
 
 @dataclass
+class CriticConfig:
+    """PPO's value model, built when ``algo.adv_estimator`` reads values (``gae``): the policy's
+    architecture with a one-output head on every token (``AutoModelForTokenClassification``,
+    ``num_labels=1``, as verl's critic), trained by its own AdamW on the clipped value loss with the
+    trainer's mini-batches, micro-batches and token budget."""
+
+    #: Where its body comes from; null: the policy's ``model.name_or_path`` (the head is new).
+    name_or_path: Optional[str] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    #: Recompute the critic's activations in the backward (less memory, one more forward).
+    gradient_checkpointing: bool = False
+    #: verl's critic defaults: lr 1e-5, weight decay 0.01, gradient clipping 1.0.
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, weight_decay=0.01))
+    #: Values move at most this far from the rollout's per update (verl's ``cliprange_value``, 0.5).
+    cliprange_value: float = 0.5
+    #: Aggregation of the value loss (verl's critic ``loss_agg_mode``, token-mean).
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    #: Passes over each step's samples; null: ``trainer.ppo_epochs`` (verl's default).
+    ppo_epochs: Optional[int] = None
+
+    def __post_init__(self):
+        if self.cliprange_value <= 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}")
+        if self.ppo_epochs is not None and self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be >= 1 or null, got {self.ppo_epochs}")
+
+
+@dataclass
 class TextConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -161,6 +189,8 @@ class TextConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    #: The value model of PPO (``algo.adv_estimator: gae``); unused otherwise.
+    critic: CriticConfig = field(default_factory=CriticConfig)
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/text"
 

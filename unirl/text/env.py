@@ -15,7 +15,7 @@ import torch
 from unirl.core import kl_divergence, overlong_penalty, rollout_is_weights, rollout_mismatch_metrics
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet
-from unirl.text.config import TextConfig
+from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
@@ -68,7 +68,7 @@ class TextEnvironment(Environment):
             lora = cfg.model.lora
             model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-        elif cfg.algo.kl_coef > 0:
+        elif cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
             self.ref = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
         self._model = model
         # 3. Data.
@@ -239,6 +239,47 @@ class TextEnvironment(Environment):
         if self.cfg.overlong.mask_truncated:
             mask = mask * tensors["finished"].to(mask.dtype).unsqueeze(-1)  # TRL's mask_truncated_completions
         return mask
+
+    # ---------------------------------------------------------------- critic
+    def value_model(self, cfg: CriticConfig) -> torch.nn.Module:
+        """verl's critic: the policy's architecture (or ``cfg.name_or_path``'s) with a one-output head on
+        every token, dropout off, optionally LoRA (the head then trains beside the adapter)."""
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        path = resolve_model_path(cfg.name_or_path) if cfg.name_or_path else self.model_path
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0  # as verl: a value regressed with dropout would be noisy
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=_DTYPES[self.cfg.model.dtype])
+        if self.cfg.model.share_prompt:
+            check_packable(model.config)
+            use_packed_attention(model)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if cfg.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            lora = cfg.lora
+            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                     target_modules=lora.target_modules, task_type="TOKEN_CLS"))
+        return model
+
+    def values(self, model, batch: Rollout) -> torch.Tensor:
+        """[n, R] the value head's output at the positions whose hidden states predict the response
+        tokens (where ``evaluate`` reads the log-probs), float32; packed as ``evaluate`` packs."""
+        device = self.accelerator.device
+        t = {k: batch.tensors[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        R = t["response_ids"].shape[1]
+        if self.cfg.model.share_prompt:
+            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"])
+            attn = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+            out = model(input_ids=packed.input_ids, attention_mask=attn, position_ids=packed.position_ids,
+                        use_cache=False, unirl_blocks=packed.blocks).logits  # [1, L, 1]
+            return out.reshape(-1)[packed.source].float()  # [n, R]
+        ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
+        attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], dim=1)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False).logits  # [n, P+R, 1]
+        return out[:, -R - 1:-1, 0].float()  # [n, R]
 
     def trim_padding(self, batch: Rollout) -> Rollout:
         """Prompts (left-padded) cut to the batch's longest, and every response-aligned tensor (the
