@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import random
 import textwrap
 from concurrent.futures import Future
@@ -440,7 +441,8 @@ class DiffusionEnvironment(Environment):
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
         """Deterministic (ODE) images of the held-out prompts with the EMA weights, scored by the
         config's rewards. With several processes each samples every world-th prompt and the scores
-        (and the grid's images) are gathered; the main process writes ``eval/step_N.png``."""
+        (and the grid's images) are gathered; the main process writes ``eval/step_N.png``, and
+        ``eval/step_N.jsonl`` with a judge reward's answers when one is configured."""
         if not self.test_rows:
             return {}
         from accelerate.utils import gather_object
@@ -450,12 +452,12 @@ class DiffusionEnvironment(Environment):
         rows = [self.test_rows[i] for i in mine]
         with self._ema_weights():
             images = self.sample_deterministic([row["prompt"] for row in rows], mine)
-        comps = {}
+        comps, judged = {}, {}  # judged: a judge reward's answers, by reward
         if rows:
             columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}
-            comps = self.rewards.components(images, prompts=[row["prompt"] for row in rows], columns=columns)
-        local = [(i, {name: float(v[j]) for name, v in comps.items()}, images[j] if i < k else None)
-                 for j, i in enumerate(mine)]
+            comps = self.rewards.components(images, prompts=[row["prompt"] for row in rows], columns=columns, texts=judged)
+        local = [(i, {name: float(v[j]) for name, v in comps.items()}, images[j] if i < k else None,
+                  {name: v[j] for name, v in judged.items()}) for j, i in enumerate(mine)]
         results = sorted(gather_object(local) if acc.num_processes > 1 else local, key=lambda res: res[0])
         comps = {name: torch.tensor([res[1][name] for res in results]) for name in self.rewards.names}
         total, _ = self.rewards.combine(comps, torch.arange(len(results)))
@@ -464,11 +466,15 @@ class DiffusionEnvironment(Environment):
         if acc.is_main_process:
             shown = results[:k]
             captions = [f"{self.test_rows[i]['prompt']}\n" + " ".join(f"{name}={v:.3f}" for name, v in scores.items())
-                        for i, scores, _ in shown]
+                        for i, scores, _, _ in shown]
             path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
-            grid = image_grid([image for _, _, image in shown], captions)
+            grid = image_grid([image for _, _, image, _ in shown], captions)
             grid.save(path)
+            if any(judge for *_, judge in results):  # a judge's reasons beside its scores
+                with open(path.with_suffix(".jsonl"), "w") as f:
+                    for i, scores, _, judge in results:
+                        f.write(json.dumps({"prompt": self.test_rows[i]["prompt"], **scores, "judge": judge}) + "\n")
             self._evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
         return out
 
