@@ -61,6 +61,7 @@ BUILTIN_MODULES: list[str] = [
     "rewards.image",
     "rewards.ocr",
     "rewards.judge",
+    "rewards.geneval",
 ]
 
 #: The entry-point group through which an installed package adds rewards.
