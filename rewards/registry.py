@@ -62,6 +62,7 @@ BUILTIN_MODULES: list[str] = [
     "rewards.ocr",
     "rewards.judge",
     "rewards.geneval",
+    "rewards.imagereward",
 ]
 
 #: The entry-point group through which an installed package adds rewards.
