@@ -77,7 +77,7 @@ class Mask2FormerDetector:
             shown = image if d.mask is None else Image.composite(image, grey, Image.fromarray(d.mask.astype(np.uint8) * 255))
             crops.append(shown.crop(tuple(int(v) for v in d.box)))
         pixels = self.clip_processor(images=crops, return_tensors="pt")["pixel_values"].to(self.device, self.clip.dtype)
-        embeds = torch.nn.functional.normalize(self.clip.get_image_features(pixel_values=pixels).float(), dim=-1)  # [n, D]
+        embeds = torch.nn.functional.normalize(_features(self.clip.get_image_features(pixel_values=pixels)), dim=-1)  # [n, D]
         return [COLOURS[i] for i in (embeds @ self._classifier(classname).T).argmax(-1).tolist()]
 
     def _classifier(self, classname: str) -> torch.Tensor:
@@ -87,8 +87,14 @@ class Mask2FormerDetector:
             rows = []
             for colour in COLOURS:
                 texts = [t.format(c=colour, o=classname) for t in COLOUR_TEMPLATES]
-                tokens = self.clip_processor(text=texts, return_tensors="pt", padding=True).to(self.device)
-                embeds = torch.nn.functional.normalize(self.clip.get_text_features(**tokens).float(), dim=-1)
+                tokens = self.clip_processor(text=texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
+                embeds = torch.nn.functional.normalize(_features(self.clip.get_text_features(**tokens)), dim=-1)
                 rows.append(torch.nn.functional.normalize(embeds.mean(0), dim=-1))
             self._classifiers[classname] = torch.stack(rows)
         return self._classifiers[classname]
+
+
+def _features(out) -> torch.Tensor:
+    """CLIP's projected embeddings ``[n, D]`` in float32: transformers 5 returns them as an output's
+    ``pooler_output``, earlier versions as the tensor itself."""
+    return (out if torch.is_tensor(out) else out.pooler_output).float()

@@ -170,3 +170,49 @@ def test_the_reward_scores_every_bundled_geneval_row():
             dropped_target = any(c.get("position", [None, None])[1] == len(row["include"]) - 1 for c in row["include"])
             assert scores[0] == 1.0, (row, out.texts)
             assert scores[1] == (0.0 if mode == "strict" else (clauses - 1 - dropped_target) / clauses), row
+
+
+def test_the_default_detector_runs_on_a_toy_mask2former_and_clip(tmp_path):
+    """The transformers path (Mask2Former instances, masks, boxes, COCO -> GenEval names, CLIP colours)
+    on toy models built here from configs; the published weights are not needed to run the code."""
+    import torch
+    from PIL import Image
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer, Mask2FormerConfig,
+                              Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig)
+
+    from rewards.geneval import COLOURS
+    from rewards.geneval_detector import Mask2FormerDetector
+
+    torch.manual_seed(0)
+    swin = SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=2,
+                      out_features=["stage1", "stage2", "stage3", "stage4"])
+    labels = {0: "mouse", 1: "cat"}
+    Mask2FormerForUniversalSegmentation(Mask2FormerConfig(
+        backbone_config=swin, hidden_dim=32, mask_feature_size=32, feature_size=32, num_queries=5, encoder_layers=1,
+        decoder_layers=2, num_attention_heads=2, dim_feedforward=32, encoder_feedforward_dim=32, num_labels=2,
+        id2label=labels, label2id={v: k for k, v in labels.items()}, common_stride=4)).save_pretrained(tmp_path / "m2f")
+    Mask2FormerImageProcessor(size={"height": 64, "width": 64}).save_pretrained(tmp_path / "m2f")
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for char in sorted(ByteLevel.alphabet()):
+        vocab[char], vocab[char + "</w>"] = len(vocab), len(vocab) + 1
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=32)
+    CLIPModel(CLIPConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=1, pad_token_id=1),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                           patch_size=16), projection_dim=8)).save_pretrained(tmp_path / "clip")
+    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                  tokenizer=tokenizer).save_pretrained(tmp_path / "clip")
+
+    detector = Mask2FormerDetector(str(tmp_path / "m2f"), str(tmp_path / "clip"))
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    found = detector.detect(image)
+    assert found and {d.label for d in found} <= {"computer mouse", "cat"}  # COCO's "mouse" under GenEval's name
+    for d in found:
+        x1, y1, x2, y2 = d.box
+        assert d.mask.shape == (48, 64) and d.mask[int(y1):int(y2) + 1, int(x1):int(x2) + 1].sum() == d.mask.sum()
+        assert 0 <= d.score <= 1
+    assert set(detector.colours(image, found, "cat")) <= set(COLOURS)
+    with pytest.raises(OSError, match="GenEval's detector needs 'nowhere'"):
+        Mask2FormerDetector("nowhere", str(tmp_path / "clip"))
