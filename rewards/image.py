@@ -7,7 +7,7 @@ of smooth colour is a few kB, a detailed one 50-150 kB; a 32x32 toy image is abo
 advantages normalise the scale away within a group.
 
 ``brightness`` is a *demo* reward: the mean pixel value in [0, 1]. It is what a toy-size random
-model (``unirl/diffusion/tiny.py``) can move within a few minutes on a CPU, so the tiny config can
+model (``unirl/diffusion/tiny/sd3.py``) can move within a few minutes on a CPU, so the tiny config can
 show learning; it says nothing about image quality. ``colour_share`` is a demo reward that depends on
 the prompt: the share of pixels nearest to the colour the prompt names ("a red cat" -> red), so the
 tiny colour demo can show per-prompt groups and advantages at work.

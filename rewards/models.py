@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from rewards.registry import RewardError
+from rewards.registry import RewardError, ScoresWithText
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -91,12 +91,14 @@ class ModelReward:
         n = len(samples)
         prompts = list(prompts) if prompts is not None else [""] * n
         out: list[float | None] = []
+        texts: list[str] | None = []  # kept while every slice returns ScoresWithText
         for start in range(0, n, self.batch_size):
             stop = min(start + self.batch_size, n)
             part = {k: (v[start:stop] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in columns.items()}
             with torch.no_grad():
                 scores = self.score(samples[start:stop], prompts=prompts[start:stop], **part)
+            texts = texts + scores.texts if texts is not None and isinstance(scores, ScoresWithText) else None
             if hasattr(scores, "tolist"):
                 scores = scores.tolist()
             out.extend(scores)
-        return out
+        return ScoresWithText(out, texts) if texts is not None and n else out

@@ -34,6 +34,8 @@ For both shapes:
   sample's total and is left out of the reward's logged mean). ``score_batch`` checks this and
   raises ``RewardError`` naming the reward, the sample and its prompt otherwise, and also when the
   reward itself raises.
+- may return ``ScoresWithText(scores, texts)`` instead: the scores plus one text per sample (a
+  judge's answer, ``rewards/judge.py``), which evaluation keeps beside the scores in its samples.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ BUILTIN_MODULES: list[str] = [
     "rewards.image",
     "rewards.ocr",
     "rewards.reward_model",
+    "rewards.judge",
+    "rewards.geneval",
+    "rewards.imagereward",
 ]
 
 #: The entry-point group through which an installed package adds rewards.
@@ -70,6 +75,17 @@ ENTRY_POINT_GROUP = "unirl.rewards"
 class RewardError(ValueError):
     """A reward cannot be loaded, raised while scoring, or returned something other than one
     finite float (or None) per sample. The message names the reward, and the sample when known."""
+
+
+class ScoresWithText(list):
+    """A reward's scores (the contract's list) that carry one text per sample in ``texts``: why each
+    got its score (a judge's answer). Training reads the scores; evaluation also writes the texts."""
+
+    def __init__(self, scores, texts):
+        super().__init__(scores)
+        self.texts = [str(t) for t in texts]
+        if len(self.texts) != len(self):
+            raise RewardError(f"ScoresWithText: {len(self.texts)} texts for {len(self)} scores")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from rewards.registry import RewardError, RewardFn
+from rewards.registry import RewardError, RewardFn, ScoresWithText
 
 #: When a batch call raised, at most this many samples are re-scored one at a time to find the
 #: first one that fails on its own (a bounded extra cost, paid only when the run is failing anyway).
@@ -21,7 +21,8 @@ LOCATE_LIMIT = 32
 
 
 def score_batch(reward_fn: RewardFn, samples: Sequence[Any], *, name: str, **columns: Any) -> list[float | None]:
-    """Call ``reward_fn(samples, **columns)`` and check it gave ``len(samples)`` finite floats or Nones.
+    """Call ``reward_fn(samples, **columns)`` and check it gave ``len(samples)`` finite floats or Nones
+    (a ``ScoresWithText`` keeps its texts).
 
     Every failure is a ``RewardError`` naming the reward. When the reward raises, the batch is
     re-scored one sample at a time (the first ``LOCATE_LIMIT`` samples at most) to name the first
@@ -43,7 +44,8 @@ def score_batch(reward_fn: RewardFn, samples: Sequence[Any], *, name: str, **col
         raise RewardError(f"reward {name!r} called sys.exit({err.code!r}); a reward returns scores or raises") from err
     except Exception as err:
         raise _locate_failure(reward_fn, samples, columns, name, err) from err
-    return _checked(scores, n, name, prompts)
+    checked = _checked(scores, n, name, prompts)
+    return ScoresWithText(checked, scores.texts) if isinstance(scores, ScoresWithText) else checked
 
 
 def score_requests(reward_fn: RewardFn, requests: Sequence[tuple[Sequence[Any], dict[str, Any]]], *,

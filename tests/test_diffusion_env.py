@@ -13,7 +13,7 @@ from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
 from unirl.diffusion.sampling import sigma_schedule, stochastic_steps, trained_steps
-from unirl.diffusion.tiny import build_tiny_sd3
+from unirl.diffusion.tiny.sd3 import build_tiny_sd3
 
 TINY = ["model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_sequence_length=16",
         "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.mini_batch_size=8",

@@ -22,7 +22,7 @@ from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.sampling import (forward_module, guided_velocity, rescore_steps, sample_with_logprob, schedule_coefficients,
                                      stochastic_steps, to_pil, trained_steps)
 from unirl.diffusion.sde import sde_step, sde_step_with_logprob, step_coefficients
-from unirl.diffusion.tiny import build_tiny_sd3
+from unirl.diffusion.tiny.sd3 import build_tiny_sd3
 
 SEEDS = [0, 1, 2]
 

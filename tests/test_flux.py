@@ -22,7 +22,7 @@ from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.families import FluxFamily
 from unirl.diffusion.families.flux import calculate_shift, latent_image_ids, pack_latents, unpack_latents
 from unirl.diffusion.sampling import sample_with_logprob
-from unirl.diffusion.tiny_flux import build_tiny_flux
+from unirl.diffusion.tiny.flux import build_tiny_flux
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.family=flux", "model.name_or_path=tiny", "sampling.guidance_scale=1.0", "sampling.resolution=32",

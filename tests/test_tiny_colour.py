@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rewards.image import colour_share
 from unirl.diffusion.families import FAMILIES
-from unirl.diffusion.tiny import build_tiny_sd3
+from unirl.diffusion.tiny.sd3 import build_tiny_sd3
 
 REPO = Path(__file__).resolve().parents[1]
 

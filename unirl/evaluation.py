@@ -126,7 +126,8 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     texts = [g.text for per_prompt in gens for g in per_prompt]
     flat_rows = [row for row, per_prompt in zip(rows, gens) for _ in per_prompt]
     columns = {k: [row.get(k) for row in flat_rows] for k in flat_rows[0] if k != "prompt"} if flat_rows else {}
-    comps = rewards.components(texts, prompts=[row["prompt"] for row in flat_rows], columns=columns)
+    judged: dict[str, list[str]] = {}  # a judge reward's answers, by reward
+    comps = rewards.components(texts, prompts=[row["prompt"] for row in flat_rows], columns=columns, texts=judged)
     total, _ = rewards.combine(comps, torch.arange(len(texts)))  # [answers], each in a group of its own
     rewards.close()
     # accuracy and pass@k count an answer correct when it gets the reward's full score (1 for gsm8k);
@@ -136,6 +137,7 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
         for i, (row, text) in enumerate(zip(flat_rows, texts)):
             f.write(json.dumps({"index": i // n, "prompt": row["prompt"], "response": text, "reward": float(total[i]),
                                 **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
+                                **{f"judge/{k}": v[i] for k, v in judged.items()},
                                 **({"correct": bool(correct.view(-1)[i])} if correct is not None else {})}) + "\n")
     summary = {"checkpoint": str(checkpoint), "prompts": len(rows), "n": n, "reward": total.mean().item(),
                **{f"reward/{k}": v.nanmean().item() for k, v in comps.items()}}
@@ -200,14 +202,16 @@ def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
         with torch.no_grad():
             images = env.sample_deterministic(prompts)
         columns = {c: [row.get(c) for row in env.test_rows] for c in env.test_rows[0] if c != "prompt"}
-        comps = env.rewards.components(images, prompts=prompts, columns=columns)
+        judged: dict[str, list[str]] = {}  # a judge reward's answers, by reward
+        comps = env.rewards.components(images, prompts=prompts, columns=columns, texts=judged)
         total, _ = env.rewards.combine(comps, torch.arange(len(prompts)))
     finally:
         env.close()
     with open(out / "samples.jsonl", "w") as f:
         for i, prompt in enumerate(prompts):
             f.write(json.dumps({"index": i, "prompt": prompt, "reward": float(total[i]),
-                                **{f"reward/{k}": float(v[i]) for k, v in comps.items()}}) + "\n")
+                                **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
+                                **{f"judge/{k}": v[i] for k, v in judged.items()}}) + "\n")
     k = cfg.data.grid_size
     captions = [f"{p}\n" + " ".join(f"{name}={float(v[i]):.3f}" for name, v in comps.items()) for i, p in enumerate(prompts[:k])]
     image_grid(images[:k], captions).save(out / "grid.png")

@@ -62,8 +62,11 @@ class RewardSet:
         self._pool = (ThreadPoolExecutor(workers, thread_name_prefix="unirl-reward", initializer=one_openmp_thread)
                       if workers > 0 else None)
 
-    def components(self, samples: list[Any], *, prompts: list[str], columns: dict[str, list]) -> dict[str, torch.Tensor]:
+    def components(self, samples: list[Any], *, prompts: list[str], columns: dict[str, list],
+                   texts: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
         """Each reward's scores [n] by metric name; NaN where a reward returned None (does not apply).
+        ``texts``, when given, receives the per-sample texts of the rewards that return some (a
+        judge's answers, ``ScoresWithText``) by metric name, for an evaluation to keep.
 
         Raises ``RewardError`` (naming the reward, and the sample and its prompt when known) when a
         reward raises or returns a wrong number of scores, NaN or infinity.
@@ -75,6 +78,8 @@ class RewardSet:
         out = {}
         for cfg, fn, name in zip(self.configs, self.fns, self.names):
             scores = _within(cfg, lambda: score_batch(fn, samples, name=cfg.name, prompts=prompts, **columns))
+            if texts is not None and hasattr(scores, "texts"):
+                texts[name] = scores.texts
             out[name] = torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float32)  # [n]
         return out
 

@@ -1,4 +1,4 @@
-"""Config of a FlowGRPO run on a flow-matching text-to-image model, SD3 or FLUX.1 (``unirl train diffusion --config NAME``).
+"""Config of a FlowGRPO run on a flow-matching diffusers model of any registered family (``unirl train diffusion --config NAME``).
 
 The shared ``algo``, ``optim``, ``trainer``, ``rewards`` and ``output_dir`` fields are the text
 environment's (``unirl/schema.py``); everything diffusion-specific lives in ``model``, ``sampling``,
@@ -47,21 +47,27 @@ class LoraConfig:
 class ModelConfig:
     """The pipeline: its family, checkpoint, dtype and what is trained."""
 
-    #: The model family (``unirl.diffusion.families``): ``sd3`` (Stable Diffusion 3 / 3.5,
-    #: ``StableDiffusion3Pipeline``) or ``flux`` (FLUX.1, ``FluxPipeline``). A config field rather than
-    #: a guess from the checkpoint, so that ``--dry-run`` shows it and the sampling checks can use it;
-    #: loading a checkpoint of another family fails with both names.
-    family: Literal["sd3", "flux"] = "sd3"
+    #: The model family: a name registered in ``unirl.diffusion.families`` (``sd3``: Stable Diffusion 3 /
+    #: 3.5; ``flux``: FLUX.1; ``unirl train diffusion --dry-run`` with a wrong one lists them). A config
+    #: field rather than a guess from the checkpoint, so that ``--dry-run`` shows it and the sampling
+    #: checks can read the family's capabilities; loading a checkpoint of another family fails with both names.
+    family: str = "sd3"
     #: A diffusers pipeline directory or hub name (``stabilityai/stable-diffusion-3.5-medium``,
-    #: ``black-forest-labs/FLUX.1-dev``), or a toy pipeline of ``family`` built locally from a fixed seed:
-    #: ``tiny`` (random weights; ``unirl/diffusion/tiny.py``, ``tiny_flux.py``) or ``tiny-colour``
-    #: (text encoders warm-started to name colours, for the prompt-dependent demo).
+    #: ``black-forest-labs/FLUX.1-dev``), or a toy pipeline of ``family`` built locally from a fixed seed
+    #: (``unirl/diffusion/tiny/<family>.py``): ``tiny`` (random weights) or ``tiny-colour`` (text
+    #: encoders warm-started to name colours, for the prompt-dependent demo).
     name_or_path: str = "tiny"
     #: dtype of the frozen components and the transformer's base weights; LoRA weights stay float32.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     lora: LoraConfig = field(default_factory=LoraConfig)
     #: Recompute the transformer's activations in the backward pass (less memory, more compute).
     gradient_checkpointing: bool = False
+
+    def __post_init__(self):
+        from unirl.diffusion.families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise ValueError(FAMILIES.unknown_message(self.family))
 
 
 @dataclass
@@ -86,13 +92,13 @@ class SamplingConfig:
     num_steps: int = 10
     #: Denoising steps of the deterministic evaluation sampler (FlowGRPO: 40).
     eval_num_steps: int = 40
-    #: Classifier-free guidance scale (1 disables guidance), with the empty prompt as the negative
-    #: (SD3). FLUX.1 is guidance-distilled and takes no CFG here: it must be 1 for ``model.family: flux``.
+    #: Classifier-free guidance scale (1 disables guidance), with the empty prompt as the negative.
+    #: Guidance-distilled families (FLUX.1) take no CFG here: it must be 1 for them.
     guidance_scale: float = 4.5
-    #: FLUX.1-dev's embedded guidance (the pipeline's ``guidance_scale``, 3.5 by default), fed to the
-    #: transformer's guidance embedding at sampling, training and evaluation; ignored by SD3 and by
-    #: checkpoints without ``guidance_embeds``.
-    flux_guidance: float = 3.5
+    #: The embedded guidance of guidance-distilled families (FLUX.1-dev: the pipeline's ``guidance_scale``,
+    #: 3.5 by default), fed to the transformer's guidance embedding at sampling, training and evaluation;
+    #: ignored by other families and by checkpoints without ``guidance_embeds``.
+    distilled_guidance: float = 3.5
     #: Use guidance in the rollouts and in the training forward (FlowGRPO's ``train.cfg``). False: the
     #: policy is the conditional model alone (rollouts unguided, one forward per step, half the cost);
     #: evaluation still uses ``guidance_scale``. With guidance the gradient flows through both branches,
@@ -118,6 +124,8 @@ class SamplingConfig:
     #: FlowGRPO's train_sd3.py uses 128). Each token joins the transformer's joint attention in every
     #: block, so keep it as short as the prompts allow (the toy configs use 16).
     max_sequence_length: int = 128
+    #: Frames per sample; more than 1 only for a family whose samples are videos.
+    num_frames: int = 1
 
     def __post_init__(self):
         if self.num_steps < 1 or self.eval_num_steps < 1:
@@ -134,7 +142,9 @@ class SamplingConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         for name in ("resolution", "max_sequence_length"):
             check_range(self, name, low=1)
-        check_range(self, "flux_guidance", low=0)
+        check_range(self, "distilled_guidance", low=0)
+        if self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1, got {self.num_frames}")
         w = self.sde_window
         lo, hi = w.range if w.range is not None else (0, self.num_steps)
         if w.size < 0:
@@ -210,12 +220,18 @@ class DiffusionConfig:
     output_dir: str = "runs/diffusion"
 
     def __post_init__(self):
+        from unirl.diffusion.families import FAMILIES
+
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         check_groups(self.algo, self.trainer)
-        if self.model.family == "flux" and self.sampling.guidance_scale != 1:
+        family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
+        if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:
             raise ValueError(
-                f"sampling.guidance_scale={self.sampling.guidance_scale}: FLUX.1 is guidance-distilled and takes "
-                f"no classifier-free guidance here; set sampling.guidance_scale: 1.0 and its embedded guidance "
-                f"with sampling.flux_guidance (FLUX.1-dev: 3.5)"
+                f"sampling.guidance_scale={self.sampling.guidance_scale}: {family.title} is guidance-distilled and "
+                f"takes no classifier-free guidance here; set sampling.guidance_scale: 1.0 and its embedded guidance "
+                f"with sampling.distilled_guidance"
             )
+        if self.sampling.num_frames != 1 and not family.frames:
+            raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
+                             f"videos; set sampling.num_frames: 1")

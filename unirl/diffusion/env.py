@@ -1,4 +1,4 @@
-"""The diffusion environment: FlowGRPO for Stable Diffusion 3 / 3.5 and FLUX.1 (diffusers), LoRA or full fine-tuning.
+"""The diffusion environment: FlowGRPO for flow-matching diffusers models (SD3, FLUX.1, ...), LoRA or full fine-tuning.
 
 FlowGRPO (Liu et al., 2025, https://arxiv.org/abs/2505.05470): sample each prompt G times with an SDE
 that has the ODE's marginals, so each denoising step is a Gaussian policy with a log-prob; score the
@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import random
 import textwrap
 from concurrent.futures import Future
@@ -38,46 +39,43 @@ from pathlib import Path
 import torch
 
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.families import ModelFamily, family_for
+from unirl.diffusion.families import family_for
+from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.sampling import rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients, stochastic_steps, to_pil, trained_steps
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-#: Names of the toy pipelines every family builds locally (``ModelFamily.build_tiny``).
-TINY_MODELS = ("tiny", "tiny-colour")
-
-
-def resolve_model_path(name_or_path: str, family: ModelFamily) -> str:
-    """``tiny`` / ``tiny-colour`` -> the family's locally built toy pipeline (cached); anything else is passed through."""
-    if name_or_path in TINY_MODELS:
-        return str(family.build_tiny(name_or_path))
-    return name_or_path
-
-
-def _check_pipeline_class(path: str, family: ModelFamily) -> None:
-    """A local pipeline directory of another family fails here with both names, not deep inside diffusers."""
-    import json
-
-    index = Path(path) / "model_index.json"
-    if not index.exists():
-        return  # a hub name: from_pretrained resolves it
-    found = json.loads(index.read_text()).get("_class_name")
-    if found and found != family.pipeline_class_name:
-        raise ValueError(f"model.family={family.name!r} expects a {family.pipeline_class_name}, but {path} holds a "
-                         f"{found}; set model.family to the checkpoint's family")
-
-
-def load_prompt_rows(source: str, split: str) -> list[dict]:
+def load_prompt_rows(source: str, split: str, image: bool = False) -> list[dict]:
     """Rows ``{"prompt": ..., <columns>}`` from ``tiny``, a ``.txt`` (one prompt a line), a ``.jsonl``,
-    a bundled ``unirl://NAME`` file or generated ``unirl://ocr/generated?n=...`` (``unirl/data_paths.py``)."""
+    a bundled ``unirl://NAME`` file or generated ``unirl://ocr/generated?n=...`` (``unirl/data_paths.py``).
+
+    ``image``: the family takes a conditioning image per prompt (``ModelFamily.conditioning_image``), so
+    every row must be a ``.jsonl`` row naming an existing file in its ``image`` field (relative paths
+    are read from the prompt file's folder); the first row without one is named."""
+    rows = _prompt_rows(source, split)
+    if image:
+        _check_images(rows, source, split)
+    return rows
+
+
+def _check_images(rows: list[dict], source: str, split: str) -> None:
+    from unirl.data_paths import local_path
+
+    for i, row in enumerate(rows):
+        name = row.get("image")  # only .jsonl rows have one, so only then is the source a file
+        path = local_path(source).parent / name if isinstance(name, str) else None
+        if path is None or not path.is_file():
+            raise ValueError(f"prompt file ({split}) {source}, row {i + 1}: model.family takes a conditioning image "
+                             f"per prompt, so each row needs an 'image' naming an existing file; got {name!r}")
+        row["image"] = str(path)
+
+
+def _prompt_rows(source: str, split: str) -> list[dict]:
     from unirl.data_paths import DataFileNotFoundError, generated_prompts, is_generated, local_path, locate
 
     if source == "tiny":
-        from unirl.diffusion.tiny import tiny_prompts
+        from unirl.diffusion.tiny.prompts import tiny_prompts
 
         return [{"prompt": p} for p in tiny_prompts(split)]
     if is_generated(source):
@@ -168,16 +166,7 @@ class DiffusionEnvironment(Environment):
         device = accelerator.device
         # 1. Pipeline components of the model family; only the transformer trains.
         self.family = family_for(cfg)
-        # Building a toy pipeline seeds torch's global generator; without the fork a run that builds it
-        # (an empty cache) would initialise its LoRA differently from one that finds it built.
-        with torch.random.fork_rng(devices=[]):
-            self.model_path = resolve_model_path(cfg.model.name_or_path, self.family)
-        _check_pipeline_class(self.model_path, self.family)
-        pipe = self.family.pipeline_class().from_pretrained(self.model_path, dtype=_DTYPES[cfg.model.dtype])
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
-            module = getattr(pipe, name, None)
-            if module is not None:
-                module.requires_grad_(False).eval().to(device)
+        pipe, self.model_path = load_pipeline(cfg.model.name_or_path, self.family, cfg.model.dtype, device)
         self.pipe, self.vae, self.scheduler = pipe, pipe.vae, pipe.scheduler
         self.latent_shape = self.family.latent_shape(pipe, s.resolution)
         # 2. The policy: LoRA on the attention projections (reference = adapter disabled) or the whole
@@ -216,8 +205,9 @@ class DiffusionEnvironment(Environment):
         # 4. Data and rewards.
         from unirl.text.data import PromptSampler
 
-        self.train_rows = load_prompt_rows(cfg.data.train, "train")
-        self.test_rows = load_prompt_rows(cfg.data.test, "test") if cfg.data.test else []
+        image = self.family.conditioning_image
+        self.train_rows = load_prompt_rows(cfg.data.train, "train", image)
+        self.test_rows = load_prompt_rows(cfg.data.test, "test", image) if cfg.data.test else []
         if cfg.data.eval_size is not None:
             self.test_rows = self.test_rows[: cfg.data.eval_size]
         self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
@@ -453,7 +443,8 @@ class DiffusionEnvironment(Environment):
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
         """Deterministic (ODE) images of the held-out prompts with the EMA weights, scored by the
         config's rewards. With several processes each samples every world-th prompt and the scores
-        (and the grid's images) are gathered; the main process writes ``eval/step_N.png``."""
+        (and the grid's images) are gathered; the main process writes ``eval/step_N.png``, and
+        ``eval/step_N.jsonl`` with a judge reward's answers when one is configured."""
         if not self.test_rows:
             return {}
         from accelerate.utils import gather_object
@@ -463,12 +454,12 @@ class DiffusionEnvironment(Environment):
         rows = [self.test_rows[i] for i in mine]
         with self._ema_weights():
             images = self.sample_deterministic([row["prompt"] for row in rows], mine)
-        comps = {}
+        comps, judged = {}, {}  # judged: a judge reward's answers, by reward
         if rows:
             columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}
-            comps = self.rewards.components(images, prompts=[row["prompt"] for row in rows], columns=columns)
-        local = [(i, {name: float(v[j]) for name, v in comps.items()}, images[j] if i < k else None)
-                 for j, i in enumerate(mine)]
+            comps = self.rewards.components(images, prompts=[row["prompt"] for row in rows], columns=columns, texts=judged)
+        local = [(i, {name: float(v[j]) for name, v in comps.items()}, images[j] if i < k else None,
+                  {name: v[j] for name, v in judged.items()}) for j, i in enumerate(mine)]
         results = sorted(gather_object(local) if acc.num_processes > 1 else local, key=lambda res: res[0])
         comps = {name: torch.tensor([res[1][name] for res in results]) for name in self.rewards.names}
         total, _ = self.rewards.combine(comps, torch.arange(len(results)))
@@ -477,11 +468,15 @@ class DiffusionEnvironment(Environment):
         if acc.is_main_process:
             shown = results[:k]
             captions = [f"{self.test_rows[i]['prompt']}\n" + " ".join(f"{name}={v:.3f}" for name, v in scores.items())
-                        for i, scores, _ in shown]
+                        for i, scores, _, _ in shown]
             path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
-            grid = image_grid([image for _, _, image in shown], captions)
+            grid = image_grid([image for _, _, image, _ in shown], captions)
             grid.save(path)
+            if any(judge for *_, judge in results):  # a judge's reasons beside its scores
+                with open(path.with_suffix(".jsonl"), "w") as f:
+                    for i, scores, _, judge in results:
+                        f.write(json.dumps({"prompt": self.test_rows[i]["prompt"], **scores, "judge": judge}) + "\n")
             self._evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
         return out
 

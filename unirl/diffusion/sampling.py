@@ -99,10 +99,13 @@ def guided_velocity(family, transformer, latents: torch.Tensor, timestep: torch.
 
     ``cond`` holds the family's ``cond_keys`` (each ``[n, ...]``), plus ``neg_<key>`` of the same shapes
     when ``guidance_scale > 1``: classifier-free guidance ``v_u + g (v_c - v_u)``
-    (https://arxiv.org/abs/2207.12598) with one batched forward, negative first, as the SD3 pipeline does.
+    (https://arxiv.org/abs/2207.12598) with one batched forward, negative first, as the SD3 pipeline does,
+    for a family whose ``guidance_mode`` is ``"cfg"``.
     """
     transformer = forward_module(transformer)
     if guidance_scale > 1:
+        if family.guidance_mode != "cfg":  # the config refuses it; a direct caller learns it here
+            raise ValueError(f"guidance_scale={guidance_scale}: {family.title} takes no classifier-free guidance")
         both = {k: torch.cat([cond["neg_" + k], cond[k]]) for k in family.cond_keys}  # [2n, ...]
         v = family.velocity(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         v_uncond, v_cond = v.chunk(2)

@@ -345,7 +345,7 @@ class TextEnvironment(Environment):
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
         """Greedy answers to the held-out prompts, scored by the config's rewards. With several
         processes each answers every world-th prompt and the scores are gathered; the main process
-        writes the first 16 answers to ``eval_samples.jsonl``."""
+        writes the first 16 answers to ``eval_samples.jsonl`` (with a judge reward's answers under ``judge``)."""
         if not self.test_rows:
             return {}
         from accelerate.utils import gather_object
@@ -359,11 +359,12 @@ class TextEnvironment(Environment):
             gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
                                         max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
             texts = [g[0].text for g in gens]
-        comps = {}
+        comps, judged = {}, {}  # judged: a judge reward's answers, by reward
         if rows:
             columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
-            comps = self.rewards.components(texts, prompts=[row["prompt"] for row in rows], columns=columns)
-        local = [(i, text, {k: float(v[j]) for k, v in comps.items()}) for j, (i, text) in enumerate(zip(mine, texts))]
+            comps = self.rewards.components(texts, prompts=[row["prompt"] for row in rows], columns=columns, texts=judged)
+        local = [(i, text, {k: float(v[j]) for k, v in comps.items()}, {k: v[j] for k, v in judged.items()})
+                 for j, (i, text) in enumerate(zip(mine, texts))]
         results = sorted(gather_object(local) if acc.num_processes > 1 else local)  # every prompt, in order
         names = list(self.rewards.names)
         scores = {k: torch.tensor([res[2][k] for res in results]) for k in names}
@@ -371,11 +372,11 @@ class TextEnvironment(Environment):
         first = scores[names[0]]
         if acc.is_main_process:
             with open(run_dir / "eval_samples.jsonl", "a") as f:
-                for i, text, s in results[:16]:
+                for i, text, s, judge in results[:16]:
                     f.write(json.dumps({"step": step, "prompt": self.test_rows[i]["prompt"], "response": text,
-                                        "score": s[names[0]]}) + "\n")
+                                        "score": s[names[0]], **({"judge": judge} if judge else {})}) + "\n")
         self._evaluation_media = {"tables": {"eval/samples": (
-            ["prompt", "response", names[0]], [[self.test_rows[i]["prompt"], text, s[names[0]]] for i, text, s in results[:16]])}}
+            ["prompt", "response", names[0]], [[self.test_rows[i]["prompt"], text, s[names[0]]] for i, text, s, _ in results[:16]])}}
         out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
         out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in scores.items()})
         return out

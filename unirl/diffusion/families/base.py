@@ -6,8 +6,9 @@ latent the transformer denoises (SD3: ``[C, h, w]``; FLUX: 2x2 patches packed in
 the sigma schedule (SD3: a fixed shift; FLUX: a shift ``mu`` that grows with the image's token count),
 one transformer forward giving the velocity, and decoding to pixels. The sampler
 (``unirl.diffusion.sampling``), the SDE step (``unirl.diffusion.sde``), the environment and the loop
-never branch on the family. A third family (Qwen-Image, SANA, a video model) is one new file in this
-package registering a subclass.
+never branch on the family: what they must know (the kind of guidance, a conditioning image, a frame
+axis) the adapter says in attributes. A third family (Qwen-Image, SANA, a video model) is one new file
+in this package, one line registering it in ``__init__.py``, and a toy in ``unirl/diffusion/tiny/``.
 
 Conditioning is a dict of per-sample tensors (leading dimension n) named by ``cond_keys``, so the
 environment can repeat them per group, store them in a rollout, slice micro-batches and concatenate a
@@ -21,7 +22,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from abc import ABC, abstractmethod
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,12 +32,23 @@ class ModelFamily(ABC):
 
     #: ``model.family`` in the config.
     name: str = ""
+    #: The family as people name it, in messages (``FLUX.1``).
+    title: str = ""
     #: The diffusers pipeline class that loads the checkpoint (``model_index.json``'s ``_class_name``).
     pipeline_class_name: str = ""
     #: Keys of the conditioning dict ``encode`` returns (each ``[n, ...]``).
     cond_keys: tuple[str, ...] = ()
-    #: Whether classifier-free guidance with an empty negative prompt applies (``sampling.guidance_scale``).
-    supports_cfg: bool = True
+
+    # Capabilities: what the config, the data loader and the sampler read instead of the family's name.
+    #: ``"cfg"``: classifier-free guidance with the empty prompt as the negative (``sampling.guidance_scale``);
+    #: ``"distilled"``: the transformer embeds a guidance value itself (``sampling.distilled_guidance``,
+    #: read by the adapter) and ``sampling.guidance_scale`` must be 1.
+    guidance_mode: str = "cfg"
+    #: Whether each prompt comes with a conditioning image (image editing): every data row then names
+    #: one in its ``image`` field.
+    conditioning_image: bool = False
+    #: Whether a sample is a video (latents with a frame axis): only then may ``sampling.num_frames`` exceed 1.
+    frames: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> "ModelFamily":
@@ -48,10 +59,6 @@ class ModelFamily(ABC):
         import diffusers
 
         return getattr(diffusers, self.pipeline_class_name)
-
-    @abstractmethod
-    def build_tiny(self, variant: str) -> Path:
-        """Build (or reuse from the cache) the toy pipeline ``variant`` (``tiny``, ``tiny-colour``) and return its path."""
 
     @abstractmethod
     def latent_shape(self, pipe, resolution: int) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ What differs from SD3 (diffusers' ``pipeline_flux.py`` is the reference for each
   with ``mu`` linear in the number of image tokens (``calculate_shift``), as
   ``FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=..., mu=...)`` does for the pipeline.
 * **Guidance**: no classifier-free guidance; FLUX.1-dev embeds a guidance value (``guidance``,
-  3.5 by default; ``sampling.flux_guidance``) like a second timestep. Checkpoints without
+  3.5 by default; ``sampling.distilled_guidance``) like a second timestep. Checkpoints without
   ``guidance_embeds`` (FLUX.1-schnell) get ``guidance=None``.
 * **Timestep**: the transformer takes ``sigma`` (the pipeline passes ``timestep / 1000``) and
   multiplies by 1000 itself.
@@ -23,7 +23,6 @@ What differs from SD3 (diffusers' ``pipeline_flux.py`` is the reference for each
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -80,21 +79,17 @@ def _module_config(transformer):
 
 class FluxFamily(ModelFamily):
     name = "flux"
+    title = "FLUX.1"
     pipeline_class_name = "FluxPipeline"
     cond_keys = ("prompt_embeds", "pooled")
-    supports_cfg = False
+    guidance_mode = "distilled"
 
     def __init__(self, guidance: float = 3.5):
-        self.guidance = guidance
+        self.guidance = guidance  # the embedded guidance value
 
     @classmethod
     def from_config(cls, cfg) -> "FluxFamily":
-        return cls(guidance=cfg.sampling.flux_guidance)
-
-    def build_tiny(self, variant: str) -> Path:
-        from unirl.diffusion.tiny_flux import build_tiny_flux
-
-        return build_tiny_flux(variant=variant)
+        return cls(guidance=cfg.sampling.distilled_guidance)
 
     def latent_shape(self, pipe, resolution: int) -> tuple[int, ...]:
         check_resolution(resolution, pipe.vae_scale_factor * 2)

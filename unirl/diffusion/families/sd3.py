@@ -7,8 +7,6 @@ fixed ``shift`` (3.0) gives the sigmas; the transformer is conditioned on ``time
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from unirl.diffusion.families.base import ModelFamily, cast, check_resolution, compute_dtype, tokenize, vae_decode
@@ -17,14 +15,10 @@ from unirl.diffusion.sampling import sigma_schedule
 
 class SD3Family(ModelFamily):
     name = "sd3"
+    title = "Stable Diffusion 3"
     pipeline_class_name = "StableDiffusion3Pipeline"
     cond_keys = ("prompt_embeds", "pooled")
-    supports_cfg = True
-
-    def build_tiny(self, variant: str) -> Path:
-        from unirl.diffusion.tiny import build_tiny_sd3
-
-        return build_tiny_sd3(variant=variant)
+    guidance_mode = "cfg"
 
     def latent_shape(self, pipe, resolution: int) -> tuple[int, ...]:
         check_resolution(resolution, pipe.vae_scale_factor * pipe.transformer.config.patch_size)

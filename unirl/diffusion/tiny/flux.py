@@ -10,8 +10,8 @@ Sizes (``TINY_FLUX_SPEC``): 4-channel 16x16 latents for 32x32 RGB images (VAE sc
 16 channels and factor 8), packed into 8x8 = 64 tokens of 16 channels; one double-stream and two
 single-stream blocks with 2 heads of 16 dims (rotary axes 4 + 6 + 6 = 16); T5 width 32 =
 ``joint_attention_dim``; CLIP width 16 = ``pooled_projection_dim`` (FLUX uses CLIP's pooled output,
-without projection). The tokenizers, the prompts and the VAE decoder's fit (through FLUX's scaling, see
-``tiny.fit_decoder``) are the toy SD3's, so both toys draw the same kind of smooth colour fields.
+without projection). The tokenizers, the prompts and the VAE decoder's fit (through FLUX's scaling) are
+the toy SD3's (``common.py``, ``prompts.py``), so both toys draw the same kind of smooth colour fields.
 At 64 tokens FLUX's shift is ``mu = 0.4675`` (``families.flux.calculate_shift``); 256 tokens (64 px) give 0.5.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from unirl.cache import default_cache_dir
-from unirl.diffusion.tiny import variant_spec, cached_build, clip_char_tokenizer, fit_decoder, t5_char_tokenizer
+from unirl.diffusion.tiny.common import TOY_VAE, cached_build, clip_char_tokenizer, fit_decoder, t5_char_tokenizer, variant_spec
 
 #: Everything that changes the built artefacts goes into the cache key.
 TINY_FLUX_SPEC = {
@@ -39,21 +39,7 @@ TINY_FLUX_SPEC = {
         guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     ),
-    "vae": dict(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
-        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
-        block_out_channels=[8, 16],
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=0.3611,  # FLUX's values
-        shift_factor=0.1159,
-    ),
+    "vae": dict(TOY_VAE, scaling_factor=0.3611, shift_factor=0.1159),  # FLUX's latent normalisation
     "clip": dict(
         hidden_size=16,
         intermediate_size=32,
@@ -77,9 +63,9 @@ def build_tiny_flux(directory: str | Path | None = None, seed: int = 0, variant:
     """Build (or reuse) the toy FLUX.1 pipeline in ``directory`` and return its path.
 
     ``variant``: ``tiny`` (random weights) or ``tiny-colour`` (then the text encoders' warm start of
-    ``unirl/diffusion/tiny_colour.py``). ``directory`` defaults to
+    ``unirl/diffusion/tiny/colour.py``). ``directory`` defaults to
     ``default_cache_dir() / "tiny-flux-seed{seed}"`` (``tiny-flux-colour-seed{seed}``); the cache is
-    keyed by the hash of the spec and seed (``tiny.cached_build``).
+    keyed by the hash of the spec and seed (``common.cached_build``).
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -114,7 +100,7 @@ def build_tiny_flux(directory: str | Path | None = None, seed: int = 0, variant:
         pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=clip_tokenizer,
                             text_encoder_2=text_encoder_2, tokenizer_2=t5_tokenizer, transformer=transformer)
         if "warm_start" in spec:
-            from unirl.diffusion.tiny_colour import warm_start_text_encoders
+            from unirl.diffusion.tiny.colour import warm_start_text_encoders
 
             warm_start_text_encoders(pipe, "flux", seed=seed + 5, **spec["warm_start"])
         pipe.save_pretrained(directory)

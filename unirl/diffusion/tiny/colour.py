@@ -1,6 +1,6 @@
 """The colour demo's warm start: the toy text encoders learn to say which colour a prompt names.
 
-The toy pipelines (``tiny.py``, ``tiny_flux.py``) have random text encoders, so "a red cat" and
+The toy pipelines (``sd3.py``, ``flux.py``, ...) have random text encoders, so "a red cat" and
 "a red boat" are unrelated conditionings and no reward that depends on the prompt's meaning can be
 learnt from them. ``warm_start_text_encoders`` gives them that meaning with a short seeded regression,
 as the text demo warm-starts its toy LM: for every training prompt (``tiny_prompts("train")``,
@@ -30,7 +30,7 @@ def warm_start_text_encoders(pipe, family_name: str, *, seed: int, steps: int, l
     key), of the conditioning's per-sample shape, times ``code_scale``, drawn from ``seed``.
     """
     from unirl.diffusion.families import FAMILIES
-    from unirl.diffusion.tiny import TINY_COLOURS, tiny_prompts
+    from unirl.diffusion.tiny.prompts import TINY_COLOURS, tiny_prompts
 
     family = FAMILIES.get(family_name)()
     prompts = tiny_prompts("train")
