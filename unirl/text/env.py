@@ -33,6 +33,13 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
     return name_or_path
 
 
+def response_tokens(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[N, R] every real response token (attention, lengths, padding). A multi-turn rollout stores it
+    as ``response_attention_mask`` beside ``response_mask``, the loss mask, which is 0 at tool
+    observations; a single-turn rollout's two masks are the same tensor."""
+    return tensors.get("response_attention_mask", tensors["response_mask"])
+
+
 class TextEnvironment(Environment):
     recompute_old_logprobs = True
 
@@ -175,15 +182,16 @@ class TextEnvironment(Environment):
         device = self.accelerator.device
         t = {k: v.to(device) for k, v in batch.tensors.items()}
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        tokens = response_tokens(t)  # [n, R] every real token; response_mask may have holes (observations)
         if self.cfg.model.share_prompt:  # one copy of each prompt, no padding (unirl/text/packing.py)
-            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"])
+            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], tokens)
             ids, positions, source = packed.input_ids, packed.position_ids, packed.source  # [1, T], [1, T], [n, R]
             # The attention is the blocks'; a 4-D mask is taken as given, so transformers builds no [T, T] one.
             attn = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
             extra = {"unirl_blocks": packed.blocks}
         else:
             ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
-            attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], dim=1)
+            attn = torch.cat([t["prompt_mask"], tokens.long()], dim=1)
             positions, source, extra = (attn.cumsum(-1) - 1).clamp(min=0), None, None
         logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
                                           temperature=self.cfg.rollout.temperature,
@@ -205,7 +213,7 @@ class TextEnvironment(Environment):
         position ids count real tokens only."""
         t = batch.tensors
         P = max(1, int(t["prompt_mask"].sum(-1).max()))
-        R = max(1, int(t["response_mask"].sum(-1).max()))
+        R = max(1, int(response_tokens(t).sum(-1).max()))
         trimmed = {}
         for k, v in t.items():
             if k in ("prompt_ids", "prompt_mask"):
@@ -216,7 +224,7 @@ class TextEnvironment(Environment):
         return dataclasses.replace(batch, tensors=trimmed)
 
     def sample_tokens(self, batch: Rollout) -> torch.Tensor:
-        return batch.tensors["prompt_mask"].sum(-1) + batch.tensors["response_mask"].sum(-1).long()  # [n]
+        return batch.tensors["prompt_mask"].sum(-1) + response_tokens(batch.tensors).sum(-1).long()  # [n]
 
     @property
     def loss_norm_length(self) -> int:
