@@ -19,6 +19,8 @@ from unirl.text.config import TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
+from unirl.text.multiturn import multi_turn_generate
+from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,6 +98,7 @@ class TextEnvironment(Environment):
             )
         else:
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
+        self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
     def _rows(self, source: str, split: str, which: str) -> list[dict]:
         if source == "tiny":
@@ -133,6 +136,13 @@ class TextEnvironment(Environment):
     def rollout(self, rows: list[dict], group_size: int) -> Rollout:
         r = self.cfg.rollout
         prompt_ids = [self.encode_prompt(row, i) for i, row in enumerate(rows)]
+        if self.tools is not None:  # multi-turn, with tool calls (unirl/text/multiturn.py)
+            fmt, runner = self.tools
+            groups = multi_turn_generate(self.engine, self.tokenizer, fmt, runner, prompt_ids, n=group_size,
+                                         max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
+                                         max_total_tokens=r.max_total_tokens, temperature=r.temperature,
+                                         top_p=r.top_p, top_k=r.top_k)
+            return trajectories_to_rollout(rows, groups, self.tokenizer)
         gens = self.engine.generate(prompt_ids, n=group_size, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         flat = [(i, g) for i, gs in enumerate(gens) for g in gs]  # N = B*G, grouped by prompt
@@ -246,6 +256,10 @@ class TextEnvironment(Environment):
         mask = rollout.tensors["response_mask"].bool()
         diff = (rollout.tensors["engine_logp"] - old["logp"].cpu()).abs()[mask]
         lengths = rollout.tensors["response_mask"].sum(-1)
+        if "turns" in rollout.tensors:  # a multi-turn rollout
+            return {"rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
+                    "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
+                    "rollout/response_length_mean": lengths.mean().item(), **multi_turn_metrics(rollout.tensors)}
         return {
             "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
@@ -315,5 +329,7 @@ class TextEnvironment(Environment):
     def close(self) -> None:
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
+        if getattr(self, "tools", None) is not None:
+            self.tools[1].close()
         if self.engine is not None:
             self.engine.close()
