@@ -103,3 +103,20 @@ def test_served_search_equals_in_process_under_load(tmp_path):
     assert len(answers) == 200 and all(text == expected[q] for q, text in answers.values())
     assert health["answered"] == 200 and health["queued"] == 0
     assert health["batches"] < 200, "concurrent calls were not joined into batched BM25 passes"
+
+
+def test_search_r1_config_passes_its_dry_run_with_a_user_supplied_corpus(tmp_path):
+    from unirl.cli import load_run_config
+    from unirl.preflight import preflight
+
+    corpus = write_corpus(tmp_path / "wiki.jsonl")
+    data = tmp_path / "nq.jsonl"
+    data.write_text(json.dumps({"prompt": "Question: who? Answer:", "golden_answers": ["x"]}) + "\n")
+    overrides = [f"rollout.tools[0].kwargs.corpus={corpus}", f"data.train={data}", f"data.test={data}"]
+    cfg = load_run_config("text", "search_r1", overrides, output_dir=str(tmp_path / "run"))
+    report = preflight(cfg, "text")
+    assert report.problems == []
+    assert any("rollout.tools[0].name: search resolves" in line for line in report.passed)
+    # without the user's corpus, the dry run names it
+    cfg = load_run_config("text", "search_r1", overrides[1:], output_dir=str(tmp_path / "run"))
+    assert any("corpus file not found: /path/to/wiki-18.jsonl" in p for p in preflight(cfg, "text").problems)
