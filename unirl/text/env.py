@@ -283,9 +283,15 @@ class TextEnvironment(Environment):
         texts = []
         if rows:
             prompt_ids = [self.encode_prompt(row, i) for i, row in zip(mine, rows)]
-            gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
-                                        max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
-            texts = [g[0].text for g in gens]
+            if self.tools is not None:  # greedy multi-turn, the tools called as in training
+                groups = multi_turn_generate(self.engine, self.tokenizer, *self.tools, prompt_ids, n=1, greedy=True,
+                                             temperature=1.0, max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
+                                             max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+                texts = [self.tokenizer.decode(g[0].ids, skip_special_tokens=True) for g in groups]
+            else:
+                gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
+                                            max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+                texts = [g[0].text for g in gens]
         comps = {}
         if rows:
             columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
