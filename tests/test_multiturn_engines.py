@@ -53,13 +53,14 @@ def test_greedy_vllm_and_hf_give_the_same_multi_turn_trajectories(tiny_lm_dir: P
     rows = [json.loads(line) for line in (tiny_lm_dir / "test.jsonl").read_text().splitlines()[:6]]
     prompts = [tokenizer(r["question"]).input_ids for r in rows]
     model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32)
-    hf = _trajectories(HFEngine(lambda: model, tokenizer), tokenizer, prompts)
+    # The engine first, as TextEnvironment.setup does (see unirl/tools/search.py on import order).
     engine = VLLMEngine(str(tiny_lm_dir), dtype="float32", seed=0, gpu_memory_utilization=0.3, tensor_parallel_size=1,
                         enforce_eager=True, max_model_len=None)
     try:
         vl = _trajectories(engine, tokenizer, prompts)
     finally:
         engine.close()
+    hf = _trajectories(HFEngine(lambda: model, tokenizer), tokenizer, prompts)
     assert sum(len(t.tool_calls) for t in hf) > 0, "the tiny model made no call: nothing multi-turn was compared"
     for a, b in zip(hf, vl):
         assert a.ids == b.ids, (tokenizer.decode(a.ids), tokenizer.decode(b.ids))

@@ -13,10 +13,16 @@ one a line (https://github.com/PeterGriffinJin/Search-R1, ``search_r1/llm_agent/
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
-import bm25s  # noqa: F401  (imported first: without it the tool is listed as unavailable)
+# Without bm25s the tool is listed as unavailable (with the pip line). It is looked for, not imported:
+# bm25s imports numba and llvmlite, and an llvmlite object imported before vLLM starts breaks vLLM
+# 0.32's kernel-dispatcher scan of loaded modules (AttributeError in vllm/triton_utils/dispatcher.py).
+# The index is built after the rollout engine (TextEnvironment.setup), so bm25s is imported then.
+if importlib.util.find_spec("bm25s") is None:
+    raise ModuleNotFoundError("No module named 'bm25s'", name="bm25s")
 
 from unirl.tools.registry import ToolError, register_tool
 
