@@ -1,7 +1,7 @@
 """Greedy multi-turn trajectories are the same from vLLM and transformers on the tiny model, with a
-deterministic tool: the tiny model writes "a+b=" (stopped there), the calculator's answer is appended
-as an observation, and the model goes on to "#### s" and EOS. The call format is a test-only one
-(a new format is one class): the tiny tokenizer has no "<" to write Search-R1's tags with."""
+deterministic tool: the tiny model starts its "#### s" answer, is stopped at the first "#", a tool
+appends "###" as an observation, and the model goes on to " s" and EOS. The call format is a
+test-only one (a new format is one class): the tiny tokenizer has no "<" to write Search-R1's tags."""
 
 from __future__ import annotations
 
@@ -13,31 +13,28 @@ import pytest
 import torch
 
 from unirl.text.multiturn import multi_turn_generate
-from unirl.tools import load_tool
 from unirl.tools.calling import ToolCall, ToolRunner
 from unirl.tools.formats import CallFormat, Turn
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 
-class EqualsFormat(CallFormat):
-    """``expression=`` calls the calculator; its result is the observation."""
+class HashFormat(CallFormat):
+    """A turn ending in "#" calls ``hashes``; its result is the observation."""
 
-    stop = ["="]
+    stop = ["#"]
 
     def parse(self, text: str) -> Turn:
-        if text.endswith("="):
-            return Turn(calls=[ToolCall("calculator", {"expression": text[:-1].split("\n")[-1]})])
-        return Turn()
+        return Turn(calls=[ToolCall("hashes", {})]) if text.endswith("#") else Turn()
 
     def observation(self, results, ended_with_eos):
         return "".join(results)
 
 
 def _trajectories(engine, tokenizer, prompts):
-    runner = ToolRunner({"calculator": load_tool("calculator")}, timeout_s=10)
+    runner = ToolRunner({"hashes": lambda: "###"}, timeout_s=10)
     try:
-        groups = multi_turn_generate(engine, tokenizer, EqualsFormat(), runner, prompts, n=1, max_turns=3,
+        groups = multi_turn_generate(engine, tokenizer, HashFormat(), runner, prompts, n=1, max_turns=3,
                                      max_new_tokens=12, max_total_tokens=None, temperature=1.0, greedy=True)
     finally:
         runner.close()

@@ -32,6 +32,10 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
         from unirl.text.tiny import build_tiny_lm
 
         return str(build_tiny_lm(seed=seed))
+    if name_or_path == "tiny_search":  # the tiny model warm-started on Search-R1's tags (configs/text/tiny_search.yaml)
+        from unirl.text.tiny_search import build_tiny_search_lm
+
+        return str(build_tiny_search_lm(seed=seed))
     return name_or_path
 
 
