@@ -113,10 +113,11 @@ def test_search_r1_config_passes_its_dry_run_with_a_user_supplied_corpus(tmp_pat
     data = tmp_path / "nq.jsonl"
     data.write_text(json.dumps({"prompt": "Question: who? Answer:", "golden_answers": ["x"]}) + "\n")
     overrides = [f"rollout.tools[0].kwargs.corpus={corpus}", f"data.train={data}", f"data.test={data}"]
-    cfg = load_run_config("text", "search_r1", overrides, output_dir=str(tmp_path / "run"))
+    config = str(REPO / "docs" / "examples" / "search_r1.yaml")
+    cfg = load_run_config("text", config, overrides, output_dir=str(tmp_path / "run"))
     report = preflight(cfg, "text")
     assert report.problems == []
     assert any("rollout.tools[0].name: search resolves" in line for line in report.passed)
     # without the user's corpus, the dry run names it
-    cfg = load_run_config("text", "search_r1", overrides[1:], output_dir=str(tmp_path / "run"))
+    cfg = load_run_config("text", config, overrides[1:], output_dir=str(tmp_path / "run"))
     assert any("corpus file not found: /path/to/wiki-18.jsonl" in p for p in preflight(cfg, "text").problems)
