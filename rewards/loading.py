@@ -86,18 +86,25 @@ def resolve_reward(spec: str) -> RewardFn:
         _ensure_registered(spec)
         return REWARDS.get(spec)
 
+    return resolve_object(spec)
+
+
+def resolve_object(spec: str, *, kind: str = "reward", error: type[Exception] = RewardError) -> Any:
+    """The callable that ``path/to/file.py:function`` or ``package.module:function`` names, for any
+    extension point that is named this way (rewards, ``unirl/tools``); ``kind`` and ``error`` word
+    and type the error that says what is missing."""
     where, attr = spec.rsplit(":", 1)
     if not where or not attr:
-        raise RewardError(f"reward {spec!r}: expected path/to/file.py:function or package.module:function")
+        raise error(f"{kind} {spec!r}: expected path/to/file.py:function or package.module:function")
     if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _import_file(Path(where).expanduser(), spec)
+        module = _import_file(Path(where).expanduser(), spec, kind=kind, error=error)
         origin = f"file {where}"
     else:
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as err:
             missing = f" (no module named {err.name!r})" if err.name and err.name != where else ""
-            raise RewardError(f"reward {spec!r}: cannot import module {where!r}{missing}") from err
+            raise error(f"{kind} {spec!r}: cannot import module {where!r}{missing}") from err
         origin = f"module {where}"
 
     fn = getattr(module, attr, None)
@@ -105,9 +112,9 @@ def resolve_reward(spec: str) -> RewardFn:
         defined = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
         close = difflib.get_close_matches(attr, defined, n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise RewardError(f"reward {spec!r}: {origin} has no function {attr!r}.{hint}")
+        raise error(f"{kind} {spec!r}: {origin} has no function {attr!r}.{hint}")
     if not callable(fn):
-        raise RewardError(f"reward {spec!r}: {attr!r} in {origin} is a {type(fn).__name__}, not a function")
+        raise error(f"{kind} {spec!r}: {attr!r} in {origin} is a {type(fn).__name__}, not a function")
     return fn
 
 
@@ -137,10 +144,10 @@ def unavailable_builtins() -> dict[str, str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _import_file(path: Path, spec: str):
+def _import_file(path: Path, spec: str, *, kind: str = "reward", error: type[Exception] = RewardError):
     """Import exactly ``path`` once per resolved path, under a module name of its own."""
     if not path.is_file():
-        raise RewardError(f"reward {spec!r}: file not found: {path}")
+        raise error(f"{kind} {spec!r}: file not found: {path}")
     resolved = path.resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
     module_name = f"_unirl_reward_{''.join(c if c.isalnum() else '_' for c in resolved.stem)}_{digest}"
@@ -148,7 +155,7 @@ def _import_file(path: Path, spec: str):
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, resolved)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward {spec!r}: cannot import {path} as a Python file")
+        raise error(f"{kind} {spec!r}: cannot import {path} as a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # before exec, like import does (dataclasses, pickling)
     try:
@@ -176,10 +183,13 @@ def _ensure_registered(name: str) -> None:
         raise RewardError(_unknown_message(name))
 
 
-def _ensure_builtins() -> None:
-    """Import each built-in reward module once; a missing optional dependency is recorded, not raised."""
-    for module_name in registry.BUILTIN_MODULES:
-        if module_name in registry._IMPORTED:
+def _ensure_builtins(state=None) -> None:
+    """Import each built-in module once; a missing optional dependency is recorded, not raised.
+    ``state``: the module holding ``BUILTIN_MODULES``, ``_IMPORTED`` and ``_UNAVAILABLE`` (the
+    rewards' ``registry`` by default; ``unirl/tools/registry.py`` for tools)."""
+    state = registry if state is None else state
+    for module_name in state.BUILTIN_MODULES:
+        if module_name in state._IMPORTED:
             continue
         try:
             importlib.import_module(module_name)
@@ -189,31 +199,32 @@ def _ensure_builtins() -> None:
                 raise  # our own module is missing or broken: a bug, not an optional dependency
             pip_name = _PIP_NAMES.get(top, top)
             if isinstance(err, ModuleNotFoundError):
-                registry._UNAVAILABLE[module_name] = f"{module_name} needs {top!r}: pip install {pip_name}"
+                state._UNAVAILABLE[module_name] = f"{module_name} needs {top!r}: pip install {pip_name}"
             else:  # the package is there but lacks a name: an incompatible version
-                registry._UNAVAILABLE[module_name] = (
+                state._UNAVAILABLE[module_name] = (
                     f"{module_name} failed to import from {top!r} ({err}): pip install -U {pip_name}")
         except Exception as err:
             # A third-party package that raises on import (e.g. a torchvision built for another
             # torch): that module's rewards are unavailable. An error in our own code is a bug.
-            if _raised_in_rewards_package(err):
+            if _raised_in_rewards_package(err, getattr(state, "PACKAGE_DIR", None)):
                 raise
-            registry._UNAVAILABLE[module_name] = f"{module_name} failed to import: {type(err).__name__}: {err}"
-        registry._IMPORTED.add(module_name)
+            state._UNAVAILABLE[module_name] = f"{module_name} failed to import: {type(err).__name__}: {err}"
+        state._IMPORTED.add(module_name)
 
 
-def _raised_in_rewards_package(err: BaseException) -> bool:
-    """Whether ``err`` comes from a file of this package (a bug) rather than from a dependency."""
-    ours = Path(__file__).resolve().parent
+def _raised_in_rewards_package(err: BaseException, ours: Path | None = None) -> bool:
+    """Whether ``err`` comes from a file of this package (or of ``ours``: a bug) rather than from a dependency."""
+    ours = Path(__file__).resolve().parent if ours is None else ours
     if isinstance(err, SyntaxError) and err.filename:
         return Path(err.filename).resolve().parent == ours
     frames = traceback.extract_tb(err.__traceback__)
     return bool(frames) and Path(frames[-1].filename).resolve().parent == ours
 
 
-def _entry_points() -> list[importlib.metadata.EntryPoint]:
+def _entry_points(group: str | None = None) -> list[importlib.metadata.EntryPoint]:
     # Read on every call (cheap): a package installed during the session is seen.
-    return sorted(importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+    group = registry.ENTRY_POINT_GROUP if group is None else group
+    return sorted(importlib.metadata.entry_points(group=group), key=lambda ep: ep.name)
 
 
 def _load_entry_point(ep: importlib.metadata.EntryPoint) -> None:
@@ -269,9 +280,10 @@ def _unknown_message(name: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _accepted_kwargs(obj: RewardFn) -> list[str] | None:
-    """Names a config may set: a function's keyword parameters after ``samples``, or a class's
-    constructor parameters (following ``**kwargs`` into the base classes). None: not introspectable."""
+def _accepted_kwargs(obj: RewardFn, skip_first: bool = True) -> list[str] | None:
+    """Names a config may set: a function's keyword parameters after ``samples`` (all of them with
+    ``skip_first=False``: a tool's), or a class's constructor parameters (following ``**kwargs`` into
+    the base classes). None: not introspectable."""
     if inspect.isclass(obj):
         names: list[str] = []
         for cls in obj.__mro__:
@@ -287,20 +299,21 @@ def _accepted_kwargs(obj: RewardFn) -> list[str] | None:
                 break
         return names
     try:
-        params = list(inspect.signature(obj).parameters.values())[1:]  # drop samples
+        params = list(inspect.signature(obj).parameters.values())[1 if skip_first else 0:]  # drop samples
     except (TypeError, ValueError):
         return None
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _check_bound_kwargs(spec: str, fn: RewardFn, kwargs: dict[str, Any]) -> None:
-    named = _accepted_kwargs(fn)
+def _check_bound_kwargs(spec: str, fn: RewardFn, kwargs: dict[str, Any], *, kind: str = "reward",
+                        error: type[Exception] = RewardError, skip_first: bool = True) -> None:
+    named = _accepted_kwargs(fn, skip_first)
     if named is None:  # no introspectable signature: nothing to check against
         return
     for key in kwargs:
         if key not in named:
             close = difflib.get_close_matches(key, named, n=3)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise RewardError(
-                f"reward {spec!r} has no parameter {key!r}.{hint} Its parameters: {', '.join(named) or '(none)'}"
+            raise error(
+                f"{kind} {spec!r} has no parameter {key!r}.{hint} Its parameters: {', '.join(named) or '(none)'}"
             )

@@ -57,6 +57,7 @@ REWARDS: Registry[RewardFn] = Registry("reward")
 #: while the other modules' rewards still load.
 BUILTIN_MODULES: list[str] = [
     "rewards.gsm8k",
+    "rewards.qa_em",
     "rewards.mathverify",
     "rewards.clip_rewards",
     "rewards.hpsv2",

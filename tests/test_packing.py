@@ -66,7 +66,7 @@ def test_a_response_mask_with_a_hole_or_an_empty_prompt_is_refused_naming_the_sa
     prompt_ids, prompt_mask = _left_padded([[3], [3]], P=1)
     response_ids = torch.tensor([[4, 5, 6], [4, 5, 6]])
     response_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
-    with pytest.raises(ValueError, match="sample 1: model.share_prompt packs right-padded responses"):
+    with pytest.raises(ValueError, match="sample 1: the response.s tokens must be right-padded"):
         pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask)
     prompt_ids, prompt_mask = _left_padded([[3], []], P=1)
     with pytest.raises(ValueError, match="sample 1 has an empty prompt"):

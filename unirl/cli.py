@@ -4,6 +4,8 @@
     unirl train diffusion --config sd3_ocr ...
     unirl rewards list
     unirl serve-reward NAME [--host 127.0.0.1] [--port P]
+    unirl tools list
+    unirl serve-tool search --corpus corpus.jsonl [--port P]
     unirl data list
     unirl data cat unirl://ocr/test.txt
     unirl eval text --config gsm8k --checkpoint runs/text-gsm8k/checkpoints/step_000100 [--n 8]
@@ -150,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     from unirl.data_commands import add_subcommands as add_data_subcommands
 
     add_data_subcommands(sub)  # unirl data list, unirl data cat SOURCE
+    from unirl.tool_commands import add_subcommands as add_tool_subcommands
+
+    add_tool_subcommands(sub)  # unirl tools list, unirl serve-tool NAME
     p_train = sub.add_parser("train", help="train a policy", parents=[flags])
     p_train.add_argument("env", choices=sorted(ENVIRONMENTS))
     p_train.add_argument("--config", required=True, help=f"config name ({_config_names()}) or a YAML path")

@@ -75,6 +75,8 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     # 1. Data (the environment's own format), 2. rewards, 3. batch, 4. output, 5. model.
     DATA_CHECKS[env_name](cfg, config_dir, report)
     _check_rewards(cfg, SAMPLE_MODALITY[env_name], config_dir, report)
+    if getattr(getattr(cfg, "rollout", None), "tools", None):
+        _check_tools(cfg.rollout.tools, config_dir, report)
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
@@ -232,6 +234,39 @@ def _check_filter_metric(cfg: Any, names: list[str], report: Report) -> None:
                                f"(its raw components: {names})")
     elif groups.enabled:
         report.passed.append(f"algo.filter_groups.metric: {groups.metric} is a raw reward component")
+
+
+def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
+    """``rollout.tools``: each spec resolves and its kwargs fit, as for rewards; a tool class is not
+    built (a search index over a large corpus takes a while) but its ``check(**kwargs)`` runs when it
+    has one (the search tool's: the corpus file exists)."""
+    import inspect
+
+    from rewards import loading as shared
+    from unirl.tools import ToolError, resolve_tool
+
+    for i, tool in enumerate(tools):
+        what, spec = f"rollout.tools[{i}].name", tool.name
+        if spec.startswith(("http://", "https://")):
+            report.notes.append(f"{what}: {spec} is a served tool; the server is not contacted by the dry run")
+            continue
+        where, sep, attr = spec.rpartition(":")
+        if sep and (where.endswith(".py") or "/" in where):
+            located = locate(where, config_dir)
+            if located.path is None:
+                report.problems.append(located.message(f"{what} (tool file)"))
+                continue
+            spec = f"{located.path}:{attr}"
+        try:
+            obj = resolve_tool(spec)
+            shared._check_bound_kwargs(spec, obj, tool.kwargs, kind="tool", error=ToolError,
+                                       skip_first=inspect.isclass(obj))
+            if hasattr(obj, "check"):
+                obj.check(**tool.kwargs)
+        except (ToolError, TypeError) as err:
+            report.problems.append(f"{what}: {err}")
+            continue
+        report.passed.append(f"{what}: {tool.name} resolves")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from unirl.config import PATH
+from unirl.config import FILE_SPEC, PATH
 from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
 
 
@@ -96,6 +96,18 @@ class DataConfig:
 
 
 @dataclass
+class ToolConfig:
+    """One tool the policy may call (unirl/tools/): a registered name, ``path/file.py:function``,
+    ``package.module:function`` or ``http://host:port``, with settings for it."""
+
+    #: The tool: a registered name (``search``, ``calculator``), ``path/file.py:function``,
+    #: ``package.module:function`` or ``http://host:port`` (``unirl serve-tool``).
+    name: str = field(default="search", metadata=FILE_SPEC)
+    #: Its settings (e.g. ``corpus`` and ``top_k`` for ``search``); a misspelt one is an error.
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RolloutConfig:
     """Sampling the answers: the engine and its sampling settings."""
 
@@ -121,6 +133,23 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     #: Greedy decoding length for evaluation (null: max_new_tokens).
     eval_max_new_tokens: Optional[int] = None
+    #: Tools the policy may call (empty: one generation per sample). With tools, a rollout is
+    #: multi-turn: generate until a call or the end, run the calls, append the observation, go on.
+    tools: list[ToolConfig] = field(default_factory=list)
+    #: How calls and observations are written: ``search_r1`` (<search>/<information>/<answer> tags)
+    #: or ``hermes`` (the chat template's <tool_call> and tool messages); see unirl/tools/formats.py.
+    call_format: Literal["search_r1", "hermes"] = "search_r1"
+    #: Generation turns per sample at most (Search-R1 trains with max_turns=2 on NQ + HotpotQA).
+    max_turns: int = 4
+    #: Prompt + all turns + observations, in tokens, at most (null: no limit beyond max_new_tokens
+    #: per turn); a sample that reaches it is truncated and counted in rollout/truncated_frac.
+    max_total_tokens: Optional[int] = None
+    #: Seconds a tool call may take before the model is shown an error observation.
+    tool_timeout_s: float = 30.0
+    #: Tool calls of one turn of the batch run at most this many at once.
+    tool_concurrency: int = 32
+    #: The observation a failed call shows (``{error}``: what went wrong).
+    tool_error_text: str = "Error: {error}"
 
     def __post_init__(self):
         for name in ("max_new_tokens", "tensor_parallel_size"):

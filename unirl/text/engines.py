@@ -74,7 +74,9 @@ class VLLMEngine:
             torch._C.set_num_threads(self.trainer_threads)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, top_k: int = -1, greedy: bool = False) -> list[list[Generation]]:
+                 top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
+                 stop: list[str] | None = None) -> list[list[Generation]]:
+        """``stop``: strings at which a sample stops, kept in its output (a multi-turn rollout's calls)."""
         from vllm import SamplingParams
 
         params = SamplingParams(
@@ -84,6 +86,8 @@ class VLLMEngine:
             top_k=-1 if greedy else top_k,
             max_tokens=max_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
+            stop=list(stop) if stop else None,
+            include_stop_str_in_output=True,
         )
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         self.keep_trainer_threads()
@@ -117,7 +121,10 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, top_k: int = -1, greedy: bool = False) -> list[list[Generation]]:
+                 top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
+                 stop: list[str] | None = None) -> list[list[Generation]]:
+        """``stop``: strings at which a sample stops, kept in its output (transformers' ``stop_strings``;
+        the positions after a stopped sample are padding, cut here)."""
         model = self.model_fn()
         was_training = model.training
         model.eval()
@@ -139,6 +146,7 @@ class HFEngine:
             max_new_tokens=max_new_tokens, num_return_sequences=n,
             pad_token_id=pad, eos_token_id=eos,
             output_logits=True, return_dict_in_generate=True,
+            **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
         )
         model.train(was_training)
         seqs = out.sequences[:, width:]  # [P*n, R]
@@ -151,6 +159,8 @@ class HFEngine:
             for j in range(n):
                 row = seqs[i * n + j].tolist()
                 length = row.index(eos) + 1 if eos in row else len(row)
+                if stop and pad != eos and pad in row[:length]:  # stopped at a stop string, then padded
+                    length = row.index(pad)
                 tokens = row[:length]
                 gens.append(Generation(tokens, lp[i * n + j, :length].tolist(),
                                        self.tokenizer.decode(tokens, skip_special_tokens=True),

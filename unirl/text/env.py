@@ -19,6 +19,8 @@ from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
+from unirl.text.multiturn import multi_turn_generate
+from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,6 +33,13 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
 
         return str(build_tiny_lm(seed=seed))
     return name_or_path
+
+
+def response_tokens(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[N, R] every real response token (attention, lengths, padding). A multi-turn rollout stores it
+    as ``response_attention_mask`` beside ``response_mask``, the loss mask, which is 0 at tool
+    observations; a single-turn rollout's two masks are the same tensor."""
+    return tensors.get("response_attention_mask", tensors["response_mask"])
 
 
 class TextEnvironment(Environment):
@@ -91,6 +100,7 @@ class TextEnvironment(Environment):
             )
         else:
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
+        self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
     def _rows(self, source: str, split: str, which: str) -> list[dict]:
         if source == "tiny":
@@ -152,6 +162,13 @@ class TextEnvironment(Environment):
     def rollout(self, rows: list[dict], group_size: int) -> Rollout:
         r = self.cfg.rollout
         prompt_ids = [self.encode_prompt(row, i) for i, row in enumerate(rows)]
+        if self.tools is not None:  # multi-turn, with tool calls (unirl/text/multiturn.py)
+            fmt, runner = self.tools
+            groups = multi_turn_generate(self.engine, self.tokenizer, fmt, runner, prompt_ids, n=group_size,
+                                         max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
+                                         max_total_tokens=r.max_total_tokens, temperature=r.temperature,
+                                         top_p=r.top_p, top_k=r.top_k)
+            return trajectories_to_rollout(rows, groups, self.tokenizer)
         gens = self.engine.generate(prompt_ids, n=group_size, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         flat = [(i, g) for i, gs in enumerate(gens) for g in gs]  # N = B*G, grouped by prompt
@@ -209,15 +226,16 @@ class TextEnvironment(Environment):
         device = self.accelerator.device
         t = {k: v.to(device) for k, v in batch.tensors.items()}
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        tokens = response_tokens(t)  # [n, R] every real token; response_mask may have holes (observations)
         if self.cfg.model.share_prompt:  # one copy of each prompt, no padding (unirl/text/packing.py)
-            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"])
+            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], tokens)
             ids, positions, source = packed.input_ids, packed.position_ids, packed.source  # [1, T], [1, T], [n, R]
             # The attention is the blocks'; a 4-D mask is taken as given, so transformers builds no [T, T] one.
             attn = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
             extra = {"unirl_blocks": packed.blocks}
         else:
             ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
-            attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], dim=1)
+            attn = torch.cat([t["prompt_mask"], tokens.long()], dim=1)
             positions, source, extra = (attn.cumsum(-1) - 1).clamp(min=0), None, None
         logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
                                           temperature=self.cfg.rollout.temperature,
@@ -288,7 +306,7 @@ class TextEnvironment(Environment):
         position ids count real tokens only."""
         t = batch.tensors
         P = max(1, int(t["prompt_mask"].sum(-1).max()))
-        R = max(1, int(t["response_mask"].sum(-1).max()))
+        R = max(1, int(response_tokens(t).sum(-1).max()))
         trimmed = {}
         for k, v in t.items():
             if k in ("prompt_ids", "prompt_mask"):
@@ -299,7 +317,7 @@ class TextEnvironment(Environment):
         return dataclasses.replace(batch, tensors=trimmed)
 
     def sample_tokens(self, batch: Rollout) -> torch.Tensor:
-        return batch.tensors["prompt_mask"].sum(-1) + batch.tensors["response_mask"].sum(-1).long()  # [n]
+        return batch.tensors["prompt_mask"].sum(-1) + response_tokens(batch.tensors).sum(-1).long()  # [n]
 
     @property
     def loss_norm_length(self) -> int:
@@ -321,6 +339,11 @@ class TextEnvironment(Environment):
         mask = rollout.tensors["response_mask"].bool()
         diff = (rollout.tensors["engine_logp"] - old["logp"].cpu()).abs()[mask]
         lengths = rollout.tensors["response_mask"].sum(-1)
+        if "turns" in rollout.tensors:  # a multi-turn rollout
+            return {**self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
+                    "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
+                    "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
+                    "rollout/response_length_mean": lengths.mean().item(), **multi_turn_metrics(rollout.tensors)}
         return {
             **self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
             "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
@@ -356,9 +379,15 @@ class TextEnvironment(Environment):
         texts = []
         if rows:
             prompt_ids = [self.encode_prompt(row, i) for i, row in zip(mine, rows)]
-            gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
-                                        max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
-            texts = [g[0].text for g in gens]
+            if self.tools is not None:  # greedy multi-turn, the tools called as in training
+                groups = multi_turn_generate(self.engine, self.tokenizer, *self.tools, prompt_ids, n=1, greedy=True,
+                                             temperature=1.0, max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
+                                             max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+                texts = [self.tokenizer.decode(g[0].ids, skip_special_tokens=True) for g in groups]
+            else:
+                gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
+                                            max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+                texts = [g[0].text for g in gens]
         comps, judged = {}, {}  # judged: a judge reward's answers, by reward
         if rows:
             columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
@@ -403,5 +432,7 @@ class TextEnvironment(Environment):
     def close(self) -> None:
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
+        if getattr(self, "tools", None) is not None:
+            self.tools[1].close()
         if self.engine is not None:
             self.engine.close()

@@ -65,14 +65,18 @@ class PackedBatch:
     blocks: AttentionBlocks
 
 
-def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
-    """[n] the number of real response tokens; the mask must be right-padded (ones, then zeros)."""
-    lengths = response_mask.sum(-1).long()  # [n]
-    expected = torch.arange(response_mask.shape[1], device=response_mask.device)[None] < lengths[:, None]
-    if not torch.equal(response_mask.bool(), expected):
-        bad = int((response_mask.bool() != expected).any(-1).nonzero()[0])
-        raise ValueError(f"sample {bad}: model.share_prompt packs right-padded responses (ones, then zeros in "
-                         f"response_mask); got {response_mask[bad].tolist()}")
+def response_lengths(token_mask: torch.Tensor) -> torch.Tensor:
+    """[n] the number of real response tokens. ``token_mask`` marks every real token of the response,
+    generated and tool-observation tokens alike (``response_attention_mask`` of a multi-turn rollout);
+    it is right-padded (ones, then zeros). The loss mask may have holes where observations are: which
+    tokens are trained does not change which tokens are there."""
+    lengths = token_mask.sum(-1).long()  # [n]
+    expected = torch.arange(token_mask.shape[1], device=token_mask.device)[None] < lengths[:, None]
+    if not torch.equal(token_mask.bool(), expected):
+        bad = int((token_mask.bool() != expected).any(-1).nonzero()[0])
+        raise ValueError(f"sample {bad}: the response's tokens must be right-padded (ones, then zeros); got "
+                         f"{token_mask[bad].tolist()}. A loss mask with holes (tool observations) goes beside "
+                         f"it, as response_mask, not in its place")
     return lengths
 
 
@@ -80,7 +84,9 @@ def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, res
                         response_mask: torch.Tensor) -> PackedBatch:
     """Pack n samples (left-padded prompts [n, P], right-padded responses [n, R]) into one row that
     holds each distinct prompt once, followed by its samples' responses in the samples' order.
-    Samples share a prompt when its tokens are the same (whatever their group ids say)."""
+    Samples share a prompt when its tokens are the same (whatever their group ids say).
+    ``response_mask`` marks the responses' real tokens (see ``response_lengths``): for a multi-turn
+    rollout, pass its ``response_attention_mask``, not the loss mask with holes."""
     n, P = prompt_ids.shape
     R = response_ids.shape[1]
     prompt_len = prompt_mask.sum(-1).long().tolist()  # left-padded: the real tokens are the last ones

@@ -58,15 +58,16 @@ def addition_rows(n: int, seed: int, max_operand: int = TINY_LM_SPEC["max_operan
     return rows
 
 
-def build_tokenizer():
-    """Character-level ``PreTrainedTokenizerFast`` (no merges), eos = ``<|endoftext|>``."""
+def build_tokenizer(extra: str = ""):
+    """Character-level ``PreTrainedTokenizerFast`` (no merges), eos = ``<|endoftext|>``; ``extra``:
+    characters added after the alphabet (the tiny search model's ``<>()``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     # Byte-level symbols (" " -> "Ġ", "\n" -> "Ċ") as in Qwen2's tokenizer, because transformers
     # (and so vLLM) load this directory with the Qwen2 tokenizer class, which is byte-level.
     byte_level = pre_tokenizers.ByteLevel.alphabet()
-    symbols = ["Ġ" if c == " " else "Ċ" if c == "\n" else c for c in _ALPHABET]
+    symbols = ["Ġ" if c == " " else "Ċ" if c == "\n" else c for c in _ALPHABET + list(extra)]
     assert all(s in byte_level for s in symbols)
     vocab = {tok: i for i, tok in enumerate(_SPECIAL + symbols)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))

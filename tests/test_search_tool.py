@@ -1,0 +1,123 @@
+"""The search tool: BM25 over a JSONL corpus in Search-R1's output format, bad rows named with their
+line, the dry run's checks, and ``unirl serve-tool`` equal to the in-process tool under a bounded
+loopback load (8 clients x 25 calls, a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from unirl.tools import ToolError, load_tool
+from unirl.tools.remote import RemoteTool
+
+REPO = Path(__file__).resolve().parents[1]
+NAMES = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi"]
+
+
+def write_corpus(path: Path) -> Path:
+    with open(path, "w") as f:
+        for i, name in enumerate(NAMES):
+            f.write(json.dumps({"id": str(i), "contents": f"{name}\nThe code of {name} is {1000 + 37 * i}."}) + "\n")
+    return path
+
+
+def test_top_k_in_search_r1_format(tmp_path):
+    search = load_tool("search", corpus=str(write_corpus(tmp_path / "c.jsonl")), top_k=2)
+    text = search(query="what is the code of Grace?")
+    lines = text.splitlines()
+    assert lines[0] == "Doc 1(Title: Grace) The code of Grace is 1222."
+    assert lines[1].startswith("Doc 2(Title: ") and len(lines) == 2 and text.endswith("\n")
+    assert search.call_batch([{"query": "Bob code"}, {"query": "Erin"}])[1].startswith("Doc 1(Title: Erin)")
+
+
+def test_a_bad_row_is_named_with_its_line(tmp_path):
+    path = write_corpus(tmp_path / "c.jsonl")
+    with open(path, "a") as f:
+        f.write("\n" + json.dumps({"id": "x", "text": "no contents"}) + "\n")
+    with pytest.raises(ToolError, match=r"c.jsonl:10: expected an object with a string 'contents'"):
+        load_tool("search", corpus=str(path))
+    path.write_text('{"id": 1, "contents": "A\\nx"}\n{not json\n')
+    with pytest.raises(ToolError, match=r"c.jsonl:2: not JSON"):
+        load_tool("search", corpus=str(path))
+
+
+def test_dry_run_names_a_missing_corpus_an_unknown_tool_and_a_bad_kwarg(tmp_path):
+    from unirl.config import load_config
+    from unirl.preflight import preflight
+    from unirl.text.config import TextConfig
+
+    cfg = load_config(TextConfig, None, [
+        "rollout.tools=[{name: search, kwargs: {corpus: /nonexistent/wiki.jsonl}}, {name: calculater}, "
+        "{name: calculator, kwargs: {digits: 3}}]"])
+    problems = "\n".join(preflight(cfg, "text").problems)
+    assert "rollout.tools[0].name: search: corpus file not found: /nonexistent/wiki.jsonl" in problems
+    assert "rollout.tools[1].name: unknown tool 'calculater'" in problems
+    assert "rollout.tools[2].name: tool 'calculator' has no parameter 'digits'" in problems
+
+
+def _serve(corpus: Path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "unirl.cli", "serve-tool", "search", "--corpus", str(corpus),
+                             "--port", "0", "--max-wait-ms", "20"], stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("serving tool 'search' at http://"), line
+    return proc, line.rsplit(" ", 1)[1].strip()
+
+
+def test_served_search_equals_in_process_under_load(tmp_path):
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    local = load_tool("search", corpus=str(corpus))
+    queries = [f"code of {NAMES[(c * 3 + r) % len(NAMES)]}" + (" please" if r % 2 else "") for c in range(8) for r in range(25)]
+    expected = {q: local(query=q) for q in set(queries)}
+    proc, url = _serve(corpus)
+    try:
+        remote = RemoteTool(url, timeout=30, retries=5)
+        answers, errors = {}, []
+
+        def client(c: int) -> None:
+            for r in range(25):
+                q = queries[c * 25 + r]
+                try:
+                    answers[(c, r)] = (q, remote(query=q))
+                except Exception as err:  # recorded, asserted below
+                    errors.append(repr(err))
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            health = json.loads(response.read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert errors == []
+    assert len(answers) == 200 and all(text == expected[q] for q, text in answers.values())
+    assert health["answered"] == 200 and health["queued"] == 0
+    assert health["batches"] < 200, "concurrent calls were not joined into batched BM25 passes"
+
+
+def test_search_r1_config_passes_its_dry_run_with_a_user_supplied_corpus(tmp_path):
+    from unirl.cli import load_run_config
+    from unirl.preflight import preflight
+
+    corpus = write_corpus(tmp_path / "wiki.jsonl")
+    data = tmp_path / "nq.jsonl"
+    data.write_text(json.dumps({"prompt": "Question: who? Answer:", "golden_answers": ["x"]}) + "\n")
+    overrides = [f"rollout.tools[0].kwargs.corpus={corpus}", f"data.train={data}", f"data.test={data}"]
+    config = str(REPO / "docs" / "examples" / "search_r1.yaml")
+    cfg = load_run_config("text", config, overrides, output_dir=str(tmp_path / "run"))
+    report = preflight(cfg, "text")
+    assert report.problems == []
+    assert any("rollout.tools[0].name: search resolves" in line for line in report.passed)
+    # without the user's corpus, the dry run names it
+    cfg = load_run_config("text", config, overrides[1:], output_dir=str(tmp_path / "run"))
+    assert any("corpus file not found: /path/to/wiki-18.jsonl" in p for p in preflight(cfg, "text").problems)

@@ -1,0 +1,134 @@
+"""How tool calls and their observations look in the text, one class per format (``rollout.call_format``).
+
+A format says where a turn should stop (``stop``), what a finished turn asks for (``parse``: an
+answer, calls, or nothing) and what text follows it (``observation``: the tools' outputs wrapped as
+the model was taught to read them). A new format is one class registered in ``CALL_FORMATS``.
+
+- ``search_r1``: Search-R1's tags (https://github.com/PeterGriffinJin/Search-R1,
+  ``search_r1/llm_agent/generation.py``): the model writes ``<search>query</search>`` and is shown
+  ``\\n\\n<information>{passages}</information>\\n\\n``; ``<answer>...</answer>`` ends the episode.
+  Only the ``search`` tool is called this way.
+- ``hermes``: the chat template's tool calls (Qwen2.5, Hermes): ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>``, as many as the turn holds; each result becomes a ``tool`` message rendered by
+  the tokenizer's own chat template, followed by its generation prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from unirl.registry import Registry
+from unirl.tools.calling import ToolCall
+
+CALL_FORMATS: Registry[type] = Registry("call format")
+
+#: The stand-in assistant message whose end marks where the observation text starts.
+_MARK = "<<unirl: end of the assistant's turn>>"
+
+
+@dataclass
+class Turn:
+    """What one generated turn asks for."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    #: The final answer, when the turn gave one (the episode ends).
+    answer: str | None = None
+
+
+class CallFormat:
+    """The interface; ``tokenizer`` is the policy's (a format that renders messages needs it)."""
+
+    #: Strings at which generation stops so the calls can run (kept in the output).
+    stop: list[str] = []
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+
+    def parse(self, text: str) -> Turn:
+        raise NotImplementedError
+
+    def observation(self, results: list[str], ended_with_eos: bool) -> str:
+        """The text the model is shown after a turn whose calls returned ``results`` (in call order)."""
+        raise NotImplementedError
+
+
+@CALL_FORMATS.register("search_r1")
+class SearchR1Format(CallFormat):
+    stop = ["</search>", "</answer>"]
+    _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+    #: Search-R1's observation for a turn with neither a search nor an answer in its tags.
+    INVALID = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+               "</search>. If I want to give the final answer, I should put the answer between <answer> and "
+               "</answer>. Let me try again.\n")
+
+    def parse(self, text: str) -> Turn:
+        match = self._ACTION.search(text)  # the first action of the turn, as Search-R1 takes it
+        if match is None:
+            if "<search>" in text:  # an opened but unfinished call: shown the error, counted
+                return Turn(calls=[ToolCall(None, error=f"unparsable call: {text[text.index('<search>'):][:80]!r}")])
+            return Turn()
+        if match.group(1) == "answer":
+            return Turn(answer=match.group(2).strip())
+        return Turn(calls=[ToolCall("search", {"query": match.group(2).strip()})])
+
+    def observation(self, results: list[str], ended_with_eos: bool) -> str:
+        return "".join(f"\n\n<information>{r.strip()}</information>\n\n" for r in results)
+
+
+@CALL_FORMATS.register("hermes")
+class HermesFormat(CallFormat):
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+    def __init__(self, tokenizer=None):
+        super().__init__(tokenizer)
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("rollout.call_format='hermes' renders tool messages with the tokenizer's chat template, "
+                             "and this tokenizer has none: use call_format='search_r1' or a chat model")
+
+    def parse(self, text: str) -> Turn:
+        calls = [self._call(body) for body in self._CALL.findall(text)]
+        if not calls and "<tool_call>" in text:
+            calls = [ToolCall(None, error=f"unparsable call (no </tool_call>): {text[text.index('<tool_call>'):][:80]!r}")]
+        if calls:
+            return Turn(calls=calls)
+        answer = self._ANSWER.findall(text)
+        return Turn(answer=answer[-1].strip() if answer else None)
+
+    @staticmethod
+    def _call(body: str) -> ToolCall:
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as err:
+            return ToolCall(None, error=f"unparsable call: not JSON ({err.msg}): {body.strip()[:80]!r}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return ToolCall(None, error=f"unparsable call: expected {{\"name\": ..., \"arguments\": {{...}}}}, got {body.strip()[:80]!r}")
+        arguments = obj.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            return ToolCall(obj["name"], error=f"unparsable call: arguments must be an object, got {arguments!r:.80}")
+        return ToolCall(obj["name"], arguments)
+
+    def observation(self, results: list[str], ended_with_eos: bool) -> str:
+        """The template's rendering of the tool messages and the next generation prompt: rendered after a
+        stand-in user/assistant exchange, minus that exchange, so a template that adds a default system
+        prompt to a conversation adds it to neither."""
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
+        tools = [{"role": "tool", "content": r} for r in results]
+        prefix = self.tokenizer.apply_chat_template(base, tokenize=False)
+        full = self.tokenizer.apply_chat_template(base + tools, tokenize=False, add_generation_prompt=True)
+        end = prefix.index(_MARK) + len(_MARK)
+        if not full.startswith(prefix[:end]):
+            raise ValueError("the chat template renders a conversation differently once tool messages follow; "
+                             "call_format='hermes' cannot append tool results to it")
+        text = full[end:]  # the assistant's end of turn, then the tool messages
+        eos = self.tokenizer.eos_token or ""
+        if ended_with_eos and eos and text.startswith(eos):
+            text = text[len(eos):]  # the model already wrote it
+        return text

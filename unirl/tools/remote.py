@@ -1,0 +1,126 @@
+"""Tools over HTTP: ``unirl serve-tool NAME`` hosts a tool (the search index, built once, shared by
+every run and process that names it ``http://host:port``), and ``RemoteTool`` calls it.
+
+The serving is the reward server's (``rewards/remote.py``, ``rewards/batching.py``): concurrent
+requests join one call of the tool in one worker thread (the BM25 search retrieves them in one pass
+through ``call_batch``), at most ``max_batch`` calls at once, a full queue answered 503, which the
+client retries. The protocol:
+
+- ``GET /info`` -> ``{"name", "description"}``; ``GET /health`` -> ``{"status": "ok", "queued",
+  "scoring", "batches", "answered", ...}`` (the reward server's counters).
+- ``POST /call`` with ``{"arguments": {...}}`` -> 200 ``{"text": "..."}``; 500 ``{"error": ...}`` when
+  the tool raised or returned something other than a string; 400 for a malformed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import sys
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rewards.batching import QueueFull
+from rewards.remote_client import RemoteReward
+from unirl.tools.registry import ToolError
+
+
+class RemoteTool(RemoteReward):
+    """A tool served at ``url``, called like any tool: ``tool(**arguments) -> str``. The transport
+    (``timeout`` per attempt, ``retries`` with ``backoff``) is the remote reward's."""
+
+    def __call__(self, **arguments: Any) -> str:
+        answer = self._request("POST", "/call", json.dumps({"arguments": arguments}).encode())
+        text = answer.get("text")
+        if not isinstance(text, str):
+            raise ToolError(f"tool server {self.url} answered garbage: expected {{\"text\": ...}}, got {json.dumps(answer)[:200]}")
+        return text
+
+
+def call_batch(tool, calls: list[dict]) -> list:
+    """One outcome per call (the text, or the exception to answer that request with): the tool's own
+    ``call_batch`` when it has one (a failure there fails the batch's requests alike), else one call each."""
+    if hasattr(tool, "call_batch"):
+        try:
+            texts = tool.call_batch(calls)
+        except Exception as err:
+            return [err] * len(calls)
+        return [_checked(t) for t in texts]
+    outcomes = []
+    for arguments in calls:
+        try:
+            result = tool(**arguments)
+            if inspect.isawaitable(result):
+                result = asyncio.run(result)
+            outcomes.append(_checked(result))
+        except Exception as err:
+            outcomes.append(err)
+    return outcomes
+
+
+def _checked(text: Any):
+    return text if isinstance(text, str) else ToolError(f"the tool returned a {type(text).__name__}, not a string")
+
+
+def make_tool_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None, *,
+                     max_batch: int = 64, max_wait_ms: float = 2.0, max_queue: int = 1024):
+    """A server (bound, not yet serving) for the tool ``spec`` with ``kwargs`` bound; a search index
+    is built here, before the port opens."""
+    from rewards.batching import BatchQueue
+    from rewards.remote import RewardServer
+    from unirl.tools.loading import load_tool, tool_name
+
+    tool = load_tool(spec, **(kwargs or {}))
+    queue = BatchQueue(lambda calls: call_batch(tool, calls), max_batch=max_batch, max_wait=max_wait_ms / 1000,
+                       max_queue=max_queue)
+    doc = (inspect.getdoc(tool) or "").strip()
+    meta = {"name": tool_name(spec), "description": doc.splitlines()[0] if doc else ""}
+    return RewardServer(make_app(spec, meta, queue), host, port)
+
+
+def make_app(spec: str, meta: dict, queue):
+    @asynccontextmanager
+    async def lifespan(app):
+        queue.start()
+        yield
+        await queue.stop()
+
+    app = FastAPI(title=f"serve-tool {spec}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def answer(status: int, body: dict) -> JSONResponse:
+        if status != 200:
+            sys.stderr.write(f"serve-tool {spec}: {status}: {body['error'].splitlines()[0][:300]}\n")
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/info")
+    async def info():
+        return answer(200, meta)
+
+    @app.get("/health")
+    async def health():
+        return answer(200, {"status": "ok", **queue.stats(), "max_batch": queue.max_batch,
+                            "max_wait_ms": queue.max_wait * 1000, "max_queue": queue.max_queue})
+
+    @app.post("/call")
+    async def call(request: Request):
+        try:
+            arguments = json.loads(await request.body())["arguments"]
+            if not isinstance(arguments, dict):
+                raise ValueError("arguments must be an object")
+        except Exception as err:
+            return answer(400, {"error": f"malformed request: {type(err).__name__}: {err}"})
+        try:
+            text = await queue.submit(arguments)
+        except QueueFull as err:
+            return answer(503, {"error": f"tool server busy: {err}; try again later"})
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            return answer(500, {"error": f"tool {spec!r} raised {type(err).__name__}: {err}"})
+        return answer(200, {"text": text})
+
+    return app
