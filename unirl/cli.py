@@ -6,6 +6,7 @@
     unirl serve-reward NAME [--host 127.0.0.1] [--port P]
     unirl data list
     unirl data cat unirl://ocr/test.txt
+    unirl models prepare smollm2-135m-instruct   (or: unirl models import-gguf FILE --out DIR)
     unirl eval text --config gsm8k --checkpoint runs/text-gsm8k/checkpoints/step_000100 [--n 8]
     unirl plot runs/a runs/b [--out curves.png] [--metrics reward/mean,eval/accuracy]
 
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     from unirl.data_commands import add_subcommands as add_data_subcommands
 
     add_data_subcommands(sub)  # unirl data list, unirl data cat SOURCE
+    from unirl.model_commands import add_subcommands as add_model_subcommands
+
+    add_model_subcommands(sub)  # unirl models list|prepare NAME|import-gguf FILE --out DIR
     p_train = sub.add_parser("train", help="train a policy", parents=[flags])
     p_train.add_argument("env", choices=sorted(ENVIRONMENTS))
     p_train.add_argument("--config", required=True, help="config name (configs/<env>/NAME.yaml) or a YAML path")

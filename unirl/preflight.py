@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from unirl.config import ConfigError
 from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate
+from unirl.models import MODELS
 
 #: What the dry run leaves to the run itself.
 NOT_CHECKED = (
@@ -263,10 +264,25 @@ def _check_model(name: str, report: Report) -> None:
         report.passed.append(f"{what}: {name} is a local directory")
     elif name == "tiny" or name.startswith("tiny-"):
         report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
+    elif name in MODELS:
+        _check_named_model(what, name, report)
     elif _HUB_ID.match(name):
         _check_hub(what, name, "model", report)
     else:
         report.problems.append(f"{what}: {name!r} is neither a local directory, a toy model name nor a hub name (org/name)")
+
+
+def _check_named_model(what: str, name: str, report: Report) -> None:
+    """A named model (unirl/models.py): prepared, or its package installed so the run prepares it."""
+    from unirl.models import ModelNotAvailableError, find_gguf, is_prepared, model_dir
+
+    if is_prepared(name):
+        report.passed.append(f"{what}: {name} is prepared in {model_dir(name)}")
+        return
+    try:
+        report.passed.append(f"{what}: {name} is not prepared yet; the run imports {find_gguf(name)} first (~40 s)")
+    except ModelNotAvailableError as e:
+        report.problems.append(f"{what}: {e}")
 
 
 def _check_hub(what: str, repo_id: str, repo_type: str, report: Report, extra: str = "") -> None:

@@ -25,11 +25,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` -> the locally built tiny model (cached); anything else is passed through."""
+    """``tiny`` -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
+    prepared directory (prepared now if needed); anything else is passed through."""
+    from unirl.models import MODELS, resolve
+
     if name_or_path == "tiny":
         from unirl.text.tiny import build_tiny_lm
 
         return str(build_tiny_lm(seed=seed))
+    if name_or_path in MODELS:
+        return resolve(name_or_path)
     return name_or_path
 
 
