@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unirl.config import ConfigError
-from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate
+from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate, makes_rows
 from unirl.models import MODELS
 
 #: What the dry run leaves to the run itself.
@@ -151,7 +151,7 @@ def _load(what: str, source: str, config_dir: Path | None, report: Report, load:
     """``load`` the file (or generated source) ``source`` names; a problem naming ``what`` when it cannot."""
     if is_generated(source):
         try:
-            return [{"prompt": p} for p in generated_prompts(source)]
+            return load(source) if makes_rows(source) else [{"prompt": p} for p in generated_prompts(source)]
         except ValueError as err:
             report.problems.append(f"{what}: {err}")
             return None

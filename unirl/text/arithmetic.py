@@ -58,14 +58,17 @@ def rows(split: str, n: int, seed: int = 0, max_operand: int = 20) -> tuple[dict
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"{split}-{seed}")
-    seen, out = set(), []
-    for _ in range(200 * n):
+    seen, out, misses = set(), [], 0
+    while misses < 10_000:  # draws in a row that found nothing new: the split is (nearly) exhausted
         row = problem(rng, max_operand)
-        if row["question"] not in seen and split_of(row["question"]) == split:
-            seen.add(row["question"])
-            out.append(row)
-            if len(out) == n:
-                return tuple(out)
+        if row["question"] in seen or split_of(row["question"]) != split:
+            misses += 1
+            continue
+        seen.add(row["question"])
+        out.append(row)
+        misses = 0
+        if len(out) == n:
+            return tuple(out)
     raise ValueError(f"arithmetic: only {len(out)} distinct {split} problems with max_operand={max_operand}, asked for {n}")
 
 

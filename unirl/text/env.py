@@ -38,6 +38,17 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
     return name_or_path
 
 
+def _check_lora_targets(targets: list[str], config) -> None:
+    """A LoRA on the output head or the embedding of a model whose two are tied (SmolLM2, Qwen2.5-0.5B)
+    would untie them when merged, while vLLM keeps one tensor for both: the engine could not hold the
+    trainer's policy, and its samples would drift off it unseen."""
+    tied = [t for t in targets if t in ("lm_head", "embed_tokens")]
+    if tied and getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"model.lora.target_modules: {tied} on a model with tied input and output embeddings "
+                         f"(tie_word_embeddings) cannot be merged into the rollout engine; train the attention and "
+                         f"MLP projections only")
+
+
 class TextEnvironment(Environment):
     recompute_old_logprobs = True
 
@@ -70,6 +81,7 @@ class TextEnvironment(Environment):
             from peft import LoraConfig, get_peft_model
 
             lora = cfg.model.lora
+            _check_lora_targets(lora.target_modules, model.config)
             model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
         elif cfg.algo.kl_coef > 0:
