@@ -129,7 +129,7 @@ def test_lora_on_the_tied_model_merges_under_the_checkpoints_names(model_dir, tm
     from unirl.text.engines import hf_checkpoint_weights
     from unirl.text.env import TextEnvironment
 
-    overrides = ["rollout.engine=hf", "model.lora.enabled=true", "data.test=null", "trainer.prompts_per_step=2"]
+    overrides = ["rollout.engine=hf", "model.lora.enabled=true", "data.test=null"]
     cfg = load_run_config("text", "smollm2_math", overrides, output_dir=str(tmp_path / "run"))
     env = TextEnvironment(cfg)
     env.setup(Accelerator(cpu=True))
