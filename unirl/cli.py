@@ -8,6 +8,7 @@
     unirl serve-tool search --corpus corpus.jsonl [--port P]
     unirl data list
     unirl data cat unirl://ocr/test.txt
+    unirl models prepare smollm2-135m-instruct   (or: unirl models import-gguf FILE --out DIR)
     unirl eval text --config gsm8k --checkpoint runs/text-gsm8k/checkpoints/step_000100 [--n 8]
     unirl plot runs/a runs/b [--out curves.png] [--metrics reward/mean,eval/accuracy]
     unirl config list
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     from unirl.tool_commands import add_subcommands as add_tool_subcommands
 
     add_tool_subcommands(sub)  # unirl tools list, unirl serve-tool NAME
+    from unirl.model_commands import add_subcommands as add_model_subcommands
+
+    add_model_subcommands(sub)  # unirl models list|prepare NAME|import-gguf FILE --out DIR
     p_train = sub.add_parser("train", help="train a policy", parents=[flags])
     p_train.add_argument("env", choices=sorted(ENVIRONMENTS))
     p_train.add_argument("--config", required=True, help=f"config name ({_config_names()}) or a YAML path")
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--config", required=True,
                         help=f"config name ({_config_names()}), a YAML path or a run's config.yaml (its test split and rewards)")
     p_eval.add_argument("--checkpoint", required=True,
-                        help="a run's checkpoints/step_N/ (full or LoRA), a model directory or a hub name")
+                        help="a run's checkpoints/step_N/ (full or LoRA), a model directory, a named model "
+                             "(unirl models list) or a hub name")
     p_eval.add_argument("--output-dir", default=None, help="where samples and the summary go (default CHECKPOINT/eval)")
     p_eval.add_argument("--n", type=int, default=1, help="text: answers per prompt (1: greedy; N: sampled, pass@k)")
     p_eval.add_argument("--k", default="", help="text: extra k for pass@k, comma-separated (1 and N always)")

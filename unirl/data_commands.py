@@ -39,14 +39,21 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 def cat_command(args: argparse.Namespace) -> int:
-    from unirl.data_paths import DataFileNotFoundError, generated_prompts, is_generated, is_scheme, local_path
+    import json
+
+    from unirl.data_paths import (DataFileNotFoundError, generated_prompts, generated_rows, is_generated, is_scheme,
+                                  local_path, makes_rows)
 
     if not is_scheme(args.source):
         print(f"unirl: {args.source!r} is not a unirl:// source (see unirl data list)", file=sys.stderr)
         return 2
     try:
-        lines = generated_prompts(args.source) if is_generated(args.source) else \
-            local_path(args.source).read_text(encoding="utf-8").splitlines()
+        if makes_rows(args.source):  # text rows: one JSON line each
+            lines = [json.dumps(row) for row in generated_rows(args.source)]
+        elif is_generated(args.source):
+            lines = generated_prompts(args.source)
+        else:
+            lines = local_path(args.source).read_text(encoding="utf-8").splitlines()
     except (DataFileNotFoundError, ValueError) as err:
         print(f"unirl: {err}", file=sys.stderr)
         return 2

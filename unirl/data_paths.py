@@ -7,7 +7,8 @@ Three forms of a data value (``data.train``, ``data.test``; reward files too, se
   ``unirl data list``), e.g. ``unirl://ocr/test.txt``. It resolves the same from any directory and
   in any install.
 - ``unirl://ocr/generated?n=20000&seed=0``: prompts generated in code (``unirl/ocr_prompts.py``),
-  not a file; ``generated_prompts`` returns them.
+  not a file; ``generated_prompts`` returns them. ``unirl://arithmetic/train?n=5000&seed=0`` (and
+  ``/test``): text rows with answers (``unirl/text/arithmetic.py``); ``generated_rows`` returns them.
 - a path: absolute, or relative. A relative path is looked up from the working directory first,
   then beside the config file that names it (``unirl.config.load_config`` does this once when it
   loads a file; see ``locate``). A path found nowhere stays as written, and the error that follows
@@ -27,10 +28,17 @@ SCHEME = "unirl://"
 BUNDLED_DIR = Path(__file__).resolve().parent / "data"
 #: File types that hold prompt rows (the README and licences beside them are not data).
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-#: Generated sources: name -> (parameters with their defaults, description).
+#: Generated sources: name -> (parameters with their defaults, description). ``ocr/generated`` makes
+#: prompts (``generated_prompts``); ``arithmetic/*`` make text rows with an answer (``generated_rows``).
 GENERATED = {
     "ocr/generated": ({"n": 20000, "seed": 0}, "OCR training prompts of the test set's form, made in code (unirl/ocr_prompts.py)"),
+    "arithmetic/train": ({"n": 5000, "seed": 0, "max_operand": 20},
+                         "one-step arithmetic word problems with GSM8K answers (unirl/text/arithmetic.py)"),
+    "arithmetic/test": ({"n": 200, "seed": 0, "max_operand": 20},
+                        "held-out arithmetic word problems, never in arithmetic/train (unirl/text/arithmetic.py)"),
 }
+#: The generated sources that make text rows ({"question", "answer"}), not prompts.
+GENERATED_ROWS = ("arithmetic/train", "arithmetic/test")
 
 
 class DataFileNotFoundError(FileNotFoundError):
@@ -94,8 +102,31 @@ def is_generated(spec: str) -> bool:
     return is_scheme(spec) and _split(spec)[0] in GENERATED
 
 
+def makes_rows(spec: str) -> bool:
+    """A generated source of text rows (``generated_rows``), not of prompts."""
+    return is_generated(spec) and _split(spec)[0] in GENERATED_ROWS
+
+
 def generated_prompts(spec: str) -> list[str]:
     """The prompts a generated source names, e.g. ``unirl://ocr/generated?n=100&seed=3``."""
+    name, params = _generated_params(spec)
+    if name in GENERATED_ROWS:
+        raise ValueError(f"{spec!r} makes text rows (question and answer), not prompts: a text config's data.train/test takes it")
+    return list(_generate_ocr(params["n"], params["seed"]))
+
+
+def generated_rows(spec: str) -> list[dict]:
+    """The text rows a generated source names, e.g. ``unirl://arithmetic/train?n=1000&seed=0``."""
+    from unirl.text.arithmetic import rows
+
+    name, params = _generated_params(spec)
+    if name not in GENERATED_ROWS:
+        raise ValueError(f"{spec!r} makes prompts, not text rows with answers")
+    return [dict(r) for r in rows(name.split("/")[1], params["n"], params["seed"], params["max_operand"])]
+
+
+def _generated_params(spec: str) -> tuple[str, dict[str, int]]:
+    """A generated source's name and its parameters (the defaults, overridden by the spec's)."""
     name, given = _split(spec)
     if name not in GENERATED:
         raise ValueError(f"{spec!r} is not a generated source; those are: {', '.join(SCHEME + g for g in GENERATED)}")
@@ -109,7 +140,7 @@ def generated_prompts(spec: str) -> list[str]:
             params[key] = int(text)
         except ValueError:
             raise ValueError(f"{spec!r}: {key} must be an integer, got {text!r}") from None
-    return list(_generate_ocr(params["n"], params["seed"]))
+    return name, params
 
 
 @functools.lru_cache(maxsize=4)

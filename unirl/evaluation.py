@@ -53,7 +53,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
-    """A directory vLLM and transformers load: a LoRA adapter is merged into ``base`` (in ``work``)."""
+    """A directory vLLM and transformers load: a LoRA adapter is merged into ``base`` (in ``work``); a
+    named model (``unirl models list``) is its prepared directory."""
+    from unirl.models import MODELS, resolve
+
+    if checkpoint in MODELS:
+        return resolve(checkpoint)
     path = Path(checkpoint).expanduser()
     if not path.exists():
         return checkpoint  # a hub name: from_pretrained resolves it (or says it cannot)

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unirl.config import ConfigError
-from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate
+from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate, makes_rows
+from unirl.models import MODELS
 
 #: What the dry run leaves to the run itself.
 NOT_CHECKED = (
@@ -152,7 +153,7 @@ def _load(what: str, source: str, config_dir: Path | None, report: Report, load:
     """``load`` the file (or generated source) ``source`` names; a problem naming ``what`` when it cannot."""
     if is_generated(source):
         try:
-            return [{"prompt": p} for p in generated_prompts(source)]
+            return load(source) if makes_rows(source) else [{"prompt": p} for p in generated_prompts(source)]
         except ValueError as err:
             report.problems.append(f"{what}: {err}")
             return None
@@ -323,10 +324,25 @@ def _check_model(name: str, report: Report) -> None:
         report.passed.append(f"{what}: {name} is a local directory")
     elif name == "tiny" or name.startswith("tiny-"):
         report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
+    elif name in MODELS:
+        _check_named_model(what, name, report)
     elif _HUB_ID.match(name):
         _check_hub(what, name, "model", report)
     else:
         report.problems.append(f"{what}: {name!r} is neither a local directory, a toy model name nor a hub name (org/name)")
+
+
+def _check_named_model(what: str, name: str, report: Report) -> None:
+    """A named model (unirl/models.py): prepared, or its package installed so the run prepares it."""
+    from unirl.models import ModelNotAvailableError, find_gguf, is_prepared, model_dir
+
+    if is_prepared(name):
+        report.passed.append(f"{what}: {name} is prepared in {model_dir(name)}")
+        return
+    try:
+        report.passed.append(f"{what}: {name} is not prepared yet; the run imports {find_gguf(name)} first (~40 s)")
+    except ModelNotAvailableError as e:
+        report.problems.append(f"{what}: {e}")
 
 
 def _check_hub(what: str, repo_id: str, repo_type: str, report: Report, extra: str = "") -> None:

@@ -10,10 +10,12 @@ GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after
 
 
 def load_rows(source: str, *, split: str = "train", hub_config: str | None = None) -> list[dict]:
-    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file (``unirl://NAME``: a bundled one) or a
-    ``datasets`` hub name."""
-    from unirl.data_paths import DataFileNotFoundError, local_path, locate
+    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file (``unirl://NAME``: a bundled one, or
+    generated ones such as ``unirl://arithmetic/train``) or a ``datasets`` hub name."""
+    from unirl.data_paths import DataFileNotFoundError, generated_rows, is_generated, local_path, locate
 
+    if is_generated(source):  # e.g. unirl://arithmetic/train?n=5000
+        return generated_rows(source)
     path = local_path(source)
     if path.suffix in {".jsonl", ".json", ".parquet"} or path.exists():
         if not path.exists():
