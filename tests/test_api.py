@@ -182,6 +182,8 @@ def test_import_unirl_loads_no_library():
 def test_the_python_example_of_the_docs_runs_as_written(tmp_path, tiny_lm_dir):
     text = (REPO / "docs" / "python.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    readme = (REPO / "README.md").read_text()
+    assert readme.split("```python\n", 1)[1].split("```", 1)[0] == example, "README's Python example is docs/python.md's"
     proc = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
