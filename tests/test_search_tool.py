@@ -17,6 +17,9 @@ import pytest
 from unirl.tools import ToolError, load_tool
 from unirl.tools.remote import RemoteTool
 
+# Builds BM25 indexes in this process, importing numba: see conftest.pytest_collection_modifyitems.
+pytestmark = pytest.mark.imports_numba
+
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi"]
 

@@ -45,10 +45,13 @@ def response_tokens(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     as ``response_attention_mask`` beside ``response_mask``, the loss mask, which is 0 at tool
     observations; a single-turn rollout's two masks are the same tensor."""
     return tensors.get("response_attention_mask", tensors["response_mask"])
+
+
 def _check_lora_targets(targets: list[str], config) -> None:
     """A LoRA on the output head or the embedding of a model whose two are tied (SmolLM2, Qwen2.5-0.5B)
     would untie them when merged, while vLLM keeps one tensor for both: the engine could not hold the
-    trainer's policy, and its samples would drift off it unseen."""
+    trainer's policy, and its samples would drift off it unseen. (The transformers engine samples from
+    the trained model itself, so it is not refused there.)"""
     tied = [t for t in targets if t in ("lm_head", "embed_tokens")]
     if tied and getattr(config, "tie_word_embeddings", False):
         raise ValueError(f"model.lora.target_modules: {tied} on a model with tied input and output embeddings "
@@ -89,7 +92,8 @@ class TextEnvironment(Environment):
             from peft import LoraConfig, get_peft_model
 
             lora = cfg.model.lora
-            _check_lora_targets(lora.target_modules, model.config)
+            if cfg.rollout.engine == "vllm":  # the transformers engine samples from this very model
+                _check_lora_targets(lora.target_modules, model.config)
             model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
         elif cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
