@@ -91,7 +91,7 @@ def run_trl(use_vllm: bool, model_dir: Path, data: Path, steps: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rewards.gsm8k import gsm8k
+    from unirl.rewards.gsm8k import gsm8k
 
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in rows])

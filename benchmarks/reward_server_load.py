@@ -91,7 +91,7 @@ def run_load(url: str, *, clients: int = 8, requests: int = 50, samples: int = 4
     Returns ``answers`` ({(client, i): scores}), ``errors`` ({(client, i): message}), ``latencies``
     (seconds, one per answered request) and ``wall`` (seconds from the first request to the last answer).
     """
-    from rewards.remote import RemoteReward
+    from unirl.rewards.remote import RemoteReward
 
     answers, errors, latencies = {}, {}, []
     lock = threading.Lock()
@@ -134,8 +134,8 @@ def summary(result: dict) -> dict:
 
 def local_scores(spec: str, kwargs: dict, clients: int, requests: int, samples: int) -> dict:
     """What scoring each request locally gives, by (client, i)."""
-    from rewards.loading import load_reward
-    from rewards.scoring import score_batch
+    from unirl.rewards.loading import load_reward
+    from unirl.rewards.scoring import score_batch
 
     fn = load_reward(spec, **kwargs)
     out = {}

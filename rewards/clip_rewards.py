@@ -32,8 +32,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from rewards.models import ModelReward
-from rewards.registry import register_reward
+from unirl.rewards.models import ModelReward
+from unirl.rewards.registry import register_reward
 
 
 class CLIPReward(ModelReward):

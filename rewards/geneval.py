@@ -34,8 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from rewards.models import ModelReward
-from rewards.registry import RewardError, ScoresWithText, register_reward
+from unirl.rewards.models import ModelReward
+from unirl.rewards.registry import RewardError, ScoresWithText, register_reward
 
 #: GenEval's colour names (the colour classifier chooses among them).
 COLOURS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
@@ -177,7 +177,7 @@ class GenEval(ModelReward):
 
     def load(self) -> None:
         if self.detector is None:
-            from rewards.geneval_detector import Mask2FormerDetector
+            from unirl.rewards.geneval_detector import Mask2FormerDetector
 
             self.detector = Mask2FormerDetector(self.model, self.clip_model, device=self.device, dtype=self.torch_dtype)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Sequence
 
-from rewards.registry import register_reward
+from unirl.rewards.registry import register_reward
 
 Method = Literal["strict", "flexible", "strict_normalized", "flexible_normalized"]
 METHODS = ("strict", "flexible", "strict_normalized", "flexible_normalized")

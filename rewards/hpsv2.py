@@ -17,8 +17,8 @@ from typing import Any
 
 import open_clip  # optional dependency: pip install open-clip-torch
 
-from rewards.models import ModelReward
-from rewards.registry import register_reward
+from unirl.rewards.models import ModelReward
+from unirl.rewards.registry import register_reward
 
 CHECKPOINTS = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 from typing import Any, Sequence
 
-from rewards.registry import register_reward
+from unirl.rewards.registry import register_reward
 
 
 def jpeg_size_kb(image, quality: int = 95) -> float:

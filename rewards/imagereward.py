@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from rewards.models import ModelReward
-from rewards.registry import RewardError, register_reward
+from unirl.rewards.models import ModelReward
+from unirl.rewards.registry import RewardError, register_reward
 
 #: The authors' normalisation of the head's output (``ImageReward.mean`` / ``.std``).
 SCORE_MEAN, SCORE_STD = 0.16717362830052426, 1.0333394966054072

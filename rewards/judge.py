@@ -26,8 +26,8 @@ import io
 import re
 from typing import Any, Sequence
 
-from rewards.judge_client import ChatClient
-from rewards.registry import RewardError, ScoresWithText, register_reward
+from unirl.rewards.judge_client import ChatClient
+from unirl.rewards.registry import RewardError, ScoresWithText, register_reward
 
 #: The image judge's instruction (UnifiedReward's point-score task, in our words): ``{prompt}`` is the caption.
 IMAGE_TEMPLATE = (

@@ -20,7 +20,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from rewards.registry import RewardError
+from unirl.rewards.registry import RewardError
 
 #: Answers worth another attempt: rate limited, or the server is there but failing or not ready.
 _RETRY_STATUSES = (429, 500, 502, 503, 504)

@@ -31,8 +31,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rewards import registry
-from rewards.registry import REWARDS, RewardError, RewardFn, RewardInfo, register_reward
+from unirl.rewards import registry
+from unirl.rewards.registry import REWARDS, RewardError, RewardFn, RewardInfo, register_reward
 
 #: Import name -> pip distribution, where they differ (for the "install ..." hint).
 _PIP_NAMES = {
@@ -51,7 +51,7 @@ def load_reward(spec: str, **kwargs: Any) -> RewardFn:
     misspelt setting would otherwise be silently ignored.
     """
     if isinstance(spec, str) and spec.startswith(("http://", "https://")):
-        from rewards.remote_client import RemoteReward
+        from unirl.rewards.remote_client import RemoteReward
 
         _check_bound_kwargs(spec, RemoteReward, kwargs)
         return RemoteReward(spec, **kwargs)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-import math_verify  # the package (this module is rewards.mathverify, so the name does not shadow it)
+import math_verify  # the package (this module is unirl.rewards.mathverify, so the name does not shadow it)
 from latex2sympy2_extended import NormalizationConfig
 from math_verify import LatexExtractionConfig
 
-from rewards.registry import register_reward
+from unirl.rewards.registry import register_reward
 
 _SAMPLE_EXTRACTION = [
     LatexExtractionConfig(

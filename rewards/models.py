@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from rewards.registry import RewardError, ScoresWithText
+from unirl.rewards.registry import RewardError, ScoresWithText
 
 _DTYPES = ("float32", "float16", "bfloat16")
 

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import onnxruntime  # noqa: F401
 import rapidocr  # noqa: F401
 
-from rewards.registry import register_reward
+from unirl.rewards.registry import register_reward
 
 _ENGINE = None
 _ENGINE_LOCK = threading.Lock()

@@ -19,7 +19,7 @@ import re
 import string
 from typing import Any, Sequence
 
-from rewards.registry import RewardError, register_reward
+from unirl.rewards.registry import RewardError, register_reward
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

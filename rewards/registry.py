@@ -56,17 +56,17 @@ REWARDS: Registry[RewardFn] = Registry("reward")
 #: import fails, the module's rewards are reported as unavailable (with the package to install)
 #: while the other modules' rewards still load.
 BUILTIN_MODULES: list[str] = [
-    "rewards.gsm8k",
-    "rewards.qa_em",
-    "rewards.mathverify",
-    "rewards.clip_rewards",
-    "rewards.hpsv2",
-    "rewards.image",
-    "rewards.ocr",
-    "rewards.reward_model",
-    "rewards.judge",
-    "rewards.geneval",
-    "rewards.imagereward",
+    "unirl.rewards.gsm8k",
+    "unirl.rewards.qa_em",
+    "unirl.rewards.mathverify",
+    "unirl.rewards.clip_rewards",
+    "unirl.rewards.hpsv2",
+    "unirl.rewards.image",
+    "unirl.rewards.ocr",
+    "unirl.rewards.reward_model",
+    "unirl.rewards.judge",
+    "unirl.rewards.geneval",
+    "unirl.rewards.imagereward",
 ]
 
 #: The entry-point group through which an installed package adds rewards.
@@ -147,18 +147,18 @@ def _first_line(obj: Any) -> str:
 
 
 #: Names that lived in this file before it was split by job, and the module that holds each now.
-#: ``from rewards.registry import load_reward`` keeps working: the module is imported on first
+#: ``from unirl.rewards.registry import load_reward`` keeps working: the module is imported on first
 #: access (PEP 562), so importing this file still imports nothing above it.
 _MOVED = {
-    "load_reward": "rewards.loading",
-    "resolve_reward": "rewards.loading",
-    "reward_info": "rewards.loading",
-    "list_rewards": "rewards.loading",
-    "unavailable_builtins": "rewards.loading",
-    "_ensure_builtins": "rewards.loading",
-    "_raised_in_rewards_package": "rewards.loading",
-    "score_batch": "rewards.scoring",
-    "call_reward": "rewards.scoring",
+    "load_reward": "unirl.rewards.loading",
+    "resolve_reward": "unirl.rewards.loading",
+    "reward_info": "unirl.rewards.loading",
+    "list_rewards": "unirl.rewards.loading",
+    "unavailable_builtins": "unirl.rewards.loading",
+    "_ensure_builtins": "unirl.rewards.loading",
+    "_raised_in_rewards_package": "unirl.rewards.loading",
+    "score_batch": "unirl.rewards.scoring",
+    "call_reward": "unirl.rewards.scoring",
 }
 
 

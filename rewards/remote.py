@@ -31,12 +31,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from rewards.batching import BatchQueue, QueueFull
-from rewards.loading import load_reward, reward_info
-from rewards.models import ModelReward
-from rewards.registry import RewardError
-from rewards.remote_client import RemoteReward, decode_sample, encode_sample
-from rewards.scoring import score_requests
+from unirl.rewards.batching import BatchQueue, QueueFull
+from unirl.rewards.loading import load_reward, reward_info
+from unirl.rewards.models import ModelReward
+from unirl.rewards.registry import RewardError
+from unirl.rewards.remote_client import RemoteReward, decode_sample, encode_sample
+from unirl.rewards.scoring import score_requests
 
 __all__ = ["RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
 

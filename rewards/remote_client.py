@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Sequence
 
-from rewards.registry import RewardError
+from unirl.rewards.registry import RewardError
 
 #: HTTP statuses that mean "the server is there but not ready": worth another attempt.
 _RETRY_STATUSES = (502, 503, 504)

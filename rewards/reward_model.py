@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from rewards.models import ModelReward
-from rewards.registry import register_reward
+from unirl.rewards.models import ModelReward
+from unirl.rewards.registry import register_reward
 
 _TRUNCATION = ("error", "left", "right")
 

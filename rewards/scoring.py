@@ -13,7 +13,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from rewards.registry import RewardError, RewardFn, ScoresWithText
+from unirl.rewards.registry import RewardError, RewardFn, ScoresWithText
 
 #: When a batch call raised, at most this many samples are re-scored one at a time to find the
 #: first one that fails on its own (a bounded extra cost, paid only when the run is failing anyway).

@@ -59,7 +59,7 @@ def tiny_lm_dir() -> Path:
 @pytest.fixture
 def isolated_registry(monkeypatch):
     """A reward registry state the test may change freely; the real one is restored afterwards."""
-    from rewards import registry
+    from unirl.rewards import registry
 
     registry._ensure_builtins()  # registered before the copy: a module imported once never registers again
     monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))

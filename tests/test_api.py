@@ -55,7 +55,7 @@ def test_text_twice_in_one_process_and_as_the_cli(tmp_path):
     assert [e["step"] for e in first.evals] == [0, 3] and "eval/reward/ends_right" in first.evals[-1]
     assert (first.run_dir / "data" / "train.jsonl").read_text().count("\n") == len(ROWS)
     # 2. The reward was registered for the run only.
-    from rewards.registry import REWARDS
+    from unirl.rewards.registry import REWARDS
 
     assert "ends_right" not in REWARDS
     # 3. The command line on the same config (the reward in a file, the data in JSON lines), in this

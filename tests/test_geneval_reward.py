@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rewards.geneval import GenEval, Detection, Rules, check, iou, kept_detections, relations
+from unirl.rewards.geneval import GenEval, Detection, Rules, check, iou, kept_detections, relations
 from unirl.diffusion.env import load_prompt_rows
 
 
@@ -181,8 +181,8 @@ def test_the_default_detector_runs_on_a_toy_mask2former_and_clip(tmp_path):
     from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer, Mask2FormerConfig,
                               Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig)
 
-    from rewards.geneval import COLOURS
-    from rewards.geneval_detector import Mask2FormerDetector
+    from unirl.rewards.geneval import COLOURS
+    from unirl.rewards.geneval_detector import Mask2FormerDetector
 
     torch.manual_seed(0)
     swin = SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=2,

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from conftest import shared_data
-from rewards.gsm8k import gsm8k
+from unirl.rewards.gsm8k import gsm8k
 
 FORMAT = 0.1  # a format_score that is neither 0 nor 1, so "no answer" and "wrong answer" differ
 MODELS = ("175b_finetuning", "175b_verification", "6b_finetuning", "6b_verification")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rewards.registry import RewardError
+from unirl.rewards.registry import RewardError
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from rewards.image import brightness, jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
-from rewards.ocr import ocr, ocr_similarity, quoted_text
-from rewards.registry import load_reward
+from unirl.rewards.image import brightness, jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
+from unirl.rewards.ocr import ocr, ocr_similarity, quoted_text
+from unirl.rewards.registry import load_reward
 from conftest import shared_data
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from rewards.imagereward import ImageReward
-from rewards.registry import RewardError
+from unirl.rewards.imagereward import ImageReward
+from unirl.rewards.registry import RewardError
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
               patch_size=16, layer_norm_eps=1e-6)

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from rewards.loading import load_reward
-from rewards.registry import RewardError
+from unirl.rewards.loading import load_reward
+from unirl.rewards.registry import RewardError
 from unirl.cli import main
 
 

@@ -20,9 +20,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from rewards.judge import LLMJudge, VLMJudge, parse_score
-from rewards.loading import load_reward
-from rewards.registry import RewardError
+from unirl.rewards.judge import LLMJudge, VLMJudge, parse_score
+from unirl.rewards.loading import load_reward
+from unirl.rewards.registry import RewardError
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet
 

@@ -11,9 +11,9 @@ import doctest
 import pytest
 from PIL import Image
 
-import rewards.ocr
+import unirl.rewards.ocr
 from conftest import shared_data
-from rewards.ocr import ocr, quoted_text
+from unirl.rewards.ocr import ocr, quoted_text
 
 
 def flowgrpo_target(prompt: str) -> str:
@@ -68,5 +68,5 @@ def test_one_quote_prompt_is_scored_on_the_text_after_it():
 
 
 def test_ocr_doctests():
-    result = doctest.testmod(rewards.ocr)
+    result = doctest.testmod(unirl.rewards.ocr)
     assert result.attempted >= 5 and result.failed == 0

@@ -141,9 +141,9 @@ def test_relative_paths_resolve_beside_the_config_file(tmp_path, empty_cwd):
     assert load_config(DiffusionConfig, config).data.train == "prompts/train.txt"
     # Not paths, or found nowhere: unchanged (a hub name, a module, a bundled name, a missing file).
     cfg = load_config(DiffusionConfig, config, ["data.test=unirl://ocr/test.txt", "data.train=no/such.txt",
-                                                "rewards[1].name=rewards.image:brightness"])
+                                                "rewards[1].name=unirl.rewards.image:brightness"])
     assert (cfg.data.test, cfg.data.train, cfg.rewards[1].name) == \
-        ("unirl://ocr/test.txt", "no/such.txt", "rewards.image:brightness")
+        ("unirl://ocr/test.txt", "no/such.txt", "unirl.rewards.image:brightness")
     # From a mapping there is no config file: nothing is looked up beside one.
     assert load_config(DiffusionConfig, {"data": {"train": "prompts/x.txt"}}).data.train == "prompts/x.txt"
 
@@ -199,7 +199,7 @@ def test_reward_kwargs_and_duplicates_are_checked(empty_cwd, capsys):
 def test_a_missing_optional_package_is_named(isolated_registry, tmp_path, monkeypatch, empty_cwd, capsys):
     (tmp_path / "unirl_test_needs_pkg.py").write_text(
         "import unirl_test_no_such_package\n"
-        "from rewards.registry import register_reward\n"
+        "from unirl.rewards.registry import register_reward\n"
         "register_reward('needs_pkg')(lambda samples, **kw: [1.0] * len(samples))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     isolated_registry.BUILTIN_MODULES.append("unirl_test_needs_pkg")

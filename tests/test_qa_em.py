@@ -8,7 +8,7 @@ import string
 
 import pytest
 
-from rewards import RewardError, load_reward
+from unirl.rewards import RewardError, load_reward
 
 
 def reference_normalize(s):  # Search-R1 qa_em.normalize_answer, re-typed step by step

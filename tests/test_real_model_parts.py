@@ -50,7 +50,7 @@ def test_arithmetic_sources_load_as_text_rows_and_cat_as_json_lines(capsys):
 
 
 def test_flexible_score_is_verls_flexible():
-    from rewards.gsm8k import gsm8k
+    from unirl.rewards.gsm8k import gsm8k
     from unirl.text.arithmetic import gsm8k_flexible
 
     samples = ["#### 7", "so it is 7.", "7 apples", "8"]

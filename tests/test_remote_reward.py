@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from rewards.loading import load_reward
-from rewards.registry import RewardError
-from rewards.scoring import score_batch
-from rewards.remote import RemoteReward, make_server
+from unirl.rewards.loading import load_reward
+from unirl.rewards.registry import RewardError
+from unirl.rewards.scoring import score_batch
+from unirl.rewards.remote import RemoteReward, make_server
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet
 

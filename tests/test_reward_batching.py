@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from rewards.batching import BatchQueue, QueueFull
-from rewards.registry import RewardError
-from rewards.scoring import score_batch, score_requests
+from unirl.rewards.batching import BatchQueue, QueueFull
+from unirl.rewards.registry import RewardError
+from unirl.rewards.scoring import score_batch, score_requests
 
 
 def counting_reward():

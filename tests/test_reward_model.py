@@ -24,10 +24,10 @@ import pytest
 import torch
 import yaml
 
-from rewards.loading import load_reward
-from rewards.registry import RewardError
-from rewards.remote import make_server
-from rewards.scoring import score_batch
+from unirl.rewards.loading import load_reward
+from unirl.rewards.registry import RewardError
+from unirl.rewards.remote import make_server
+from unirl.rewards.scoring import score_batch
 
 REPO = Path(__file__).resolve().parents[1]
 

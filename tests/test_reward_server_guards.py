@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rewards.registry import RewardError
-from rewards.remote import RemoteReward, make_server
+from unirl.rewards.registry import RewardError
+from unirl.rewards.remote import RemoteReward, make_server
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = '''

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rewards.registry import RewardError
-from rewards.remote import RemoteReward
+from unirl.rewards.registry import RewardError
+from unirl.rewards.remote import RemoteReward
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("reward_server_load", REPO / "benchmarks" / "reward_server_load.py")

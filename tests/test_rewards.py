@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import rewards.gsm8k
-from rewards import registry
-from rewards.gsm8k import extract_answer, gold_answer, gsm8k
-from rewards.registry import RewardError, load_reward, register_reward, reward_info, score_batch
+import unirl.rewards.gsm8k
+from unirl.rewards import registry
+from unirl.rewards.gsm8k import extract_answer, gold_answer, gsm8k
+from unirl.rewards.registry import RewardError, load_reward, register_reward, reward_info, score_batch
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
@@ -90,7 +90,7 @@ def test_gsm8k_reward_semantics_normalized():
 
 
 def test_gsm8k_doctests():
-    result = doctest.testmod(rewards.gsm8k)
+    result = doctest.testmod(unirl.rewards.gsm8k)
     assert result.attempted >= 5 and result.failed == 0
 
 
@@ -158,12 +158,12 @@ def test_load_from_file_binds_kwargs(tmp_path):
 
 
 def test_load_from_module_binds_kwargs():
-    fn = load_reward("rewards.gsm8k:gsm8k", method="flexible")
+    fn = load_reward("unirl.rewards.gsm8k:gsm8k", method="flexible")
     assert fn(["it is 72"], answer=["72"]) == [1.0]
-    with pytest.raises(RewardError, match="cannot import module 'rewards.nope'"):
-        load_reward("rewards.nope:gsm8k")
-    with pytest.raises(RewardError, match="module rewards.gsm8k has no function 'gsm9k'. Did you mean 'gsm8k'"):
-        load_reward("rewards.gsm8k:gsm9k")
+    with pytest.raises(RewardError, match="cannot import module 'unirl.rewards.nope'"):
+        load_reward("unirl.rewards.nope:gsm8k")
+    with pytest.raises(RewardError, match="module unirl.rewards.gsm8k has no function 'gsm9k'. Did you mean 'gsm8k'"):
+        load_reward("unirl.rewards.gsm8k:gsm9k")
 
 
 def test_builtin_with_missing_dependency(isolated_registry, tmp_path, monkeypatch):
@@ -171,7 +171,7 @@ def test_builtin_with_missing_dependency(isolated_registry, tmp_path, monkeypatc
     # install, the other built-ins still load.
     (tmp_path / "unirl_test_ocr_reward.py").write_text(
         "import unirl_surely_missing_package\n"
-        "from rewards.registry import register_reward\n"
+        "from unirl.rewards.registry import register_reward\n"
         "@register_reward('ocr_test', modality='image')\n"
         "def ocr_test(samples, **kwargs):\n"
         "    return [0.0] * len(samples)\n"

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 
-from rewards import registry
+from unirl.rewards import registry
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "rewards.md"
 

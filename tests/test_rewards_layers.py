@@ -48,12 +48,12 @@ def test_each_module_imports_only_the_ones_below_it():
 
 
 def test_names_that_moved_are_still_importable_from_the_registry():
-    from rewards import loading, registry, scoring
+    from unirl.rewards import loading, registry, scoring
 
     assert registry.load_reward is loading.load_reward
     assert registry._resolve is registry.resolve_reward is loading.resolve_reward
     assert registry.score_batch is scoring.score_batch
-    from rewards.registry import list_rewards, reward_info, unavailable_builtins  # noqa: F401  (the old import lines)
+    from unirl.rewards.registry import list_rewards, reward_info, unavailable_builtins  # noqa: F401  (the old import lines)
 
     try:
         registry.no_such_name

@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
-from rewards import registry
-from rewards.loading import list_rewards, load_reward, reward_info
-from rewards.registry import RewardError
-from rewards.scoring import score_batch
+from unirl.rewards import registry
+from unirl.rewards.loading import list_rewards, load_reward, reward_info
+from unirl.rewards.registry import RewardError
+from unirl.rewards.scoring import score_batch
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet
 
@@ -19,7 +19,7 @@ from unirl.scoring import RewardSet
 
 
 PLUGIN = '''
-from rewards.registry import register_reward
+from unirl.rewards.registry import register_reward
 
 def shout(samples, *, bonus=1.0, **kwargs):
     """Bonus for every exclamation mark."""
@@ -133,7 +133,7 @@ def test_config_with_every_kind_of_spec(installed_plugin, tmp_path):
           - name: {reward_file}:short        # a file
             weight: 0.5
             kwargs: {{limit: 9}}
-          - name: rewards.mathverify:math_verify_reward   # a module
+          - name: unirl.rewards.mathverify:math_verify_reward   # a module
             weight: 2.0
           - name: unirl_test_shout           # an entry point of an installed package
             weight: 0.25
@@ -197,7 +197,7 @@ def test_class_reward_is_instantiated_once_with_config_kwargs(tmp_path):
 def test_model_reward_kwargs_reach_the_base_class(tmp_path):
     path = tmp_path / "model_reward.py"
     path.write_text(textwrap.dedent('''\
-        from rewards.models import ModelReward
+        from unirl.rewards.models import ModelReward
 
         class Lengths(ModelReward):
             loads = 0

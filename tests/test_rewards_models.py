@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from rewards.registry import RewardError, load_reward, score_batch
+from unirl.rewards.registry import RewardError, load_reward, score_batch
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet
 
@@ -107,7 +107,7 @@ def test_clip_score_is_the_cosine(toy_clip, images):
 
 
 def test_aesthetic_head_shape_and_collapsed_affine_map(toy_clip, images, tmp_path):
-    from rewards.clip_rewards import AestheticHead
+    from unirl.rewards.clip_rewards import AestheticHead
 
     torch.manual_seed(1)
     head = AestheticHead(16)
@@ -138,7 +138,7 @@ def test_aesthetic_head_shape_and_collapsed_affine_map(toy_clip, images, tmp_pat
 
 
 def test_model_load_failures_are_named(toy_clip, tmp_path):
-    from rewards.clip_rewards import AestheticHead
+    from unirl.rewards.clip_rewards import AestheticHead
 
     torch.save(AestheticHead(768).state_dict(), tmp_path / "l14.pth")
     with pytest.raises(RewardError, match=r"Aesthetic could not load its model: .*takes 768-d embeddings.*makes 16-d"):
@@ -152,7 +152,7 @@ def test_model_load_failures_are_named(toy_clip, tmp_path):
 
 
 def test_model_reward_in_a_reward_set_and_over_http(toy_clip, images):
-    from rewards.remote import make_server
+    from unirl.rewards.remote import make_server
 
     kwargs = {"model": str(toy_clip), "processor": str(toy_clip), "batch_size": 2}
     rs = RewardSet([RewardConfig("pickscore", kwargs=kwargs), RewardConfig("clip_score", weight=2.0, kwargs=kwargs)],
@@ -181,18 +181,18 @@ def test_hpsv2_needs_open_clip():
         reason="hpsv2 needs open-clip-torch, which imports torchvision; PyPI's torchvision does not import beside "
                "the CPU torch on this machine, so hpsv2 is not installable or testable here",
     )
-    from rewards.registry import reward_info
+    from unirl.rewards.registry import reward_info
 
     assert reward_info("hpsv2").modality == "image"
 
 
 def test_hpsv2_is_listed_as_unavailable_without_open_clip():
-    from rewards.registry import unavailable_builtins
+    from unirl.rewards.registry import unavailable_builtins
 
     if importlib.util.find_spec("open_clip") is not None:
         pytest.skip("open_clip is installed here")
-    assert unavailable_builtins()["rewards.hpsv2"] == "rewards.hpsv2 needs 'open_clip': pip install open-clip-torch"
-    with pytest.raises(RewardError, match="unknown reward 'hpsv2'.*rewards.hpsv2 needs 'open_clip': pip install open-clip-torch"):
+    assert unavailable_builtins()["unirl.rewards.hpsv2"] == "unirl.rewards.hpsv2 needs 'open_clip': pip install open-clip-torch"
+    with pytest.raises(RewardError, match="unknown reward 'hpsv2'.*unirl.rewards.hpsv2 needs 'open_clip': pip install open-clip-torch"):
         load_reward("hpsv2")
 
 
@@ -204,9 +204,9 @@ def test_hpsv2_is_listed_as_unavailable_without_open_clip():
 def test_math_verify_reward():
     import doctest
 
-    import rewards.mathverify
+    import unirl.rewards.mathverify
 
-    assert doctest.testmod(rewards.mathverify).failed == 0
+    assert doctest.testmod(unirl.rewards.mathverify).failed == 0
     samples = [r"The answer is $\boxed{\frac{3}{4}}$.", r"$\boxed{0.75}$", r"$\boxed{\{1, 2\}}$", r"The final answer is $3$",
                r"so $3$", r"I get $x = 3$", "#### 3"]
     gold = ["$0.75$", r"$\frac34$", r"$\{2, 1\}$", "$3$", "$3$", "$3$", "$3$"]
@@ -234,7 +234,7 @@ def hpsv2_stand_in(monkeypatch):
     import sys
     from pathlib import Path
 
-    from rewards import registry
+    from unirl.rewards import registry
 
     if importlib.util.find_spec("open_clip") is not None:
         pytest.skip("the real open_clip is installed: test_hpsv2_needs_open_clip covers it")
@@ -242,17 +242,17 @@ def hpsv2_stand_in(monkeypatch):
     monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))
     monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures" / "fake_open_clip"))
-    monkeypatch.delitem(sys.modules, "rewards.hpsv2", raising=False)
+    monkeypatch.delitem(sys.modules, "unirl.rewards.hpsv2", raising=False)
     try:
         open_clip = importlib.import_module("open_clip")
-        importlib.import_module("rewards.hpsv2")
+        importlib.import_module("unirl.rewards.hpsv2")
         yield open_clip, registry
     finally:  # the rest of the session must not see the stand-in or the reward it registered
         sys.modules.pop("open_clip", None)
-        sys.modules.pop("rewards.hpsv2", None)
-        import rewards
+        sys.modules.pop("unirl.rewards.hpsv2", None)
+        import unirl.rewards
 
-        rewards.__dict__.pop("hpsv2", None)
+        unirl.rewards.__dict__.pop("hpsv2", None)
 
 
 _HPS_PROMPTS = ("red", "blue sky", "a gradient")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from rewards.registry import RewardError
+from unirl.rewards.registry import RewardError
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.loop import Trainer

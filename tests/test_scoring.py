@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from rewards.registry import RewardError
+from unirl.rewards.registry import RewardError
 from unirl.schema import RewardConfig
 from unirl.scoring import RewardSet, concat_components
 

@@ -25,7 +25,7 @@ def test_shipped_config_validates(path: Path):
     trainer = cfg.trainer
     assert (trainer.prompts_per_step * trainer.group_size) % trainer.mini_batch_size == 0
     assert cfg.rewards, f"{path}: no reward"
-    from rewards.registry import load_reward
+    from unirl.rewards.registry import load_reward
 
     for reward in cfg.rewards:  # every named reward resolves (models load lazily, not here)
         load_reward(reward.name, **reward.kwargs)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import shared_data
-from rewards.gsm8k import gsm8k
+from unirl.rewards.gsm8k import gsm8k
 from unirl.text.data import GSM8K_INSTRUCTION, PromptSampler, load_rows, to_prompt_rows
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewards.image import colour_share
+from unirl.rewards.image import colour_share
 from unirl.diffusion.families import FAMILIES
 from unirl.diffusion.tiny.sd3 import build_tiny_sd3
 

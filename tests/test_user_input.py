@@ -90,10 +90,10 @@ def test_paths_found_from_the_working_directory_become_absolute(tmp_path, monkey
     (tmp_path / "rows.jsonl").write_text('{"prompt": "x"}\n')
     (tmp_path / "r.py").write_text("def f(samples, **kwargs):\n    return [0.0] * len(samples)\n")
     cfg = unirl.load_config("text", "tiny", ["data.train=rows.jsonl", "data.test=missing.jsonl",
-                                             "rewards=[r.py:f, gsm8k, rewards.gsm8k:gsm8k]"])
+                                             "rewards=[r.py:f, gsm8k, unirl.rewards.gsm8k:gsm8k]"])
     absolute_paths(cfg)
     assert cfg.data.train == str(tmp_path / "rows.jsonl") and cfg.data.test == "missing.jsonl"
-    assert [r.name for r in cfg.rewards] == [f"{tmp_path / 'r.py'}:f", "gsm8k", "rewards.gsm8k:gsm8k"]
+    assert [r.name for r in cfg.rewards] == [f"{tmp_path / 'r.py'}:f", "gsm8k", "unirl.rewards.gsm8k:gsm8k"]
 
 
 def test_a_library_error_is_shown_with_its_cause():

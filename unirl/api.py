@@ -214,8 +214,8 @@ def _registered(callables: list[tuple[str, Callable]], modality: str):
 
     A name already registered for another object (a built-in such as ``gsm8k``) is an error that
     says how to rename it."""
-    from rewards.loading import list_rewards
-    from rewards.registry import REWARDS, register_reward, unregister_reward
+    from unirl.rewards.loading import list_rewards
+    from unirl.rewards.registry import REWARDS, register_reward, unregister_reward
 
     if callables:
         list_rewards()  # the built-ins and entry points first, so a clash with one of them shows now

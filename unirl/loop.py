@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rewards.registry import RewardError
+from unirl.rewards.registry import RewardError
 from unirl import checkpoints
 from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
 from unirl.core import (ADVANTAGE_ESTIMATORS, aggregate, aggregate_denominator, clipped_policy_loss,
@@ -224,7 +224,7 @@ class Trainer:
                                group_size=self.cfg.group_size, next_rows=next_rows)
 
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
-        """Advantages from rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
+        """Advantages from unirl.rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
         for estimators that work per token (``reinforce++-baseline`` whitens over tokens).
 
         With several processes the rewards, group ids and masks of all of them are gathered and the

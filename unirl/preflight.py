@@ -187,7 +187,7 @@ def _check_sizes(cfg: Any, split: str, n: int, report: Report) -> None:
 
 
 def _check_rewards(cfg: Any, modality: str, config_dir: Path | None, report: Report) -> None:
-    from rewards import RewardError, load_reward, reward_info
+    from unirl.rewards import RewardError, load_reward, reward_info
 
     ok = True
     for i, reward in enumerate(cfg.rewards):
@@ -243,7 +243,7 @@ def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
     has one (the search tool's: the corpus file exists)."""
     import inspect
 
-    from rewards import loading as shared
+    from unirl.rewards import loading as shared
     from unirl.tools import ToolError, resolve_tool
 
     for i, tool in enumerate(tools):

@@ -46,7 +46,7 @@ def add_subcommands(subparsers) -> None:
 
 def list_command(args: argparse.Namespace) -> int:
     """Print a table of the registered rewards, then those that could not be loaded and why."""
-    from rewards.loading import list_rewards, unavailable_builtins
+    from unirl.rewards.loading import list_rewards, unavailable_builtins
 
     rows = [(i.name, i.modality, i.source, i.description) for i in list_rewards()]
     header = ("NAME", "MODALITY", "SOURCE", "DESCRIPTION")
@@ -64,8 +64,8 @@ def list_command(args: argparse.Namespace) -> int:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Serve ``args.name`` until interrupted; print the URL first (a line a script can wait for)."""
-    from rewards.registry import RewardError
-    from rewards.remote import make_server
+    from unirl.rewards.registry import RewardError
+    from unirl.rewards.remote import make_server
 
     try:
         kwargs = json.loads(args.kwargs)

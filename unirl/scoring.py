@@ -41,7 +41,7 @@ class RewardSet:
 
     def __init__(self, configs: Sequence[RewardConfig], *, aggregation: str = "sum_then_normalize", workers: int = 0,
                  eps: float = 1e-6):
-        from rewards.loading import load_reward
+        from unirl.rewards.loading import load_reward
 
         if not configs:
             raise ValueError("rewards: the list is empty; name at least one reward")
@@ -71,7 +71,7 @@ class RewardSet:
         Raises ``RewardError`` (naming the reward, and the sample and its prompt when known) when a
         reward raises or returns a wrong number of scores, NaN or infinity.
         """
-        from rewards.scoring import score_batch
+        from unirl.rewards.scoring import score_batch
 
         if len(prompts) != len(samples):
             raise ValueError(f"{len(samples)} samples but {len(prompts)} prompts")
@@ -145,7 +145,7 @@ def _within(cfg: RewardConfig, call):
     stopped from outside, but no longer holds the run or its exit."""
     if cfg.timeout_s is None:
         return call()
-    from rewards.registry import RewardError
+    from unirl.rewards.registry import RewardError
 
     outcome: dict[str, Any] = {}
 

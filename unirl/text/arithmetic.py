@@ -76,6 +76,6 @@ def gsm8k_flexible(samples, *, answer, **kwargs) -> list[float]:
     """verl's flexible GSM8K score (the last number in the answer, in any form): logged beside the
     strict score with weight 0 in ``smollm2_math.yaml``, so a run shows how much of its gain is the
     ``#### N`` format and how much the arithmetic."""
-    from rewards.gsm8k import gsm8k
+    from unirl.rewards.gsm8k import gsm8k
 
     return gsm8k(samples, answer=answer, method="flexible")

@@ -12,7 +12,7 @@ import functools
 import inspect
 from typing import Any
 
-from rewards import loading as shared
+from unirl.rewards import loading as shared
 from unirl.tools import registry
 from unirl.tools.registry import TOOLS, ToolError, ToolFn, ToolInfo, register_tool
 

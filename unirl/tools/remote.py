@@ -24,8 +24,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rewards.batching import QueueFull
-from rewards.remote_client import RemoteReward
+from unirl.rewards.batching import QueueFull
+from unirl.rewards.remote_client import RemoteReward
 from unirl.tools.registry import ToolError
 
 
@@ -70,8 +70,8 @@ def make_tool_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwarg
                      max_batch: int = 64, max_wait_ms: float = 2.0, max_queue: int = 1024):
     """A server (bound, not yet serving) for the tool ``spec`` with ``kwargs`` bound; a search index
     is built here, before the port opens."""
-    from rewards.batching import BatchQueue
-    from rewards.remote import RewardServer
+    from unirl.rewards.batching import BatchQueue
+    from unirl.rewards.remote import RewardServer
     from unirl.tools.loading import load_tool, tool_name
 
     tool = load_tool(spec, **(kwargs or {}))
