@@ -94,6 +94,20 @@ def test_gsm8k_dry_run_notes_whether_the_hub_names_are_cached(empty_cwd, capsys,
                for line in _lines(out, "ok"))
 
 
+def test_a_ppo_dry_run_checks_the_critics_model_too(empty_cwd, capsys):
+    code, out, _ = _dry_run(capsys, "text", "gsm8k_ppo")
+    assert code == 0
+    assert any(n.startswith("critic.name_or_path: hub model Qwen/Qwen2.5-0.5B-Instruct is not in the local cache")
+               for n in _lines(out, "note"))
+    code, out, _ = _dry_run(capsys, "text", "tiny_ppo", "critic.name_or_path=not a model")
+    assert code != 0
+    assert ("critic.name_or_path: 'not a model' is neither a local directory, a toy model name nor a hub name "
+            "(org/name)") in _lines(out, "PROBLEM")
+    # GRPO trains no critic: its critic section is not checked.
+    code, out, _ = _dry_run(capsys, "text", "tiny", "critic.name_or_path=not a model")
+    assert code == 0 and not any(line.startswith("critic.") for line in out.splitlines())
+
+
 # ----------------------------------------------------------------------------------------------
 # Missing files: named, with every place looked at; the run stops before loading anything
 # ----------------------------------------------------------------------------------------------

@@ -81,6 +81,9 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
+    critic = getattr(cfg, "critic", None)
+    if critic is not None and critic.name_or_path and _trains_a_critic(cfg.algo.adv_estimator):
+        _check_model(critic.name_or_path, report, what="critic.name_or_path")
     return report
 
 
@@ -318,8 +321,13 @@ def existing_run_problem(output_dir: str, resume: bool) -> str | None:
             f"--new-run (unirl.train(..., new_run=True)) for a fresh directory beside it, or another --output-dir")
 
 
-def _check_model(name: str, report: Report) -> None:
-    what = "model.name_or_path"
+def _trains_a_critic(adv_estimator: str) -> bool:
+    from unirl.core import ADVANTAGE_ESTIMATORS  # the loop's own test (Trainer._build_critic)
+
+    return bool(getattr(ADVANTAGE_ESTIMATORS.get(adv_estimator), "reads_values", False))
+
+
+def _check_model(name: str, report: Report, what: str = "model.name_or_path") -> None:
     if Path(name).expanduser().is_dir():
         report.passed.append(f"{what}: {name} is a local directory")
     elif name == "tiny" or name.startswith("tiny-"):
