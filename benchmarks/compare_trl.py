@@ -3,12 +3,18 @@
     pip install -e .[bench]                      # TRL (never imported by unirl/)
     python benchmarks/compare_trl.py             # all four runs, ~10 minutes on 2 CPU cores
     python benchmarks/compare_trl.py --runs unirl-vllm,trl-hf --steps 4
+    python benchmarks/compare_trl.py --model smollm2-135m-instruct --runs unirl-vllm,trl-hf
 
-The model is a randomly initialised Qwen2 shape (8 layers, hidden 512, head_dim 64, 22.6M
-parameters) with the tiny model's character tokenizer, written once to a local directory that both
+``--model toy`` (the default) is a randomly initialised Qwen2 shape (8 layers, hidden 512, head_dim 64,
+22.6M parameters) with the tiny model's character tokenizer, written once to a local directory that both
 libraries load; the prompts are the tiny addition task's questions, scored by the ``gsm8k`` reward.
 Every step: 16 prompts x 8 samples, up to 32 new tokens at temperature 1, one AdamW step over the
 128 samples in one forward/backward (token-mean loss, clip 0.2, no KL, constant lr, grad-norm clip 1).
+
+``--model smollm2-135m-instruct`` is the real model (``unirl models prepare``, fp32, 134.5M parameters,
+vocabulary 49,152) on ``smollm2_math``'s word problems with verl's GSM8K instruction, asked through
+the model's chat template in both libraries (unirl: ``data.chat_template``; TRL: conversational
+prompts), scored by verl's strict ``gsm8k``; 8 prompts x 8 samples, 32 new tokens, otherwise as above.
 
 Each run is a child process (so its peak resident memory is its own) that times each step; the
 table shows the median over the steps after the first (warm-up), unirl's stages (``time/*``) and
@@ -31,13 +37,36 @@ import time
 from pathlib import Path
 
 RUNS = ("unirl-vllm", "unirl-hf", "trl-hf", "trl-vllm")
-PROMPTS, GROUP, NEW_TOKENS, LR, SEED = 16, 8, 32, 1e-5, 0
+MODELS = ("toy", "smollm2-135m-instruct")
+GROUP, NEW_TOKENS, LR, SEED = 8, 32, 1e-5, 0
+#: Prompts a step: the toy's 16 as before; the real model's 8 (smollm2_math's batch shape).
+PROMPTS = {"toy": 16, "smollm2-135m-instruct": 8}
 SHAPE = dict(hidden_size=512, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=256)
 
 
 # ------------------------------------------------------------------------- shared inputs
-def build_inputs(root: Path) -> tuple[Path, Path]:
+def build_inputs(root: Path, model: str) -> tuple[Path, Path]:
+    """The model directory and the prompts (JSONL of ``question``, ``answer``) for ``--model``."""
+    return build_toy_inputs(root) if model == "toy" else build_real_inputs(root, model)
+
+
+def build_real_inputs(root: Path, model: str) -> tuple[Path, Path]:
+    """The prepared real model and smollm2_math's training questions with verl's instruction appended
+    (the gsm8k adapter's prompt), so both libraries send the same text through the chat template."""
+    from unirl.models import prepare
+    from unirl.text.arithmetic import rows
+    from unirl.text.data import GSM8K_INSTRUCTION
+
+    data = root / f"{model}-prompts.jsonl"
+    if not data.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        data.write_text("".join(json.dumps({"question": f"{r['question']} {GSM8K_INSTRUCTION}", "answer": r["answer"]}) + "\n"
+                                for r in rows("train", 2000, seed=SEED, max_operand=9)))
+    return prepare(model), data
+
+
+def build_toy_inputs(root: Path) -> tuple[Path, Path]:
     """The model directory (random Qwen2 of ``SHAPE``, tiny tokenizer) and the prompts (JSONL)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -61,7 +90,7 @@ def build_inputs(root: Path) -> tuple[Path, Path]:
 
 
 # ------------------------------------------------------------------------------- children
-def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, extra: list[str]) -> dict:
+def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, extra: list[str], prompts: int) -> dict:
     from unirl.cli import load_run_config
     from unirl.config import config_to_dict
     from unirl.loop import Trainer
@@ -71,7 +100,7 @@ def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, 
     cfg = load_run_config("text", "tiny", [
         f"model.name_or_path={model_dir}", f"data.train={data}", "data.test=null", f"rollout.engine={engine}",
         f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0", f"trainer.total_steps={steps}",
-        f"trainer.prompts_per_step={PROMPTS}", f"trainer.group_size={GROUP}", f"trainer.mini_batch_size={PROMPTS * GROUP}",
+        f"trainer.prompts_per_step={prompts}", f"trainer.group_size={GROUP}", f"trainer.mini_batch_size={prompts * GROUP}",
         f"trainer.micro_batch_size={micro}", "trainer.ppo_epochs=1", "trainer.eval_every=0", "trainer.progress=false",
         f"trainer.seed={SEED}", "algo.loss_agg=token-mean", "algo.clip_low=0.2", "algo.clip_high=0.2", "algo.kl_coef=0.0",
         f"optim.lr={LR}", "optim.max_grad_norm=1.0", "optim.warmup_steps=0", *extra,
@@ -86,7 +115,7 @@ def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, 
     return {"steps": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows]}
 
 
-def run_trl(use_vllm: bool, model_dir: Path, data: Path, steps: int) -> dict:
+def run_trl(use_vllm: bool, model_dir: Path, data: Path, steps: int, prompts: int, chat: bool) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -94,10 +123,13 @@ def run_trl(use_vllm: bool, model_dir: Path, data: Path, steps: int) -> dict:
     from unirl.rewards.gsm8k import gsm8k
 
     rows = [json.loads(line) for line in data.read_text().splitlines()]
-    dataset = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in rows])
+    # A real model's prompts go through its chat template (TRL's conversational format), as unirl's do.
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}] if chat else r["question"],
+                                  "answer": r["answer"]} for r in rows])
 
     def reward(completions, answer, **kwargs):
-        return gsm8k(completions, answer=answer, method="strict")
+        texts = [c[-1]["content"] if chat else c for c in completions]  # conversational: the assistant message
+        return gsm8k(texts, answer=answer, method="strict")
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -111,7 +143,7 @@ def run_trl(use_vllm: bool, model_dir: Path, data: Path, steps: int) -> dict:
 
     out = tempfile.mkdtemp(prefix="trl-vs-unirl-")
     args = GRPOConfig(
-        output_dir=out, use_cpu=True, seed=SEED, max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP,
+        output_dir=out, use_cpu=True, seed=SEED, max_steps=steps, per_device_train_batch_size=prompts * GROUP,
         gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=NEW_TOKENS, temperature=1.0,
         num_iterations=1, beta=0.0, loss_type="dapo", epsilon=0.2, learning_rate=LR, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none",
@@ -125,12 +157,14 @@ def run_trl(use_vllm: bool, model_dir: Path, data: Path, steps: int) -> dict:
 
 def child(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    model_dir, data = Path(args.model), Path(args.data)
+    model_dir, data, prompts = Path(args.model_dir), Path(args.data), PROMPTS[args.model]
     if args.child.startswith("unirl-"):
+        # The real model's context is 8k tokens; prompts of ~90 tokens and 32 new ones need 256 (smollm2_math's).
+        extra = ([] if args.model == "toy" else ["rollout.max_model_len=256"]) + args.unirl_override
         result = run_unirl(args.child.removeprefix("unirl-"), model_dir, data, args.steps, args.micro_batch_size,
-                           args.unirl_override)
+                           extra, prompts)
     else:
-        result = run_trl(args.child == "trl-vllm", model_dir, data, args.steps)
+        result = run_trl(args.child == "trl-vllm", model_dir, data, args.steps, prompts, chat=args.model != "toy")
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(args.out).write_text(json.dumps(result))
 
@@ -150,15 +184,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up (default 5)")
-    parser.add_argument("--micro-batch-size", type=int, default=PROMPTS * GROUP,
-                        help="unirl's samples per forward/backward (TRL: per_device_train_batch_size, one forward)")
+    parser.add_argument("--model", choices=MODELS, default="toy",
+                        help="the randomly initialised toy (default) or a real model that unirl prepares offline")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="unirl's samples per forward/backward (default: the whole step's; TRL: one forward)")
     parser.add_argument("--unirl-override", action="append", default=[], help="extra unirl key=value (repeatable)")
     parser.add_argument("--work", default=None, help="where the model and prompts are written (default: the cache)")
     parser.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.micro_batch_size = args.micro_batch_size or PROMPTS[args.model] * GROUP
     if args.child:
         return child(args)
     if args.steps < 2:
@@ -170,12 +207,12 @@ def main() -> None:
     from unirl.cache import default_cache_dir
 
     root = Path(args.work) if args.work else default_cache_dir() / "compare-trl"
-    model_dir, data = build_inputs(root)
+    model_dir, data = build_inputs(root, args.model)
     results, failures = {}, {}
     for name in runs:
         out = root / f"{name}.json"
         out.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--child", name, "--model", str(model_dir), "--data", str(data),
+        cmd = [sys.executable, __file__, "--child", name, "--model", args.model, "--model-dir", str(model_dir), "--data", str(data),
                "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
                *[f"--unirl-override={o}" for o in args.unirl_override]]
         start = time.perf_counter()
@@ -191,7 +228,8 @@ def main() -> None:
 
     trl = [results[r]["step"] for r in ("trl-hf", "trl-vllm") if r in results]
     best = min(trl) if trl else None
-    print(f"\n{PROMPTS} prompts x {GROUP} samples, {NEW_TOKENS} new tokens, 22.6M-parameter Qwen2 shape; "
+    shape = "22.6M-parameter Qwen2 shape" if args.model == "toy" else f"{args.model}, chat template"
+    print(f"\n{PROMPTS[args.model]} prompts x {GROUP} samples, {NEW_TOKENS} new tokens, {shape}; "
           f"median of steps 2-{args.steps}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("| run | s/step | rollout | old log-probs | update | overhead | peak RSS | vs faster TRL |")
     print("|---|---|---|---|---|---|---|---|")

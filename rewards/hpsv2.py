@@ -6,7 +6,7 @@ it (``image_features @ text_features.T``, diagonal; the HPSv2 paper reports it t
 checkpoint ``HPS_v2.1_compressed.pt`` (or ``HPS_v2_compressed.pt`` for ``version="v2.0"``) comes from
 the hub repository ``xswu/HPSv2``, or from ``checkpoint=`` a local file.
 
-Needs the optional extra ``pip install unirl[hpsv2]`` (open-clip-torch, which imports torchvision;
+Needs the optional extra ``pip install -e ".[hpsv2]"`` (open-clip-torch, which imports torchvision;
 install the torchvision build that matches your torch). This module imports ``open_clip`` first, so
 without it ``hpsv2`` is listed as unavailable with that hint and the other rewards still load.
 """

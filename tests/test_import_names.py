@@ -47,6 +47,14 @@ def test_the_distribution_ships_no_top_level_rewards_package():
     assert (ROOT / "unirl" / "rewards").resolve() == (ROOT / "rewards").resolve()
 
 
+def test_the_distribution_name_is_not_pypis_unirl():
+    import unirl
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == unirl.DISTRIBUTION != "unirl"  # "unirl" on PyPI is Tencent's UniRL
+    assert project["scripts"] == {"unirl": "unirl.cli:main"}
+
+
 def test_a_users_own_rewards_module_does_not_shadow_unirl_rewards(tmp_path):
     # A notebook's working directory holding its own rewards.py (first on sys.path, as in Jupyter).
     (tmp_path / "rewards.py").write_text("raise ImportError('the user rewards.py was imported')\n")

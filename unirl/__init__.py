@@ -19,11 +19,15 @@ __all__ = ["TrainResult", "__version__", "evaluate", "load_config", "train"]
 _API = {"train", "load_config", "evaluate", "TrainResult"}
 
 
+#: The distribution's name in pyproject.toml ("unirl" on PyPI is another project: see there).
+DISTRIBUTION = "unirl-toolkit"
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("unirl")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:  # a source tree on PYTHONPATH without `pip install -e .`
         return "0+unknown (not installed)"
 
