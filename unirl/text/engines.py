@@ -32,6 +32,26 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def eos_token_ids(tokenizer, generation_config=None) -> frozenset[int]:
+    """Every id that ends a response: the tokenizer's EOS and the generation config's ``eos_token_id``
+    (one id or a list: Qwen2.5-Instruct's lists ``<|im_end|>`` and ``<|endoftext|>``). vLLM and
+    ``generate`` stop on all of them, so a response ending on any one is finished, not truncated."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    listed = getattr(generation_config, "eos_token_id", None)
+    ids.update([listed] if isinstance(listed, int) else (listed or ()))
+    return frozenset(ids)
+
+
+def _generation_config(model_dir: str):
+    """The directory's ``generation_config.json``, or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return None
+
+
 class VLLMEngine:
     """A colocated ``vllm.LLM`` over the same model directory the trainer loaded."""
 
@@ -61,6 +81,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.eos_ids = eos_token_ids(self.tokenizer, _generation_config(model_dir))  # vLLM stops on each
         from unirl.logs import silence_rotary_reload_warning
 
         silence_rotary_reload_warning()  # harmless and logged at every sync: see unirl/logs.py
@@ -91,14 +112,13 @@ class VLLMEngine:
         )
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         self.keep_trainer_threads()
-        eos = self.tokenizer.eos_token_id
         result = []
         for out in outputs:
             gens = []
             for c in out.outputs:
                 ids = list(c.token_ids)
                 lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
-                gens.append(Generation(ids, lps, c.text, finished=bool(ids) and ids[-1] == eos))
+                gens.append(Generation(ids, lps, c.text, finished=bool(ids) and ids[-1] in self.eos_ids))
             result.append(gens)
         return result
 
@@ -129,7 +149,7 @@ class HFEngine:
         was_training = model.training
         model.eval()
         pad = self.tokenizer.pad_token_id
-        eos = self.tokenizer.eos_token_id
+        eos = eos_token_ids(self.tokenizer, model.generation_config)
         n = 1 if greedy else n
         # Left-pad so every prompt ends at the same column.
         width = max(len(p) for p in prompt_ids)
@@ -144,7 +164,7 @@ class HFEngine:
             do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy else top_p, top_k=None if greedy or top_k < 0 else top_k,
             max_new_tokens=max_new_tokens, num_return_sequences=n,
-            pad_token_id=pad, eos_token_id=eos,
+            pad_token_id=pad, eos_token_id=sorted(eos),
             output_logits=True, return_dict_in_generate=True,
             **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
         )
@@ -158,13 +178,13 @@ class HFEngine:
             gens = []
             for j in range(n):
                 row = seqs[i * n + j].tolist()
-                length = row.index(eos) + 1 if eos in row else len(row)
-                if stop and pad != eos and pad in row[:length]:  # stopped at a stop string, then padded
+                length = next((k + 1 for k, tok in enumerate(row) if tok in eos), len(row))
+                if stop and pad not in eos and pad in row[:length]:  # stopped at a stop string, then padded
                     length = row.index(pad)
                 tokens = row[:length]
                 gens.append(Generation(tokens, lp[i * n + j, :length].tolist(),
                                        self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                       finished=bool(tokens) and tokens[-1] == eos))
+                                       finished=bool(tokens) and tokens[-1] in eos))
             result.append(gens)
         return result
 
