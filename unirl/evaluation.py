@@ -165,7 +165,8 @@ def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from unirl.diffusion.env import DiffusionEnvironment, image_grid
+    from unirl.diffusion.env import DiffusionEnvironment
+    from unirl.diffusion.frames import write_grid
 
     if not cfg.data.test:
         raise ValueError("data.test is null: this config has no held-out prompts to evaluate on")
@@ -219,7 +220,7 @@ def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
                                 **{f"judge/{k}": v[i] for k, v in judged.items()}}) + "\n")
     k = cfg.data.grid_size
     captions = [f"{p}\n" + " ".join(f"{name}={float(v[i]):.3f}" for name, v in comps.items()) for i, p in enumerate(prompts[:k])]
-    image_grid(images[:k], captions).save(out / "grid.png")
+    write_grid(images[:k], captions, out / "grid.png", fps=cfg.video.fps)  # videos: also grid.gif
     summary = {"checkpoint": str(checkpoint), "prompts": len(prompts), "n": 1, "reward": total.mean().item(),
                **{f"reward/{name}": v.nanmean().item() for name, v in comps.items()},
                "seconds": round(time.perf_counter() - start, 2)}

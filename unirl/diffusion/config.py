@@ -177,6 +177,26 @@ class EmaConfig:
 
 
 @dataclass
+class VideoConfig:
+    """How videos (a family with ``frames``: Wan 2.1) are scored and shown; image families ignore it.
+
+    Each reward sees a video as its frames: it is called on every ``frame_stride``-th frame as on
+    images (each frame with its video's prompt and columns), and the video's score is ``frame_reduce``
+    of its frames' scores (docs/rewards.md, "Videos")."""
+
+    #: Score every k-th frame, starting with the first (FlowGRPO's video OCR reward reads every 4th).
+    frame_stride: int = 1
+    #: The video's score from its frames' scores: ``mean``, ``min`` (every frame must be good) or ``max``.
+    frame_reduce: Literal["mean", "min", "max"] = "mean"
+    #: Frames per second of the evaluation's animated grid (``eval/step_N.gif``); FlowGRPO logs its videos at 8.
+    fps: int = 8
+
+    def __post_init__(self):
+        check_range(self, "frame_stride", low=1)
+        check_range(self, "fps", low=1)
+
+
+@dataclass
 class DataConfig:
     """The prompts for training and evaluation."""
 
@@ -205,6 +225,7 @@ class DiffusionConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
     #: KL to the reference per trained step (``unirl.diffusion.sde.step_kl``): ``flowgrpo`` is
     #: FlowGRPO's ``train_sd3.py``, ``(mean - ref_mean)^2 / (2 s^2)`` with the SDE's diffusion
     #: coefficient s (for the flow SDE without the step's sqrt(|dt|), so |dt| times the exact KL);

@@ -40,6 +40,7 @@ import torch
 
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.families import family_for
+from unirl.diffusion.frames import FrameRewards, write_grid
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.sampling import rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients, stochastic_steps, to_pil, trained_steps
 from unirl.diffusion.sde import step_coefficients, step_kl
@@ -215,6 +216,8 @@ class DiffusionEnvironment(Environment):
                                      world_size=accelerator.num_processes)
         self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
                                  eps=cfg.algo.adv_eps)
+        if self.family.frames:  # videos: each reward scores their frames (``frames.FrameRewards``)
+            self.rewards = FrameRewards(self.rewards, stride=cfg.video.frame_stride, reduce=cfg.video.frame_reduce)
 
     @property
     def model(self):
@@ -443,7 +446,8 @@ class DiffusionEnvironment(Environment):
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
         """Deterministic (ODE) images of the held-out prompts with the EMA weights, scored by the
         config's rewards. With several processes each samples every world-th prompt and the scores
-        (and the grid's images) are gathered; the main process writes ``eval/step_N.png``, and
+        (and the grid's images) are gathered; the main process writes ``eval/step_N.png`` (videos: their
+        first frames, and ``eval/step_N.gif`` playing them), and
         ``eval/step_N.jsonl`` with a judge reward's answers when one is configured."""
         if not self.test_rows:
             return {}
@@ -470,9 +474,7 @@ class DiffusionEnvironment(Environment):
             captions = [f"{self.test_rows[i]['prompt']}\n" + " ".join(f"{name}={v:.3f}" for name, v in scores.items())
                         for i, scores, _, _ in shown]
             path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            grid = image_grid([image for _, _, image, _ in shown], captions)
-            grid.save(path)
+            grid = write_grid([image for _, _, image, _ in shown], captions, path, fps=self.cfg.video.fps)
             if any(judge for *_, judge in results):  # a judge's reasons beside its scores
                 with open(path.with_suffix(".jsonl"), "w") as f:
                     for i, scores, _, judge in results:

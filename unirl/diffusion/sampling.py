@@ -328,8 +328,14 @@ def rescore_step(family, transformer, latents: torch.Tensor, next_latents: torch
 
 # ------------------------------------------------------------------------------ images
 def to_pil(images: torch.Tensor) -> list:
-    """PIL RGB images from ``[N, 3, H, W]`` in [0, 1]."""
+    """PIL RGB images from ``[N, 3, H, W]`` in [0, 1]; from videos ``[N, F, 3, H, W]``, one list of F
+    frames per video (what a family with ``frames`` decodes)."""
     from PIL import Image
+
+    if images.ndim == 5:
+        frames = to_pil(images.flatten(0, 1))  # [N * F]
+        per_video = images.shape[1]
+        return [frames[i:i + per_video] for i in range(0, len(frames), per_video)]
 
     # Scaled and rounded in the decoder's layout, then made contiguous once: PIL copies a strided array
     # image by image otherwise (twice the time for a batch of small images).

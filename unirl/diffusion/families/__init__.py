@@ -9,11 +9,13 @@ from __future__ import annotations
 from unirl.diffusion.families.base import ModelFamily
 from unirl.diffusion.families.flux import FluxFamily
 from unirl.diffusion.families.sd3 import SD3Family
+from unirl.diffusion.families.wan import WanFamily
 from unirl.registry import Registry
 
 FAMILIES: Registry[type[ModelFamily]] = Registry("model family")
 FAMILIES.add(SD3Family.name, SD3Family)
 FAMILIES.add(FluxFamily.name, FluxFamily)
+FAMILIES.add(WanFamily.name, WanFamily)
 
 
 def family_for(cfg) -> ModelFamily:
@@ -21,4 +23,4 @@ def family_for(cfg) -> ModelFamily:
     return FAMILIES.get(cfg.model.family).from_config(cfg)
 
 
-__all__ = ["FAMILIES", "FluxFamily", "ModelFamily", "SD3Family", "family_for"]
+__all__ = ["FAMILIES", "FluxFamily", "ModelFamily", "SD3Family", "WanFamily", "family_for"]

@@ -81,7 +81,8 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
-        """Images ``[n, 3, H, W]`` in [0, 1] (float32, CPU) from latents ``[n, *latent_shape]``."""
+        """Images ``[n, 3, H, W]`` in [0, 1] (float32, CPU) from latents ``[n, *latent_shape]``; videos
+        ``[n, frames, 3, H, W]`` for a family with ``frames``."""
 
     def noise(self, n: int, latent_shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """Initial noise ``[n, *latent_shape]`` (standard normal, drawn on the CPU from ``generator``)."""
