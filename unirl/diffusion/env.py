@@ -18,8 +18,8 @@ What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the mod
 Differences from FlowGRPO's reference code: the EMA is updated once per optimizer step (FlowGRPO
 calls its ``ema.step`` after every micro-batch with the optimizer-step count, so with gradient
 accumulation it repeats the same update several times at each qualifying step); the negative prompt
-is the empty string encoded once; and the SDE window (Fast mode) is drawn once per rollout from the
-run's seed.
+(the family's ``negative_prompt``, the empty string for SD3) is encoded once; and the SDE window (Fast
+mode) is drawn once per rollout from the run's seed.
 
 Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[*latent]`` in the family's
 layout (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C]``).
@@ -189,9 +189,9 @@ class DiffusionEnvironment(Environment):
         if cfg.ema.enabled:
             self.ema = ParamEMA([p for p in transformer.parameters() if p.requires_grad], cfg.ema.decay,
                                 cfg.ema.update_every)
-        # 3. The empty negative prompt, encoded once; the sigma schedules.
+        # 3. The family's negative prompt, encoded once; the sigma schedules.
         with torch.no_grad():
-            negative = self.family.encode(pipe, [""], max_sequence_length=s.max_sequence_length, device=device)
+            negative = self.family.encode(pipe, [self.family.negative_prompt], max_sequence_length=s.max_sequence_length, device=device)
         self.negative = {"neg_" + k: v for k, v in negative.items()}  # each [1, ...]
         self.train_sigmas, self.train_timesteps = self.family.schedule(self.scheduler, s.num_steps, self.latent_shape)
         self.eval_sigmas, self.eval_timesteps = self.family.schedule(self.scheduler, s.eval_num_steps, self.latent_shape)
@@ -230,7 +230,7 @@ class DiffusionEnvironment(Environment):
         return self.cfg.sampling.guidance_scale if self.cfg.sampling.train_cfg else 1.0
 
     def _cond(self, cond: dict[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:
-        """The family's conditioning ``{key: [n, ...]}``, plus the empty prompt's ``neg_<key>`` for CFG."""
+        """The family's conditioning ``{key: [n, ...]}``, plus the negative prompt's ``neg_<key>`` for CFG."""
         if guidance > 1:
             n = next(iter(cond.values())).shape[0]
             cond = {**cond, **{k: v.expand(n, *v.shape[1:]) for k, v in self.negative.items()}}  # [n, ...]

@@ -40,10 +40,12 @@ class ModelFamily(ABC):
     cond_keys: tuple[str, ...] = ()
 
     # Capabilities: what the config, the data loader and the sampler read instead of the family's name.
-    #: ``"cfg"``: classifier-free guidance with the empty prompt as the negative (``sampling.guidance_scale``);
+    #: ``"cfg"``: classifier-free guidance with ``negative_prompt`` as the negative (``sampling.guidance_scale``);
     #: ``"distilled"``: the transformer embeds a guidance value itself (``sampling.distilled_guidance``,
     #: read by the adapter) and ``sampling.guidance_scale`` must be 1.
     guidance_mode: str = "cfg"
+    #: The negative prompt of classifier-free guidance, encoded once per run.
+    negative_prompt: str = ""
     #: Whether each prompt comes with a conditioning image (image editing): every data row then names
     #: one in its ``image`` field.
     conditioning_image: bool = False
@@ -82,6 +84,11 @@ class ModelFamily(ABC):
     @abstractmethod
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
         """Images ``[n, 3, H, W]`` in [0, 1] (float32, CPU) from latents ``[n, *latent_shape]``."""
+
+    def combine_guidance(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance ``v_u + g (v_c - v_u)`` (https://arxiv.org/abs/2207.12598); a family
+        whose pipeline combines the two velocities otherwise overrides it."""
+        return v_uncond + scale * (v_cond - v_uncond)
 
     def noise(self, n: int, latent_shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """Initial noise ``[n, *latent_shape]`` (standard normal, drawn on the CPU from ``generator``)."""
