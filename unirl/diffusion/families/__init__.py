@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from unirl.diffusion.families.base import ModelFamily
 from unirl.diffusion.families.flux import FluxFamily
+from unirl.diffusion.families.qwenimage import QwenImageFamily
 from unirl.diffusion.families.sd3 import SD3Family
 from unirl.registry import Registry
 
 FAMILIES: Registry[type[ModelFamily]] = Registry("model family")
 FAMILIES.add(SD3Family.name, SD3Family)
 FAMILIES.add(FluxFamily.name, FluxFamily)
+FAMILIES.add(QwenImageFamily.name, QwenImageFamily)
 
 
 def family_for(cfg) -> ModelFamily:
