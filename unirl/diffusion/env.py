@@ -236,6 +236,17 @@ class DiffusionEnvironment(Environment):
             cond = {**cond, **{k: v.expand(n, *v.shape[1:]) for k, v in self.negative.items()}}  # [n, ...]
         return cond
 
+    def _encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """The family's conditioning of ``rows`` ``{key: [len(rows), ...]}``: their prompts' and, for a family
+        with a conditioning image, their images' (``row["image"]``, a path checked at loading)."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        cond = self.family.encode(self.pipe, [row["prompt"] for row in rows], max_sequence_length=s.max_sequence_length,
+                                  device=device)
+        if self.family.conditioning_image:
+            cond.update(self.family.encode_images(self.pipe, [row["image"] for row in rows], resolution=s.resolution,
+                                                  device=device))
+        return cond
+
     # ---------------------------------------------------------------- rollout
     def next_prompts(self, step: int) -> list[dict]:
         self._step = step
@@ -253,11 +264,9 @@ class DiffusionEnvironment(Environment):
         N = B * G
         seed = cfg.trainer.seed * 1_000_003 + self.accelerator.process_index * 10_007 + self._step
         generator = torch.Generator().manual_seed(seed)
-        # 1. Prompts: encoded once per row, repeated for the group.
+        # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = self.family.encode(self.pipe, [row["prompt"] for row in rows],
-                                     max_sequence_length=s.max_sequence_length, device=device)
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in encoded.items()}  # each [N, ...]
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in self._encode(rows).items()}  # each [N, ...]
         group_ids = torch.arange(B).repeat_interleave(G)  # [N]
         # 2. Initial noise (shared within a group if asked), SDE window and trained steps.
         noise = self.family.noise(B if s.same_noise_per_group else N, self.latent_shape, generator)
@@ -416,23 +425,24 @@ class DiffusionEnvironment(Environment):
             yield
 
     @torch.no_grad()
-    def sample_deterministic(self, prompts: list[str], positions: list[int] | None = None) -> list:
-        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds.
+    def sample_deterministic(self, rows: list[dict], positions: list[int] | None = None) -> list:
+        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds, for
+        prompt rows (``{"prompt": ...}``, with an ``image`` for a family that takes one).
 
-        ``positions`` [n]: where each prompt sits in the whole evaluation set (default 0..n-1); the
+        ``positions`` [n]: where each row sits in the whole evaluation set (default 0..n-1); the
         initial noise depends on the position only, so a process sampling a share of the prompts
         draws the same images as one process sampling them all."""
         s, device = self.cfg.sampling, self.accelerator.device
-        positions = list(range(len(prompts))) if positions is None else positions
-        if not prompts:
+        positions = list(range(len(rows))) if positions is None else positions
+        if not rows:
             return []
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12_345)
         noise = self.family.noise(max(positions) + 1, self.latent_shape, generator)[positions]
         stochastic = torch.zeros(s.eval_num_steps, dtype=torch.bool)
         images = []
-        for lo in range(0, len(prompts), s.chunk_size):
-            chunk = prompts[lo:lo + s.chunk_size]
-            encoded = self.family.encode(self.pipe, chunk, max_sequence_length=s.max_sequence_length, device=device)
+        for lo in range(0, len(rows), s.chunk_size):
+            chunk = rows[lo:lo + s.chunk_size]
+            encoded = self._encode(chunk)
             out = sample_with_logprob(self.family, self._model, noise[lo:lo + len(chunk)].to(device),
                                       self.eval_sigmas.to(device), self.eval_timesteps.to(device),
                                       self._cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
@@ -453,7 +463,7 @@ class DiffusionEnvironment(Environment):
         mine = list(range(acc.process_index, len(self.test_rows), acc.num_processes))
         rows = [self.test_rows[i] for i in mine]
         with self._ema_weights():
-            images = self.sample_deterministic([row["prompt"] for row in rows], mine)
+            images = self.sample_deterministic(rows, mine)
         comps, judged = {}, {}  # judged: a judge reward's answers, by reward
         if rows:
             columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}

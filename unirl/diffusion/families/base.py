@@ -75,6 +75,11 @@ class ModelFamily(ABC):
         """Conditioning ``{key: [n, ...]}`` for ``prompts`` (keys ``cond_keys``); differentiable in the
         text encoders (the environment calls it under ``torch.no_grad``, the toy warm start does not)."""
 
+    def encode_images(self, pipe, images: list[str], *, resolution: int, device) -> dict[str, torch.Tensor]:
+        """Conditioning ``{key: [n, ...]}`` (keys among ``cond_keys``) from each prompt's input image, a file
+        path, for a family with ``conditioning_image``; the environment adds it to ``encode``'s. Others have none."""
+        return {}
+
     @abstractmethod
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor]) -> torch.Tensor:
