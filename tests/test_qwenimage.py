@@ -18,11 +18,13 @@ import torch
 
 from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.families.flux import calculate_shift, unpack_latents
 from unirl.diffusion.families.qwenimage import QwenImageFamily
 from unirl.diffusion.sampling import sample_with_logprob
 from unirl.diffusion.tiny.qwenimage import build_tiny_qwenimage
+
+import diffusion_helpers  # tests/diffusion_helpers.py
+from diffusion_helpers import perturb_lora
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.family=qwenimage", "model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_sequence_length=16",
@@ -45,20 +47,8 @@ def pipe(tiny_dir):
     return pipe
 
 
-def make_env(*overrides: str) -> DiffusionEnvironment:
-    from accelerate import Accelerator
-
-    env = DiffusionEnvironment(load_config(DiffusionConfig, None, [*TINY, *overrides]))
-    env.setup(Accelerator(cpu=True))
-    return env
-
-
-def perturb_lora(env, seed: int = 0, scale: float = 0.3) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in env.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+def make_env(*overrides: str):
+    return diffusion_helpers.make_env(*TINY, *overrides)
 
 
 def test_the_toy_tokenizer_spells_the_template_as_the_pipeline_drops_it(pipe):
