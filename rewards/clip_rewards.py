@@ -1,4 +1,4 @@
-"""Image rewards on a CLIP model (transformers): ``pickscore``, ``clip_score`` and ``aesthetic``.
+"""Image rewards on a CLIP model (transformers): ``pickscore``, ``clip_score``, ``image_similarity`` and ``aesthetic``.
 
 Each takes ``model=`` (and ``processor=``) as a hub id or a local directory, so a user's machine
 downloads the published weights while the tests pass a toy CLIP built locally. Weights load once,
@@ -17,6 +17,11 @@ do, without depending on what those return in a given transformers version.
   images sit around 20-23), and so does the default here; ``divisor=1`` gives the raw PickScore.
 - ``clip_score``: ``cos(image, prompt) * scale`` with ``openai/clip-vit-large-patch14``. (CLIPScore
   of Hessel et al. 2021 is ``100 * max(cos, 0)``: ``scale=100`` and the sign aside.)
+- ``image_similarity`` (image editing): ``cos(image, input image)`` of the two CLIP image embeddings with
+  ``openai/clip-vit-large-patch14``, FlowGRPO's ``image_similarity_score`` (``ClipScorer.image_similarity``),
+  which its FLUX.1 Kontext and Qwen-Image-Edit configs weigh against GenEval so that the edit keeps the
+  input. The input image is the ``image`` column (``rewards/image.py``: ``input_images``); both images go
+  through the CLIP processor as PIL images, as in the other rewards here (FlowGRPO resizes tensors with torchvision).
 - ``aesthetic``: the LAION improved aesthetic predictor
   (https://github.com/christophschuhmann/improved-aesthetic-predictor), an MLP head
   768 -> 1024 -> 128 -> 64 -> 16 -> 1 on the L2-normalised CLIP ViT-L/14 image embedding, weights
@@ -32,6 +37,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from unirl.rewards.image import input_images
 from unirl.rewards.models import ModelReward
 from unirl.rewards.registry import register_reward
 
@@ -107,6 +113,15 @@ class CLIPScore(CLIPReward):
 
     def score(self, samples, *, prompts, **columns):
         return (self.scale * (self.image_embeddings(samples) * self.text_embeddings(prompts)).sum(-1)).float().cpu()
+
+
+@register_reward("image_similarity", modality="image")
+class ImageSimilarity(CLIPReward):
+    """Cosine similarity of the CLIP image embeddings of each image and its input image (image editing)."""
+
+    def score(self, samples, *, image=None, **columns):
+        inputs = self.image_embeddings(input_images(image))  # [n, D]
+        return (self.image_embeddings(samples) * inputs).sum(-1).float().cpu()
 
 
 class AestheticHead(nn.Module):

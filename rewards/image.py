@@ -10,7 +10,12 @@ advantages normalise the scale away within a group.
 model (``unirl/diffusion/tiny/sd3.py``) can move within a few minutes on a CPU, so the tiny config can
 show learning; it says nothing about image quality. ``colour_share`` is a demo reward that depends on
 the prompt: the share of pixels nearest to the colour the prompt names ("a red cat" -> red), so the
-tiny colour demo can show per-prompt groups and advantages at work.
+tiny colour demo can show per-prompt groups and advantages at work. ``input_similarity`` is a demo
+reward for image editing (a family that takes an input image per prompt, FLUX.1 Kontext): how close
+each image is to its input image, pixel by pixel, so the tiny editing demo rewards reading the input.
+
+Image editing rewards see both images: the input image reaches a reward as the ``image`` column, the
+path of the row's file (``docs/rewards.md``); ``input_images`` opens them.
 """
 
 from __future__ import annotations
@@ -109,4 +114,48 @@ def colour_share(images: Sequence[Any], *, prompts: Sequence[str], **kwargs: Any
         pixels = np.asarray(image.convert("RGB"), dtype=np.float64).reshape(-1, 1, 3)  # [P, 1, 3]
         nearest = np.square(pixels - palette).sum(-1).argmin(-1)  # [P]
         out.append(float((nearest == names.index(colour)).mean()))
+    return out
+
+
+def input_images(paths: Sequence[str], size: tuple[int, int] | None = None) -> list:
+    """The input images of an editing run's samples (the ``image`` column: one file path each) as RGB PIL
+    images, resized to ``size`` (width, height) when given; a missing column or file is named.
+
+    >>> input_images(None)
+    Traceback (most recent call last):
+    ...
+    ValueError: this reward compares each image with its input image: it needs the 'image' column (a file path per sample), which image-editing families give
+    """
+    from PIL import Image
+
+    if paths is None:
+        raise ValueError("this reward compares each image with its input image: it needs the 'image' column "
+                         "(a file path per sample), which image-editing families give")
+    out = []
+    for path in paths:
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+            out.append(image.resize(size, Image.BICUBIC) if size is not None and image.size != size else image)
+    return out
+
+
+@register_reward("input_similarity", modality="image",
+                 description="demo (image editing): 1 - mean absolute pixel difference to the input image")
+def input_similarity(images: Sequence[Any], *, image: Sequence[str] | None = None, **kwargs: Any) -> list[float]:
+    """Demo reward that depends on the input image: ``1 - mean |x - x_in|`` over RGB pixels in [0, 1], the
+    input resized to the image's size (1: the input returned unchanged; 0: every channel at the other extreme).
+
+    >>> import tempfile, os
+    >>> from PIL import Image
+    >>> path = os.path.join(tempfile.mkdtemp(), "red.png"); Image.new("RGB", (8, 8), (255, 0, 0)).save(path)
+    >>> input_similarity([Image.new("RGB", (4, 4), (255, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 0))], image=[path, path])
+    [1.0, 0.6666666666666667]
+    """
+    import numpy as np
+
+    references = input_images(image, images[0].size if len(images) else None)  # a batch shares one size
+    out = []
+    for sample, reference in zip(images, references, strict=True):
+        diff = np.abs(np.asarray(sample.convert("RGB"), dtype=np.float64) - np.asarray(reference, dtype=np.float64))
+        out.append(float(1.0 - diff.mean() / 255.0))
     return out

@@ -4,7 +4,7 @@ A reward is named in a config in one of five ways; loading imports exactly the m
 named and never evaluates a string:
 
 - a registered name (``gsm8k``): the built-in modules listed in ``registry.BUILTIN_MODULES`` are
-  imported on the first lookup, so ``import rewards`` stays cheap;
+  imported on the first lookup, so ``import unirl.rewards`` stays cheap;
 - a name that a pip-installed package declares in the ``unirl.rewards`` entry-point group
   (``[project.entry-points."unirl.rewards"] my_reward = "my_pkg.rewards:my_reward"``): only that
   entry point is imported, and only when the name is not a built-in;

@@ -334,3 +334,28 @@ def test_hpsv2_refuses_a_checkpoint_with_pickled_objects(hpsv2_stand_in, tmp_pat
         fn(_hps_images()[:1], prompts=["red"])
     assert not marker.exists()
 
+
+
+def test_image_similarity_is_the_cosine_of_the_two_images_embeddings(toy_clip, images, tmp_path):
+    """FlowGRPO's image_similarity (ClipScorer.image_similarity): cos(CLIP image(x), CLIP image(input)),
+    the input image read from the ``image`` column's paths."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    paths = []
+    for i, image in enumerate(reversed(images)):  # each sample's input is another picture
+        paths.append(str(tmp_path / f"in{i}.png"))
+        image.save(paths[-1])
+    fn = load_reward("image_similarity", model=str(toy_clip), batch_size=3)
+    scores = score_batch(fn, images, name="image_similarity", prompts=PROMPTS, image=paths)
+    model, processor = CLIPModel.from_pretrained(toy_clip).eval(), CLIPProcessor.from_pretrained(toy_clip)
+    with torch.no_grad():
+        def embed(pictures):
+            e = model(**processor(text=["a"] * len(pictures), images=pictures, return_tensors="pt", padding=True)).image_embeds
+            return e / e.norm(dim=-1, keepdim=True)
+        from PIL import Image
+        expected = (embed(images) * embed([Image.open(p).convert("RGB") for p in paths])).sum(-1)
+    assert torch.allclose(torch.tensor(scores), expected, rtol=1e-5, atol=1e-6)
+    same = score_batch(fn, images[:1], name="image_similarity", prompts=PROMPTS[:1], image=[paths[-1]])
+    assert same[0] == pytest.approx(1.0, abs=1e-5)  # an image and itself (saved as PNG, lossless)
+    with pytest.raises(Exception, match="needs the 'image' column"):
+        score_batch(fn, images, name="image_similarity", prompts=PROMPTS)

@@ -206,7 +206,7 @@ def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
         # 3. Images and scores.
         prompts = [row["prompt"] for row in env.test_rows]
         with torch.no_grad():
-            images = env.sample_deterministic(prompts)
+            images = env.sample_deterministic(env.test_rows)
         columns = {c: [row.get(c) for row in env.test_rows] for c in env.test_rows[0] if c != "prompt"}
         judged: dict[str, list[str]] = {}  # a judge reward's answers, by reward
         comps = env.rewards.components(images, prompts=prompts, columns=columns, texts=judged)

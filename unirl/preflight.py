@@ -93,26 +93,34 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
 
 
 def _diffusion_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
-    """Prompt files: ``tiny``, ``unirl://`` (bundled or generated), ``.txt`` or ``.jsonl``."""
+    """Prompt files: ``tiny``, ``unirl://`` (bundled or generated), ``.txt`` or ``.jsonl``; for a model family
+    that takes an input image per prompt, every row's ``image`` file too."""
+    from unirl.diffusion.families import FAMILIES
+
+    image = FAMILIES.get(cfg.model.family).conditioning_image
     for split in ("train", "test"):
         what, source = f"data.{split}", getattr(cfg.data, split)
         if source is None:
             report.notes.append(f"{what}: null, so no evaluation")
             continue
+        if source == "tiny" and image:
+            report.problems.append(f"{what}: tiny has no input images, which model.family={cfg.model.family!r} takes; "
+                                   f"give a .jsonl whose rows name an 'image' file")
+            continue
         if source == "tiny":
             report.passed.append(f"{what}: tiny (prompts built in code)")
             continue
-        rows = _load(what, source, config_dir, report, _diffusion_rows(split))
+        rows = _load(what, source, config_dir, report, _diffusion_rows(split, image))
         if rows is not None:
             report.passed.append(f"{what}: {source} -> {len(rows)} prompts (first: {_short(rows[0]['prompt'])})")
             _check_sizes(cfg, split, len(rows), report)
 
 
-def _diffusion_rows(split: str) -> Callable[[str], list[dict]]:
+def _diffusion_rows(split: str, image: bool) -> Callable[[str], list[dict]]:
     def load(path: str) -> list[dict]:
         from unirl.diffusion.env import load_prompt_rows
 
-        return load_prompt_rows(path, split)
+        return load_prompt_rows(path, split, image=image)
 
     return load
 

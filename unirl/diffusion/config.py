@@ -92,7 +92,8 @@ class SamplingConfig:
     num_steps: int = 10
     #: Denoising steps of the deterministic evaluation sampler (FlowGRPO: 40).
     eval_num_steps: int = 40
-    #: Classifier-free guidance scale (1 disables guidance), with the empty prompt as the negative.
+    #: Classifier-free guidance scale (1 disables guidance), with the model family's negative prompt (the
+    #: empty prompt for SD3).
     #: Guidance-distilled families (FLUX.1) take no CFG here: it must be 1 for them.
     guidance_scale: float = 4.5
     #: The embedded guidance of guidance-distilled families (FLUX.1-dev: the pipeline's ``guidance_scale``,

@@ -18,8 +18,8 @@ What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the mod
 Differences from FlowGRPO's reference code: the EMA is updated once per optimizer step (FlowGRPO
 calls its ``ema.step`` after every micro-batch with the optimizer-step count, so with gradient
 accumulation it repeats the same update several times at each qualifying step); the negative prompt
-is the empty string encoded once; and the SDE window (Fast mode) is drawn once per rollout from the
-run's seed.
+(the family's ``negative_prompt``, the empty string for SD3) is encoded once; and the SDE window (Fast
+mode) is drawn once per rollout from the run's seed.
 
 Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[*latent]`` in the family's
 layout (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C]``).
@@ -190,9 +190,9 @@ class DiffusionEnvironment(Environment):
         if cfg.ema.enabled:
             self.ema = ParamEMA([p for p in transformer.parameters() if p.requires_grad], cfg.ema.decay,
                                 cfg.ema.update_every)
-        # 3. The empty negative prompt, encoded once; the sigma schedules.
+        # 3. The family's negative prompt, encoded once; the sigma schedules.
         with torch.no_grad():
-            negative = self.family.encode(pipe, [""], max_sequence_length=s.max_sequence_length, device=device)
+            negative = self.family.encode(pipe, [self.family.negative_prompt], max_sequence_length=s.max_sequence_length, device=device)
         self.negative = {"neg_" + k: v for k, v in negative.items()}  # each [1, ...]
         self.train_sigmas, self.train_timesteps = self.family.schedule(self.scheduler, s.num_steps, self.latent_shape)
         self.eval_sigmas, self.eval_timesteps = self.family.schedule(self.scheduler, s.eval_num_steps, self.latent_shape)
@@ -233,10 +233,21 @@ class DiffusionEnvironment(Environment):
         return self.cfg.sampling.guidance_scale if self.cfg.sampling.train_cfg else 1.0
 
     def _cond(self, cond: dict[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:
-        """The family's conditioning ``{key: [n, ...]}``, plus the empty prompt's ``neg_<key>`` for CFG."""
+        """The family's conditioning ``{key: [n, ...]}``, plus the negative prompt's ``neg_<key>`` for CFG."""
         if guidance > 1:
             n = next(iter(cond.values())).shape[0]
             cond = {**cond, **{k: v.expand(n, *v.shape[1:]) for k, v in self.negative.items()}}  # [n, ...]
+        return cond
+
+    def _encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """The family's conditioning of ``rows`` ``{key: [len(rows), ...]}``: their prompts' and, for a family
+        with a conditioning image, their images' (``row["image"]``, a path checked at loading)."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        cond = self.family.encode(self.pipe, [row["prompt"] for row in rows], max_sequence_length=s.max_sequence_length,
+                                  device=device)
+        if self.family.conditioning_image:
+            cond.update(self.family.encode_images(self.pipe, [row["image"] for row in rows], resolution=s.resolution,
+                                                  device=device))
         return cond
 
     # ---------------------------------------------------------------- rollout
@@ -256,11 +267,9 @@ class DiffusionEnvironment(Environment):
         N = B * G
         seed = cfg.trainer.seed * 1_000_003 + self.accelerator.process_index * 10_007 + self._step
         generator = torch.Generator().manual_seed(seed)
-        # 1. Prompts: encoded once per row, repeated for the group.
+        # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = self.family.encode(self.pipe, [row["prompt"] for row in rows],
-                                     max_sequence_length=s.max_sequence_length, device=device)
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in encoded.items()}  # each [N, ...]
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in self._encode(rows).items()}  # each [N, ...]
         group_ids = torch.arange(B).repeat_interleave(G)  # [N]
         # 2. Initial noise (shared within a group if asked), SDE window and trained steps.
         noise = self.family.noise(B if s.same_noise_per_group else N, self.latent_shape, generator)
@@ -419,23 +428,24 @@ class DiffusionEnvironment(Environment):
             yield
 
     @torch.no_grad()
-    def sample_deterministic(self, prompts: list[str], positions: list[int] | None = None) -> list:
-        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds.
+    def sample_deterministic(self, rows: list[dict], positions: list[int] | None = None) -> list:
+        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds, for
+        prompt rows (``{"prompt": ...}``, with an ``image`` for a family that takes one).
 
-        ``positions`` [n]: where each prompt sits in the whole evaluation set (default 0..n-1); the
+        ``positions`` [n]: where each row sits in the whole evaluation set (default 0..n-1); the
         initial noise depends on the position only, so a process sampling a share of the prompts
         draws the same images as one process sampling them all."""
         s, device = self.cfg.sampling, self.accelerator.device
-        positions = list(range(len(prompts))) if positions is None else positions
-        if not prompts:
+        positions = list(range(len(rows))) if positions is None else positions
+        if not rows:
             return []
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12_345)
         noise = self.family.noise(max(positions) + 1, self.latent_shape, generator)[positions]
         stochastic = torch.zeros(s.eval_num_steps, dtype=torch.bool)
         images = []
-        for lo in range(0, len(prompts), s.chunk_size):
-            chunk = prompts[lo:lo + s.chunk_size]
-            encoded = self.family.encode(self.pipe, chunk, max_sequence_length=s.max_sequence_length, device=device)
+        for lo in range(0, len(rows), s.chunk_size):
+            chunk = rows[lo:lo + s.chunk_size]
+            encoded = self._encode(chunk)
             out = sample_with_logprob(self.family, self._model, noise[lo:lo + len(chunk)].to(device),
                                       self.eval_sigmas.to(device), self.eval_timesteps.to(device),
                                       self._cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
@@ -457,7 +467,7 @@ class DiffusionEnvironment(Environment):
         mine = list(range(acc.process_index, len(self.test_rows), acc.num_processes))
         rows = [self.test_rows[i] for i in mine]
         with self._ema_weights():
-            images = self.sample_deterministic([row["prompt"] for row in rows], mine)
+            images = self.sample_deterministic(rows, mine)
         comps, judged = {}, {}  # judged: a judge reward's answers, by reward
         if rows:
             columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}

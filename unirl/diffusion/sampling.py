@@ -98,9 +98,9 @@ def guided_velocity(family, transformer, latents: torch.Tensor, timestep: torch.
     """The (guided) velocity ``[n, *latent]`` at ``latents`` and per-sample ``timestep`` [n].
 
     ``cond`` holds the family's ``cond_keys`` (each ``[n, ...]``), plus ``neg_<key>`` of the same shapes
-    when ``guidance_scale > 1``: classifier-free guidance ``v_u + g (v_c - v_u)``
-    (https://arxiv.org/abs/2207.12598) with one batched forward, negative first, as the SD3 pipeline does,
-    for a family whose ``guidance_mode`` is ``"cfg"``.
+    when ``guidance_scale > 1``: classifier-free guidance (the family's ``combine_guidance``, by default
+    ``v_u + g (v_c - v_u)``, https://arxiv.org/abs/2207.12598) with one batched forward, negative first,
+    as the SD3 pipeline does, for a family whose ``guidance_mode`` is ``"cfg"``.
     """
     transformer = forward_module(transformer)
     if guidance_scale > 1:
@@ -109,7 +109,7 @@ def guided_velocity(family, transformer, latents: torch.Tensor, timestep: torch.
         both = {k: torch.cat([cond["neg_" + k], cond[k]]) for k in family.cond_keys}  # [2n, ...]
         v = family.velocity(transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         v_uncond, v_cond = v.chunk(2)
-        return v_uncond + guidance_scale * (v_cond - v_uncond)
+        return family.combine_guidance(v_uncond, v_cond, guidance_scale)
     return family.velocity(transformer, latents, timestep, cond)  # [n, *latent]: the family reads its cond_keys
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from unirl.diffusion.families.base import ModelFamily
 from unirl.diffusion.families.flux import FluxFamily
+from unirl.diffusion.families.flux_kontext import FluxKontextFamily
+from unirl.diffusion.families.qwenimage import QwenImageFamily
 from unirl.diffusion.families.sd3 import SD3Family
 from unirl.diffusion.families.wan import WanFamily
 from unirl.registry import Registry
@@ -16,6 +18,8 @@ FAMILIES: Registry[type[ModelFamily]] = Registry("model family")
 FAMILIES.add(SD3Family.name, SD3Family)
 FAMILIES.add(FluxFamily.name, FluxFamily)
 FAMILIES.add(WanFamily.name, WanFamily)
+FAMILIES.add(QwenImageFamily.name, QwenImageFamily)
+FAMILIES.add(FluxKontextFamily.name, FluxKontextFamily)
 
 
 def family_for(cfg) -> ModelFamily:

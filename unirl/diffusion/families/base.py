@@ -40,10 +40,12 @@ class ModelFamily(ABC):
     cond_keys: tuple[str, ...] = ()
 
     # Capabilities: what the config, the data loader and the sampler read instead of the family's name.
-    #: ``"cfg"``: classifier-free guidance with the empty prompt as the negative (``sampling.guidance_scale``);
+    #: ``"cfg"``: classifier-free guidance with ``negative_prompt`` as the negative (``sampling.guidance_scale``);
     #: ``"distilled"``: the transformer embeds a guidance value itself (``sampling.distilled_guidance``,
     #: read by the adapter) and ``sampling.guidance_scale`` must be 1.
     guidance_mode: str = "cfg"
+    #: The negative prompt of classifier-free guidance, encoded once per run.
+    negative_prompt: str = ""
     #: Whether each prompt comes with a conditioning image (image editing): every data row then names
     #: one in its ``image`` field.
     conditioning_image: bool = False
@@ -73,6 +75,11 @@ class ModelFamily(ABC):
         """Conditioning ``{key: [n, ...]}`` for ``prompts`` (keys ``cond_keys``); differentiable in the
         text encoders (the environment calls it under ``torch.no_grad``, the toy warm start does not)."""
 
+    def encode_images(self, pipe, images: list[str], *, resolution: int, device) -> dict[str, torch.Tensor]:
+        """Conditioning ``{key: [n, ...]}`` (keys among ``cond_keys``) from each prompt's input image, a file
+        path, for a family with ``conditioning_image``; the environment adds it to ``encode``'s. Others have none."""
+        return {}
+
     @abstractmethod
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -83,6 +90,11 @@ class ModelFamily(ABC):
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
         """Images ``[n, 3, H, W]`` in [0, 1] (float32, CPU) from latents ``[n, *latent_shape]``; videos
         ``[n, frames, 3, H, W]`` for a family with ``frames``."""
+
+    def combine_guidance(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance ``v_u + g (v_c - v_u)`` (https://arxiv.org/abs/2207.12598); a family
+        whose pipeline combines the two velocities otherwise overrides it."""
+        return v_uncond + scale * (v_cond - v_uncond)
 
     def noise(self, n: int, latent_shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """Initial noise ``[n, *latent_shape]`` (standard normal, drawn on the CPU from ``generator``)."""

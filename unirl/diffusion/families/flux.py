@@ -124,19 +124,24 @@ class FluxFamily(ModelFamily):
     def velocity(self, transformer, latents: torch.Tensor, timestep: torch.Tensor,
                  cond: dict[str, torch.Tensor]) -> torch.Tensor:
         dtype = compute_dtype(transformer)
-        n, device = latents.shape[0], latents.device
-        side = _side(latents.shape[1:])
+        (n, tokens), device = latents.shape[:2], latents.device
+        hidden, img_ids = self.image_stream(latents, cond)  # [n, tokens', 4C], [tokens', 3]
         embeds = cond["prompt_embeds"]  # [n, L, D]
         guidance = None
         if _module_config(transformer).guidance_embeds:
             guidance = torch.full((n,), self.guidance, device=device, dtype=torch.float32)  # [n]
         return transformer(
-            hidden_states=cast(latents, dtype), timestep=timestep / 1000, guidance=guidance,
+            hidden_states=cast(hidden, dtype), timestep=timestep / 1000, guidance=guidance,
             pooled_projections=cast(cond["pooled"], dtype), encoder_hidden_states=cast(embeds, dtype),
             txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),  # [L, 3]
-            img_ids=latent_image_ids(side, side, device, dtype),  # [tokens, 3]
-            return_dict=False,
-        )[0]  # [n, tokens, 4C]
+            img_ids=img_ids.to(device=device, dtype=dtype), return_dict=False,
+        )[0][:, :tokens]  # [n, tokens, 4C]: the velocity of the latents' own tokens
+
+    def image_stream(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's image tokens ``[n, tokens', 4C]`` and their rotary ids ``[tokens', 3]``: the packed
+        latents alone here; a variant that conditions on more image tokens (Kontext) appends them."""
+        side = _side(latents.shape[1:])
+        return latents, latent_image_ids(side, side)  # [n, tokens, 4C], [tokens, 3]
 
     @torch.no_grad()
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:

@@ -72,31 +72,45 @@ def cached_build(directory: Path, spec: dict, marker_name: str, build) -> Path:
 
 
 def fit_decoder(vae, *, seed: int, steps: int, batch_size: int, lr: float, through_scaling: bool = False) -> None:
-    """Fit the VAE decoder to the fixed map ``tanh(upsample(_LATENT_RGB @ z))`` on random latents z.
+    """Fit an ``AutoencoderKL``'s decoder to the fixed map ``tanh(upsample(_LATENT_RGB @ z))`` (``fit_latent_rgb``).
+
+    ``through_scaling``: the decoder is fed ``z / scaling_factor + shift_factor``, what a pipeline
+    decodes, so that a pipeline latent z maps to that colour whatever the VAE's scaling (the toy FLUX,
+    whose FLUX scaling 0.3611 would otherwise push latents far outside the fit); the toy SD3 was fit on
+    z itself (False, kept so its weights and cache key stay as they were). The encoder stays random:
+    FlowGRPO never encodes.
+    """
+
+    def decode(z: torch.Tensor) -> torch.Tensor:
+        return vae.decoder(z / vae.config.scaling_factor + vae.config.shift_factor if through_scaling else z)
+
+    fit_latent_rgb(decode, vae.decoder.parameters(), channels=vae.config.latent_channels,
+                   size=vae.config.sample_size // 2, seed=seed, steps=steps, batch_size=batch_size, lr=lr)
+    vae.requires_grad_(True).zero_grad(set_to_none=True)
+
+
+def fit_latent_rgb(decode, params, *, channels: int, size: int, seed: int, steps: int, batch_size: int,
+                   lr: float) -> None:
+    """Fit ``params`` so that ``decode(z)`` (images ``[n, 3, 2 size, 2 size]`` in [-1, 1]) is the fixed map
+    ``tanh(upsample(_LATENT_RGB @ z))`` on random latents z ``[n, channels, size, size]``: any toy VAE,
+    whatever its layout (``decode`` adds a frame axis for a video VAE), then draws the same colours.
 
     The latents are unit Gaussians plus a per-sample offset per channel, so that the decoder sees
-    latents of different means (what a policy moves). ``through_scaling``: the decoder is fed
-    ``z / scaling_factor + shift_factor``, what a pipeline decodes, so that a pipeline latent z maps to
-    that colour whatever the VAE's scaling (the toy FLUX, whose FLUX scaling 0.3611 would otherwise
-    push latents far outside the fit); the toy SD3 was fit on z itself (False, kept so its weights and
-    cache key stay as they were). The encoder stays random: FlowGRPO never encodes.
+    latents of different means (what a policy moves).
     """
     import torch.nn.functional as F
 
     generator = torch.Generator().manual_seed(seed)
     weight = torch.tensor(_LATENT_RGB)  # [3, C]
-    channels, size = vae.config.latent_channels, vae.config.sample_size // 2
-    optimizer = torch.optim.Adam(vae.decoder.parameters(), lr=lr)
+    optimizer = torch.optim.Adam(params, lr=lr)
     for _ in range(steps):
         z = torch.randn(batch_size, channels, size, size, generator=generator)  # [n, C, h, w]
         z = z + 0.5 * torch.randn(batch_size, channels, 1, 1, generator=generator)
         target = torch.tanh(F.interpolate(torch.einsum("rc,nchw->nrhw", weight, z), scale_factor=2, mode="bilinear"))
-        fed = z / vae.config.scaling_factor + vae.config.shift_factor if through_scaling else z
-        loss = (vae.decoder(fed) - target).square().mean()  # images in [-1, 1], like the VAE's
+        loss = (decode(z) - target).square().mean()  # images in [-1, 1], like the VAE's
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    vae.requires_grad_(True).zero_grad(set_to_none=True)
 
 
 def clip_char_tokenizer(model_max_length: int):
