@@ -48,6 +48,10 @@ def perturb_lora(env, seed: int = 0, scale: float = 0.3) -> None:
     ("sampling.guidance_scale=3.0", "sampling.sde_window.size=2", "sampling.sde_window.range=[1,5]",
      "sampling.timestep_fraction=0.5", "sampling.same_noise_per_group=true"),  # Fast window, step subset
     ("sampling.sde_type=cps", "sampling.noise_level=0.5", "sampling.timestep_fraction=0.6"),
+    # MixGRPO's sliding window (at [2, 4) on step 0) after a branched prefix, DPM-Solver++(2M) after it.
+    ("sampling.guidance_scale=3.0", "sampling.sde_window.size=2", "sampling.sde_window.range=[2,5]",
+     "sampling.sde_window.schedule=progressive", "sampling.branch_prefix=true", "sampling.same_noise_per_group=true",
+     "sampling.ode_solver=dpm2m"),
 ])
 def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_dir, overrides):
     env = make_env(tiny_sd3_dir, *overrides)
