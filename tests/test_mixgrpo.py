@@ -18,7 +18,7 @@ import torch
 from test_diffusion_env import make_env, perturb_lora, tiny_sd3_dir  # noqa: F401  (the fixture)
 from unirl.diffusion.dpm_solver import data_prediction, dpm_solver_pp_step
 from unirl.diffusion.sampling import guided_velocity, sample_with_logprob
-from unirl.diffusion.window import window_bounds, window_mask
+from unirl.diffusion.window import kept_steps, window_bounds, window_mask
 
 
 def mixgrpo_windows(steps: int, lo: int, hi: int, size: int, interval: int, stride: int) -> list[tuple[int, int]]:
@@ -193,4 +193,47 @@ def test_steps_after_the_window_continue_from_its_last_data_prediction(tiny_sd3_
                 x = _retyped_dpm(x, m0, prev, s[i - 1], s[i], s[i + 1])
             prev = m0
     torch.testing.assert_close(out.final, x, rtol=1e-5, atol=1e-5)
+    env.close()
+
+
+# ------------------------------------------------------------------------------ the compressed tail
+def mixgrpo_post_sigmas(num_steps: int, last: int, ratio: float, shift: float = 3.0) -> torch.Tensor:
+    """MixGRPO-Flash's schedule (``run_sample_step``, ``dpm_apply_strategy="post"``) re-typed: the shifted
+    linear schedule up to the window's last step ``last``, then ``int((S - last) * ratio)`` points
+    re-spaced linearly in unshifted time from the window's end to 0, shifted."""
+    shifted = lambda t: shift * t / (1 + (shift - 1) * t)  # noqa: E731  (sd3_time_shift)
+    full = shifted(torch.linspace(1, 0, num_steps + 1, dtype=torch.float64))
+    points = int(max((num_steps - last) * ratio, 1))
+    start = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)[last + 1].item()
+    return torch.cat([full[:last + 1], shifted(torch.linspace(start, 0, points, dtype=torch.float64))])
+
+
+@pytest.mark.parametrize("num_steps,stop,ratio", [(25, 4, 0.4), (25, 10, 0.4), (25, 4, 0.2), (16, 7, 0.5), (10, 4, 1.0)])
+def test_kept_steps_are_mixgrpo_flashs_compressed_schedule(num_steps, stop, ratio):
+    shifted = lambda t: 3.0 * t / (1 + 2.0 * t)  # noqa: E731
+    sigmas = shifted(torch.linspace(1, 0, num_steps + 1, dtype=torch.float64))  # a schedule linear in unshifted time
+    keep = kept_steps(num_steps, stop, ratio)
+    expected = mixgrpo_post_sigmas(num_steps, stop - 1, ratio)
+    assert len(keep) == len(expected)
+    assert keep[:stop + 1] == list(range(stop + 1)) and keep[-1] == num_steps
+    if (num_steps - stop) % (len(keep) - stop - 1) == 0:  # evenly divisible: the same sigmas
+        torch.testing.assert_close(sigmas[keep], expected, rtol=0, atol=1e-12)
+    else:  # otherwise within one original step of MixGRPO's
+        gap = (sigmas[:-1] - sigmas[1:]).max()
+        assert (sigmas[keep] - expected).abs().max() <= gap
+
+
+def test_a_compressed_rollout_runs_fewer_steps_and_stays_on_policy(tiny_sd3_dir):
+    env = make_env(tiny_sd3_dir, "sampling.guidance_scale=1.0", "sampling.sde_window.size=2",
+                   "sampling.sde_window.range=[1,3]", "sampling.same_noise_per_group=true", "sampling.branch_prefix=true",
+                   "sampling.ode_solver=dpm2m", "sampling.tail_step_ratio=0.5")
+    perturb_lora(env)
+    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    _, metrics = env.score(rollout)
+    # 6 steps, window [1, 3): the 3 steps after it become int(4 * 0.5) - 1 = 1; the prefix step runs per prompt.
+    assert kept_steps(6, 3, 0.5) == [0, 1, 2, 3, 6]
+    assert metrics["rollout/transformer_calls"] == 2 * 1 + 8 * (2 + 1)
+    with torch.no_grad():
+        cur = env.evaluate(env.model, rollout)
+    assert torch.equal(cur["logp"], rollout.tensors["old_logp"])
     env.close()

@@ -141,6 +141,11 @@ class SamplingConfig:
     #: with flow sigmas, first order at the last step). The steps before and in the window stay Euler and
     #: FlowGRPO SDE steps; evaluation samples with Euler whatever this says.
     ode_solver: Literal["euler", "dpm2m"] = "euler"
+    #: Fraction of the deterministic steps after the SDE window that a rollout takes, in fewer and longer
+    #: DPM-Solver++(2M) steps (``ode_solver: dpm2m``): MixGRPO-Flash's ``dpm_post_compress_ratio`` (0.4 in
+    #: its MixGRPO-Flash script, 0.2 in Flash*), counted as it counts them (``unirl/diffusion/window.py``,
+    #: ``kept_steps``). 1: every step. Fewer transformer calls a rollout; the trained steps are unchanged.
+    tail_step_ratio: float = 1.0
     #: Fraction of the stochastic steps trained per sample, ``T = int(K * fraction)`` of K (FlowGRPO's
     #: ``timestep_fraction``; at least one step is trained).
     timestep_fraction: float = 1.0
@@ -188,6 +193,11 @@ class SamplingConfig:
         if self.branch_prefix and not self.same_noise_per_group:
             raise ValueError("sampling.branch_prefix=true: the group's members branch from one latent per prompt, so "
                              "they share its initial noise; set sampling.same_noise_per_group: true")
+        if not 0 < self.tail_step_ratio <= 1:
+            raise ValueError(f"sampling.tail_step_ratio must lie in (0, 1], got {self.tail_step_ratio}")
+        if self.tail_step_ratio < 1 and self.ode_solver != "dpm2m":
+            raise ValueError(f"sampling.tail_step_ratio={self.tail_step_ratio} takes the steps after the window in "
+                             f"fewer, longer steps, which needs the higher-order solver: set sampling.ode_solver: dpm2m")
         if self.ode_solver != "euler" and not w.size:
             raise ValueError(f"sampling.ode_solver={self.ode_solver!r} takes the deterministic steps after the SDE "
                              f"window, and without one (sde_window.size: 0) every step is an SDE step; set "

@@ -47,7 +47,7 @@ from unirl.diffusion.families import family_for
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.sampling import (ForwardCounter, rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients,
                                      to_pil, trained_steps)
-from unirl.diffusion.window import window_bounds, window_mask
+from unirl.diffusion.window import kept_steps, window_bounds, window_mask
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
@@ -277,13 +277,18 @@ class DiffusionEnvironment(Environment):
         # DPM-Solver++(2M) for the ODE steps after the window (MixGRPO's "post" strategy).
         dpm = torch.arange(s.num_steps) >= stop if s.ode_solver == "dpm2m" else None  # [S]
         steps = trained_steps(N, stochastic, s.timestep_fraction, generator, s.timestep_selection)  # [N, T]
-        sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
+        sigmas, timesteps, coefficients = self.train_sigmas.to(device), self.train_timesteps.to(device), self.train_coefficients
+        if s.tail_step_ratio < 1:  # MixGRPO-Flash: fewer steps after the window; the steps up to it keep their index
+            keep = kept_steps(s.num_steps, stop, s.tail_step_ratio)  # indices into the schedule's S + 1 sigmas
+            sigmas, timesteps = sigmas[keep], timesteps[keep[:-1]]
+            stochastic, dpm = stochastic[keep[:-1]], dpm[keep[:-1]]
+            coefficients = schedule_coefficients(sigmas, noise_level=s.noise_level, sde_type=s.sde_type)
         self.forwards.take()  # count this rollout's transformer rows only
         # 3. Flow-GRPO-Fast branching: the deterministic steps before the window once per prompt, then each
         #    prompt's latent repeated for its G members (``noise`` is one per prompt then).
         first = start if s.branch_prefix else 0  # the first step sampled per member
         if first:
-            noise = self._prefix(noise, encoded, sigmas, timesteps, stochastic, stop=first)  # [B, *latent] at step k
+            noise = self._prefix(noise, encoded, sigmas, timesteps, stochastic, coefficients, stop=first)  # [B, *latent] at step k
         if s.same_noise_per_group:
             noise = noise.repeat_interleave(G, 0)  # [N, *latent]
         encoded = {k: v.repeat_interleave(G, 0) for k, v in encoded.items()}  # each [N, ...]
@@ -298,7 +303,7 @@ class DiffusionEnvironment(Environment):
             out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=self.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
-                                      generator=generator, coefficients=self.train_coefficients, start=first, dpm=dpm)
+                                      generator=generator, coefficients=coefficients, start=first, dpm=dpm)
             chunk_images = to_pil(self.family.decode(self.pipe, out.final))
             chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
             if hi < N:
@@ -340,7 +345,7 @@ class DiffusionEnvironment(Environment):
         return rewards, {**metrics, **self._rollout_figures}
 
     def _prefix(self, noise: torch.Tensor, encoded: dict[str, torch.Tensor], sigmas: torch.Tensor,
-                timesteps: torch.Tensor, stochastic: torch.Tensor, stop: int) -> torch.Tensor:
+                timesteps: torch.Tensor, stochastic: torch.Tensor, coefficients, stop: int) -> torch.Tensor:
         """The latents ``[B, *latent]`` at step ``stop`` from the prompts' initial ``noise`` [B, *latent]:
         the deterministic steps ``[0, stop)`` once per prompt (``encoded`` each ``[B, ...]``), in chunks
         of ``sampling.chunk_size`` prompts. The steps draw no noise, so the SDE generator's state after
@@ -352,8 +357,7 @@ class DiffusionEnvironment(Environment):
             cond = self._cond({k: v[lo:hi] for k, v in encoded.items()}, self.train_guidance)
             out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=self.train_guidance, noise_level=s.noise_level,
-                                      stochastic=stochastic, sde_type=s.sde_type, coefficients=self.train_coefficients,
-                                      stop=stop)
+                                      stochastic=stochastic, sde_type=s.sde_type, coefficients=coefficients, stop=stop)
             parts.append(out.final)
         return torch.cat(parts)
 

@@ -1,4 +1,4 @@
-"""Where the SDE window lies at each training step: a pure function of the step.
+"""Where the SDE window lies at each training step (a pure function of the step), and which steps follow it.
 
 Only the steps in the window are stochastic and trained; the others are deterministic ODE steps.
 
@@ -18,6 +18,9 @@ saving anything. One change: MixGRPO rolls back when the start *passes* ``hi``, 
 ``hi`` gives an empty window for ``shift_interval`` steps (where its training step would have nothing to
 train); here the window rolls back when it would be empty. Its ``decay`` and ``exp_decay`` strategies
 (shift intervals that shrink over training) are not implemented.
+
+``kept_steps`` is MixGRPO-Flash's compression of the deterministic steps after the window
+(``dpm_post_compress_ratio``): DPM-Solver++(2M) takes them in fewer, longer steps.
 
 Shapes: S sampling steps.
 """
@@ -66,3 +69,28 @@ def window_mask(num_steps: int, start: int, stop: int) -> torch.Tensor:
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[start:stop] = True
     return mask
+
+
+def kept_steps(num_steps: int, stop: int, ratio: float) -> list[int]:
+    """Indices into a schedule's ``S + 1`` sigmas that a rollout visits when the ``S - stop`` steps after the
+    window (which ends at ``stop``) are cut to ``ratio`` of them: ``0 .. stop`` unchanged, then ``n`` steps
+    to ``S`` (sigma 0), ``n = max(1, int((S - stop + 1) * ratio) - 1)``, as evenly spaced as the schedule allows.
+
+    MixGRPO-Flash (``run_sample_step`` with ``dpm_apply_strategy="post"``) counts ``int((S - stop + 1) *
+    ratio)`` points from the window's end to 0, so ``n`` is its number of steps (at least one: it would
+    stop short of sigma 0 with none). It re-spaces them linearly in its unshifted time and shifts them;
+    here they are taken from the family's own schedule, whose unshifted time is linear too, so the two
+    agree where ``S - stop`` is a multiple of ``n`` and differ by the rounding of an index elsewhere.
+
+    >>> kept_steps(25, 4, 0.4)  # MixGRPO-Flash's script: 25 steps, a window [0, 4): 21 steps become 7
+    [0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25]
+    >>> kept_steps(8, 2, 1.0)
+    [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    """
+    if not 0 <= stop <= num_steps or not 0 < ratio <= 1:
+        raise ValueError(f"need 0 <= stop <= {num_steps} and 0 < ratio <= 1, got stop={stop}, ratio={ratio}")
+    tail = num_steps - stop
+    if tail == 0:
+        return list(range(num_steps + 1))
+    n = max(1, int((tail + 1) * ratio) - 1)
+    return list(range(stop)) + [stop + round(j * tail / n) for j in range(n + 1)]
