@@ -273,16 +273,8 @@ class DiffusionEnvironment(Environment):
         start, stop = window_bounds(self._step, num_steps=s.num_steps, size=w.size, window_range=w.range,
                                     schedule=w.schedule, shift_interval=w.shift_interval, stride=w.stride,
                                     seed=cfg.trainer.seed)
-        stochastic = window_mask(s.num_steps, start, stop)  # [S]
-        # DPM-Solver++(2M) for the ODE steps after the window (MixGRPO's "post" strategy).
-        dpm = torch.arange(s.num_steps) >= stop if s.ode_solver == "dpm2m" else None  # [S]
+        sigmas, timesteps, stochastic, dpm, coefficients = self._plan(start, stop)
         steps = trained_steps(N, stochastic, s.timestep_fraction, generator, s.timestep_selection)  # [N, T]
-        sigmas, timesteps, coefficients = self.train_sigmas.to(device), self.train_timesteps.to(device), self.train_coefficients
-        if s.tail_step_ratio < 1:  # MixGRPO-Flash: fewer steps after the window; the steps up to it keep their index
-            keep = kept_steps(s.num_steps, stop, s.tail_step_ratio)  # indices into the schedule's S + 1 sigmas
-            sigmas, timesteps = sigmas[keep], timesteps[keep[:-1]]
-            stochastic, dpm = stochastic[keep[:-1]], dpm[keep[:-1]]
-            coefficients = schedule_coefficients(sigmas, noise_level=s.noise_level, sde_type=s.sde_type)
         self.forwards.take()  # count this rollout's transformer rows only
         # 3. Flow-GRPO-Fast branching: the deterministic steps before the window once per prompt, then each
         #    prompt's latent repeated for its G members (``noise`` is one per prompt then).
@@ -343,6 +335,22 @@ class DiffusionEnvironment(Environment):
         rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
         rewards, metrics = self.rewards.combine(components, rollout.group_ids)
         return rewards, {**metrics, **self._rollout_figures}
+
+    def _plan(self, start: int, stop: int) -> tuple:
+        """The steps of a rollout whose SDE window is ``[start, stop)``: ``(sigmas [S' + 1], timesteps [S'],
+        stochastic [S'], dpm [S'] or None, the steps' constants)`` on the device, S' = S unless
+        ``tail_step_ratio`` cuts the steps after the window (the steps up to its end keep their index)."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        stochastic = window_mask(s.num_steps, start, stop)  # [S]
+        # DPM-Solver++(2M) for the ODE steps after the window (MixGRPO's "post" strategy).
+        dpm = torch.arange(s.num_steps) >= stop if s.ode_solver == "dpm2m" else None  # [S]
+        sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
+        if s.tail_step_ratio == 1:
+            return sigmas, timesteps, stochastic, dpm, self.train_coefficients
+        keep = kept_steps(s.num_steps, stop, s.tail_step_ratio)  # MixGRPO-Flash: indices into the S + 1 sigmas
+        sigmas = sigmas[keep]  # [S' + 1]
+        coefficients = schedule_coefficients(sigmas, noise_level=s.noise_level, sde_type=s.sde_type)
+        return sigmas, timesteps[keep[:-1]], stochastic[keep[:-1]], dpm[keep[:-1]], coefficients
 
     def _prefix(self, noise: torch.Tensor, encoded: dict[str, torch.Tensor], sigmas: torch.Tensor,
                 timesteps: torch.Tensor, stochastic: torch.Tensor, coefficients, stop: int) -> torch.Tensor:
