@@ -135,7 +135,7 @@ def test_config_list_show_version_and_help(capsys):
     assert capsys.readouterr().out.strip() == f"unirl {__version__}"
     with pytest.raises(SystemExit):
         main(["train", "--help"])
-    assert "config name (diffusion: flux_pickscore, sd3_geneval, sd3_ocr, tiny" in " ".join(capsys.readouterr().out.split())
+    assert "config name (diffusion: flux_pickscore, sd3_geneval, sd3_ocr, sd3_ocr_mixgrpo, tiny" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("env", ["text", "diffusion"])
