@@ -24,7 +24,7 @@ run's seed and the training step.
 Faster variants, all in ``rollout``: an SDE window (Flow-GRPO-Fast, or MixGRPO's sliding window) trains
 a few steps instead of all; ``branch_prefix`` runs the deterministic steps before the window once per
 prompt and branches the group from there; ``ode_solver: dpm2m`` takes the steps after the window with
-DPM-Solver++(2M) (MixGRPO-Flash). ``rollout/transformer_calls`` logs the transformer rows a rollout ran.
+DPM-Solver++(2M), in fewer steps with ``tail_step_ratio`` (MixGRPO-Flash). ``rollout/transformer_calls`` logs the transformer rows a rollout ran.
 
 Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[*latent]`` in the family's
 layout (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C]``).
