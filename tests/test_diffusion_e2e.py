@@ -93,6 +93,31 @@ def test_variants_train_and_resume(tmp_path, options):
     assert (run / "checkpoints" / "step_000003").exists()
 
 
+@pytest.mark.slow
+def test_branched_mixgrpo_run_resumes_exactly(tmp_path):
+    """A sliding window that moves every step (its position a function of the step), branching and
+    DPM-Solver++(2M) after the window: a run stopped after step 2 and resumed logs the uninterrupted
+    run's step 3 to the bit, and every update is on-policy (ratio 1)."""
+    options = ("sampling.sde_window.size=2", "sampling.sde_window.range=[0,6]", "sampling.sde_window.schedule=progressive",
+               "sampling.sde_window.shift_interval=1", "sampling.sde_window.stride=2", "sampling.branch_prefix=true",
+               "sampling.same_noise_per_group=true", "sampling.ode_solver=dpm2m", "trainer.eval_every=0",
+               "trainer.prompts_per_step=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=16")
+    whole = [r for r in _train(tmp_path / "whole", "trainer.total_steps=3", *options) if "reward/mean" in r]
+    _train(tmp_path / "cut", "trainer.total_steps=2", *options)
+    resumed = [r for r in _train(tmp_path / "cut", "trainer.total_steps=3", "trainer.resume=true", *options)
+               if "reward/mean" in r]
+    assert [r["rollout/window_start"] for r in whole] == [0, 2, 4]
+    # The branched prefix: 4 prompts x 4 members, 8 steps, the window at k = 0, 2, 4.
+    assert [r["rollout/transformer_calls"] for r in whole] == [4 * k + 16 * (8 - k) for k in (0, 2, 4)]
+    last = resumed[-1]
+    assert last["step"] == 3
+    for key, value in whole[-1].items():
+        if not key.startswith("time/"):
+            assert last[key] == value, key
+    for r in whole:
+        assert abs(r["actor/ratio_max"] - 1) < 1e-6 and abs(r["actor/ratio_min"] - 1) < 1e-6
+
+
 def test_every_way_of_naming_an_image_reward_in_a_run(tmp_path):
     """A registered name, a file.py:function, a package.module:function and an installed package's
     ``unirl.rewards`` entry point, in one short tiny diffusion run; each is logged."""

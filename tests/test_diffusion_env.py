@@ -4,7 +4,6 @@ schedules, and the LoRA saved in diffusers' format loading into a stock pipeline
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -12,7 +11,8 @@ import torch
 from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
-from unirl.diffusion.sampling import sigma_schedule, stochastic_steps, trained_steps
+from unirl.diffusion.sampling import sigma_schedule, trained_steps
+from unirl.diffusion.window import window_bounds, window_mask
 from unirl.diffusion.tiny.sd3 import build_tiny_sd3
 
 TINY = ["model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_sequence_length=16",
@@ -48,6 +48,10 @@ def perturb_lora(env, seed: int = 0, scale: float = 0.3) -> None:
     ("sampling.guidance_scale=3.0", "sampling.sde_window.size=2", "sampling.sde_window.range=[1,5]",
      "sampling.timestep_fraction=0.5", "sampling.same_noise_per_group=true"),  # Fast window, step subset
     ("sampling.sde_type=cps", "sampling.noise_level=0.5", "sampling.timestep_fraction=0.6"),
+    # MixGRPO's sliding window (at [2, 4) on step 0) after a branched prefix, DPM-Solver++(2M) after it.
+    ("sampling.guidance_scale=3.0", "sampling.sde_window.size=2", "sampling.sde_window.range=[2,5]",
+     "sampling.sde_window.schedule=progressive", "sampling.branch_prefix=true", "sampling.same_noise_per_group=true",
+     "sampling.ode_solver=dpm2m"),
 ])
 def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_dir, overrides):
     env = make_env(tiny_sd3_dir, *overrides)
@@ -134,9 +138,10 @@ def test_trained_steps_subset_and_window_bounds():
     assert set(steps.flatten().tolist()) == {1, 2, 3, 4}
     for selection in ("first", "random"):
         assert trained_steps(3, stochastic, 1.0, torch.Generator(), selection).tolist() == [[1, 2, 3, 4]] * 3
-    starts = {int(stochastic_steps(10, 3, (2, 8), random.Random(s)).nonzero()[0]) for s in range(200)}
+    starts = {int(window_mask(10, *window_bounds(s, num_steps=10, size=3, window_range=(2, 8))).nonzero()[0])
+              for s in range(200)}
     assert starts == {2, 3, 4, 5}
-    assert bool(stochastic_steps(4).all())
+    assert bool(window_mask(4, *window_bounds(0, num_steps=4, size=0)).all())
 
 
 def test_kl_is_zero_for_the_reference_and_matches_the_closed_form(tiny_sd3_dir):

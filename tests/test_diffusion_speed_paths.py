@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 
 import numpy as np
 import pytest
@@ -20,9 +19,10 @@ from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.sampling import (forward_module, guided_velocity, rescore_steps, sample_with_logprob, schedule_coefficients,
-                                     stochastic_steps, to_pil, trained_steps)
+                                     to_pil, trained_steps)
 from unirl.diffusion.sde import sde_step, sde_step_with_logprob, step_coefficients
 from unirl.diffusion.tiny.sd3 import build_tiny_sd3
+from unirl.diffusion.window import window_bounds, window_mask
 
 SEEDS = [0, 1, 2]
 
@@ -121,7 +121,7 @@ def test_unchecked_step_equals_the_checked_one(seed, sde_type, noise_level, give
 ])
 def test_sampler_keeps_what_a_per_step_loop_keeps(env, seed, window, fraction, selection, sde_type):
     n, steps = 6, len(env.train_timesteps)
-    stochastic = stochastic_steps(steps, window, None, random.Random(seed))
+    stochastic = window_mask(steps, *window_bounds(seed, num_steps=steps, size=window))
     record = trained_steps(n, stochastic, fraction, torch.Generator().manual_seed(seed), selection)  # [N, T]
     noise = torch.randn(n, *env.latent_shape, generator=torch.Generator().manual_seed(seed))
     cond = _cond(env, n)

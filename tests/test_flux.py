@@ -126,6 +126,10 @@ def test_noise_level_zero_is_the_pipelines_euler_sampler(pipe, guidance):
     ("sampling.sde_window.size=2", "sampling.sde_window.range=[1,5]", "sampling.timestep_fraction=0.5",
      "sampling.same_noise_per_group=true"),
     ("sampling.sde_type=cps", "sampling.noise_level=0.5"),
+    # MixGRPO-Flash on packed latents: a window at [2, 4) after a branched prefix, compressed DPM-Solver++(2M) tail.
+    ("sampling.sde_window.size=2", "sampling.sde_window.range=[2,5]", "sampling.sde_window.schedule=progressive",
+     "sampling.same_noise_per_group=true", "sampling.branch_prefix=true", "sampling.ode_solver=dpm2m",
+     "sampling.tail_step_ratio=0.5"),
 ])
 def test_first_update_is_exactly_on_policy(tiny_flux_dir, overrides):
     env = make_env(*overrides)

@@ -72,14 +72,33 @@ class ModelConfig:
 
 @dataclass
 class SdeWindowConfig:
-    """Flow-GRPO-Fast (FlowGRPO's ``sde_window_size``/``sde_window_range``): only ``size`` consecutive
-    steps are stochastic (and trained); the others are deterministic ODE steps. The window start is
-    drawn uniformly per rollout so that ``[start, start + size)`` lies inside ``range``."""
+    """The SDE window: only ``size`` consecutive steps are stochastic (and trained); the others are
+    deterministic ODE steps. Where it lies at each training step is ``schedule``'s rule
+    (``unirl/diffusion/window.py``): ``random``, Flow-GRPO-Fast (FlowGRPO's ``sde_window_size`` /
+    ``sde_window_range``), or ``progressive``, MixGRPO's sliding window (https://arxiv.org/abs/2507.21802)."""
 
     #: Number of stochastic steps; 0 makes every step stochastic (plain FlowGRPO).
     size: int = 0
-    #: ``[lo, hi)`` step indices the window must lie in; null: all steps.
+    #: ``[lo, hi)`` step indices the window must lie in; null: all steps. (MixGRPO's ``max_timesteps``
+    #: is ``hi = num_steps - 2``: its last step is never trained.)
     range: Optional[tuple[int, int]] = None
+    #: ``random``: the start is drawn uniformly per training step from the run's seed and the step so
+    #: that ``[start, start + size)`` lies in ``range`` (FlowGRPO-Fast; MixGRPO's ``random`` strategy).
+    #: ``progressive``: MixGRPO's sliding window: it starts at ``lo``, moves by ``stride`` steps every
+    #: ``shift_interval`` training steps, is cut at ``hi`` near the end (``[start, min(start + size, hi))``)
+    #: and rolls back to ``lo`` after its last position (MixGRPO's ``--roll_back``).
+    schedule: Literal["random", "progressive"] = "random"
+    #: ``progressive``: training steps the window stays at one position (MixGRPO's ``iters_per_group``,
+    #: the paper's shift interval; its MixGRPO script uses 25, the MixGRPO-Flash one 20).
+    shift_interval: int = 25
+    #: ``progressive``: steps the window moves at each shift (MixGRPO's ``prog_overlap_step``: its scripts
+    #: pass ``--prog_overlap`` with 1; without that flag it moves by the window size; 0 keeps it in place,
+    #: as its MixGRPO-Flash* script does).
+    stride: int = 1
+
+    def __post_init__(self):
+        check_range(self, "shift_interval", low=1)
+        check_range(self, "stride", low=0)
 
 
 @dataclass
@@ -110,6 +129,24 @@ class SamplingConfig:
     #: The stochastic sampler: ``flow`` (FlowGRPO's SDE) or ``cps`` (coefficients-preserving sampling).
     sde_type: Literal["flow", "cps"] = "flow"
     sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
+    #: Flow-GRPO-Fast branching, FlowGRPO's ``train_sd3_fast`` behaviour: when the SDE window starts at
+    #: step k > 0, the k deterministic steps before it run once per prompt (B transformer rows a step
+    #: instead of B*G) and the group's G members branch from that latent, each drawing its own SDE noise
+    #: from the window on. The members of a group must then share their initial noise
+    #: (``same_noise_per_group: true``), and with it the images are those of the unbranched sampler.
+    branch_prefix: bool = False
+    #: The solver of the deterministic steps after the SDE window in training rollouts: ``euler`` (the
+    #: scheduler's Euler step) or ``dpm2m``, DPM-Solver++(2M) (https://arxiv.org/abs/2211.01095) as
+    #: MixGRPO-Flash takes those steps (``dpm_algorithm_type=dpmsolver++``, ``dpm_solver_order=2``,
+    #: ``dpm_solver_type=midpoint``, ``dpm_apply_strategy=post``; diffusers' ``DPMSolverMultistepScheduler``
+    #: with flow sigmas, first order at the last step). The steps before and in the window stay Euler and
+    #: FlowGRPO SDE steps; evaluation samples with Euler whatever this says.
+    ode_solver: Literal["euler", "dpm2m"] = "euler"
+    #: Fraction of the deterministic steps after the SDE window that a rollout takes, in fewer and longer
+    #: DPM-Solver++(2M) steps (``ode_solver: dpm2m``): MixGRPO-Flash's ``dpm_post_compress_ratio`` (0.4 in
+    #: its MixGRPO-Flash script, 0.2 in Flash*), counted as it counts them (``unirl/diffusion/window.py``,
+    #: ``kept_steps``). 1: every step. Fewer transformer calls a rollout; the trained steps are unchanged.
+    tail_step_ratio: float = 1.0
     #: Fraction of the stochastic steps trained per sample, ``T = int(K * fraction)`` of K (FlowGRPO's
     #: ``timestep_fraction``; at least one step is trained).
     timestep_fraction: float = 1.0
@@ -154,6 +191,18 @@ class SamplingConfig:
             raise ValueError(
                 f"sde_window: a window of {w.size} steps must fit in range [{lo}, {hi}) within num_steps={self.num_steps}"
             )
+        if self.branch_prefix and not self.same_noise_per_group:
+            raise ValueError("sampling.branch_prefix=true: the group's members branch from one latent per prompt, so "
+                             "they share its initial noise; set sampling.same_noise_per_group: true")
+        if not 0 < self.tail_step_ratio <= 1:
+            raise ValueError(f"sampling.tail_step_ratio must lie in (0, 1], got {self.tail_step_ratio}")
+        if self.tail_step_ratio < 1 and self.ode_solver != "dpm2m":
+            raise ValueError(f"sampling.tail_step_ratio={self.tail_step_ratio} takes the steps after the window in "
+                             f"fewer, longer steps, which needs the higher-order solver: set sampling.ode_solver: dpm2m")
+        if self.ode_solver != "euler" and not w.size:
+            raise ValueError(f"sampling.ode_solver={self.ode_solver!r} takes the deterministic steps after the SDE "
+                             f"window, and without one (sde_window.size: 0) every step is an SDE step; set "
+                             f"sampling.sde_window.size")
 
 
 @dataclass

@@ -18,8 +18,13 @@ What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the mod
 Differences from FlowGRPO's reference code: the EMA is updated once per optimizer step (FlowGRPO
 calls its ``ema.step`` after every micro-batch with the optimizer-step count, so with gradient
 accumulation it repeats the same update several times at each qualifying step); the negative prompt
-(the family's ``negative_prompt``, the empty string for SD3) is encoded once; and the SDE window (Fast
-mode) is drawn once per rollout from the run's seed.
+(the family's ``negative_prompt``, the empty string for SD3) is encoded once; and the SDE window
+(``unirl/diffusion/window.py``) is a function of the run's seed and the training step.
+
+Faster variants, all in ``rollout``: an SDE window (Flow-GRPO-Fast, or MixGRPO's sliding window) trains
+a few steps instead of all; ``branch_prefix`` runs the deterministic steps before the window once per
+prompt and branches the group from there; ``ode_solver: dpm2m`` takes the steps after the window with
+DPM-Solver++(2M), in fewer steps with ``tail_step_ratio`` (MixGRPO-Flash). ``rollout/transformer_calls`` logs the transformer rows a rollout ran.
 
 Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[*latent]`` in the family's
 layout (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C]``).
@@ -31,7 +36,6 @@ import contextlib
 import copy
 import functools
 import json
-import random
 import textwrap
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,7 +46,9 @@ from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards, write_grid
 from unirl.diffusion.pipeline import load_pipeline
-from unirl.diffusion.sampling import rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients, stochastic_steps, to_pil, trained_steps
+from unirl.diffusion.sampling import (ForwardCounter, rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients,
+                                     to_pil, trained_steps)
+from unirl.diffusion.window import kept_steps, window_bounds, window_mask
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet, concat_components
@@ -187,6 +193,8 @@ class DiffusionEnvironment(Environment):
                 self.ref = copy.deepcopy(transformer).eval()
             transformer.requires_grad_(True)
         self._model = transformer
+        self.forwards = ForwardCounter(pipe.transformer)  # the rows each rollout runs (rollout/transformer_calls)
+        self._rollout_figures: dict[str, float] = {}
         if cfg.ema.enabled:
             self.ema = ParamEMA([p for p in transformer.parameters() if p.requires_grad], cfg.ema.decay,
                                 cfg.ema.update_every)
@@ -269,20 +277,29 @@ class DiffusionEnvironment(Environment):
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in self._encode(rows).items()}  # each [N, ...]
+        encoded = self._encode(rows)  # each [B, ...]
         group_ids = torch.arange(B).repeat_interleave(G)  # [N]
         # 2. Initial noise (shared within a group if asked), SDE window and trained steps.
         noise = self.family.noise(B if s.same_noise_per_group else N, self.latent_shape, generator)
+        # The window comes from the seed and the step only: every process, and a resumed run, uses the same one.
+        w = s.sde_window
+        start, stop = window_bounds(self._step, num_steps=s.num_steps, size=w.size, window_range=w.range,
+                                    schedule=w.schedule, shift_interval=w.shift_interval, stride=w.stride,
+                                    seed=cfg.trainer.seed)
+        sigmas, timesteps, stochastic, dpm, coefficients = self._plan(start, stop)
+        steps = trained_steps(N, stochastic, s.timestep_fraction, generator, s.timestep_selection)  # [N, T]
+        self.forwards.take()  # count this rollout's transformer rows only
+        # 3. Flow-GRPO-Fast branching: the deterministic steps before the window once per prompt, then each
+        #    prompt's latent repeated for its G members (``noise`` is one per prompt then).
+        first = start if s.branch_prefix else 0  # the first step sampled per member
+        if first:
+            noise = self._prefix(noise, encoded, sigmas, timesteps, stochastic, coefficients, stop=first)  # [B, *latent] at step k
         if s.same_noise_per_group:
             noise = noise.repeat_interleave(G, 0)  # [N, *latent]
-        # The window is drawn from the seed and step only, so every process uses the same one.
-        window_rng = random.Random(cfg.trainer.seed * 7_919 + self._step)
-        stochastic = stochastic_steps(s.num_steps, s.sde_window.size, s.sde_window.range, window_rng)  # [S]
-        steps = trained_steps(N, stochastic, s.timestep_fraction, generator, s.timestep_selection)  # [N, T]
-        # 3. Sample chunk by chunk; each finished chunk but the last is scored in the reward pool while the
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in encoded.items()}  # each [N, ...]
+        # 4. Sample chunk by chunk; each finished chunk but the last is scored in the reward pool while the
         #    next one samples. The last has no sampling left to overlap: ``score`` scores it on the calling
         #    thread (a pool thread would only compete with this one for the GIL until then).
-        sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
         outs, images, futures = [], [], []
         columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         for lo in range(0, N, s.chunk_size):
@@ -291,7 +308,7 @@ class DiffusionEnvironment(Environment):
             out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=self.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
-                                      generator=generator, coefficients=self.train_coefficients)
+                                      generator=generator, coefficients=coefficients, start=first, dpm=dpm)
             chunk_images = to_pil(self.family.decode(self.pipe, out.final))
             chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
             if hi < N:
@@ -300,7 +317,9 @@ class DiffusionEnvironment(Environment):
                 futures.append(functools.partial(self.rewards.components, chunk_images, **chunk))
             outs.append(out)
             images += chunk_images
-        # 4. Everything training needs to re-evaluate the trained steps.
+        self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take()),
+                                 "rollout/window_start": float(start), "rollout/window_size": float(stop - start)}
+        # 5. Everything training needs to re-evaluate the trained steps.
         sig = sigmas.cpu()
 
         def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # one chunk (the usual case): no copy
@@ -327,7 +346,41 @@ class DiffusionEnvironment(Environment):
         else:  # a rollout not made by the last ``rollout`` call: score it inline
             components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
         rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
-        return self.rewards.combine(components, rollout.group_ids)
+        rewards, metrics = self.rewards.combine(components, rollout.group_ids)
+        return rewards, {**metrics, **self._rollout_figures}
+
+    def _plan(self, start: int, stop: int) -> tuple:
+        """The steps of a rollout whose SDE window is ``[start, stop)``: ``(sigmas [S' + 1], timesteps [S'],
+        stochastic [S'], dpm [S'] or None, the steps' constants)`` on the device, S' = S unless
+        ``tail_step_ratio`` cuts the steps after the window (the steps up to its end keep their index)."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        stochastic = window_mask(s.num_steps, start, stop)  # [S]
+        # DPM-Solver++(2M) for the ODE steps after the window (MixGRPO's "post" strategy).
+        dpm = torch.arange(s.num_steps) >= stop if s.ode_solver == "dpm2m" else None  # [S]
+        sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
+        if s.tail_step_ratio == 1:
+            return sigmas, timesteps, stochastic, dpm, self.train_coefficients
+        keep = kept_steps(s.num_steps, stop, s.tail_step_ratio)  # MixGRPO-Flash: indices into the S + 1 sigmas
+        sigmas = sigmas[keep]  # [S' + 1]
+        coefficients = schedule_coefficients(sigmas, noise_level=s.noise_level, sde_type=s.sde_type)
+        return sigmas, timesteps[keep[:-1]], stochastic[keep[:-1]], dpm[keep[:-1]], coefficients
+
+    def _prefix(self, noise: torch.Tensor, encoded: dict[str, torch.Tensor], sigmas: torch.Tensor,
+                timesteps: torch.Tensor, stochastic: torch.Tensor, coefficients, stop: int) -> torch.Tensor:
+        """The latents ``[B, *latent]`` at step ``stop`` from the prompts' initial ``noise`` [B, *latent]:
+        the deterministic steps ``[0, stop)`` once per prompt (``encoded`` each ``[B, ...]``), in chunks
+        of ``sampling.chunk_size`` prompts. The steps draw no noise, so the SDE generator's state after
+        them is the unbranched sampler's."""
+        s, device = self.cfg.sampling, self.accelerator.device
+        parts = []
+        for lo in range(0, noise.shape[0], s.chunk_size):
+            hi = min(lo + s.chunk_size, noise.shape[0])
+            cond = self._cond({k: v[lo:hi] for k, v in encoded.items()}, self.train_guidance)
+            out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+                                      guidance_scale=self.train_guidance, noise_level=s.noise_level,
+                                      stochastic=stochastic, sde_type=s.sde_type, coefficients=coefficients, stop=stop)
+            parts.append(out.final)
+        return torch.cat(parts)
 
     # ------------------------------------------------------------- log-probs
     def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:

@@ -18,11 +18,11 @@ family's transformer takes them (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C
 from __future__ import annotations
 
 import functools
-import random
 from dataclasses import dataclass
 
 import torch
 
+from unirl.diffusion.dpm_solver import data_prediction, dpm_solver_pp_step
 from unirl.diffusion.sde import StepCoefficients, check_sigmas, check_step_inputs, sde_step, step_coefficients, step_log_prob
 
 
@@ -54,24 +54,6 @@ def sigma_schedule(scheduler, num_steps: int, device=None, *, sigmas=None, mu: f
     if sigmas.shape[0] != num_steps + 1 or timesteps.shape[0] != num_steps:
         raise ValueError(f"scheduler gave {sigmas.shape[0]} sigmas for {num_steps} steps (expected {num_steps + 1})")
     return sigmas, timesteps
-
-
-def stochastic_steps(num_steps: int, window_size: int = 0, window_range: tuple[int, int] | None = None,
-                     rng: random.Random | None = None) -> torch.Tensor:
-    """``[S]`` bool: which steps are SDE steps (the rest are deterministic ODE steps).
-
-    ``window_size=0``: all steps (FlowGRPO). Otherwise Flow-GRPO-Fast's window: ``window_size``
-    consecutive steps starting uniformly in ``[lo, hi - window_size]``, shared by the whole batch.
-    """
-    mask = torch.zeros(num_steps, dtype=torch.bool)
-    if window_size == 0:
-        return mask.fill_(True)
-    lo, hi = window_range if window_range is not None else (0, num_steps)
-    if not 0 <= lo <= hi - window_size and hi <= num_steps:
-        raise ValueError(f"a window of {window_size} steps does not fit in [{lo}, {hi}) of {num_steps} steps")
-    start = (rng or random).randint(lo, hi - window_size)
-    mask[start:start + window_size] = True
-    return mask
 
 
 def trained_steps(n: int, stochastic: torch.Tensor, fraction: float, generator: torch.Generator,
@@ -111,6 +93,28 @@ def guided_velocity(family, transformer, latents: torch.Tensor, timestep: torch.
         v_uncond, v_cond = v.chunk(2)
         return family.combine_guidance(v_uncond, v_cond, guidance_scale)
     return family.velocity(transformer, latents, timestep, cond)  # [n, *latent]: the family reads its cond_keys
+
+
+class ForwardCounter:
+    """Counts the samples that go through ``module``'s forward: the rows of its ``hidden_states`` (or first
+    argument), so a classifier-free-guided step of n samples counts 2n (one batched forward of the
+    negative and positive halves). A forward pre-hook on the module itself, so every route to it (a PEFT
+    wrapper, ``forward_module``'s shortcut, DDP) is counted; ``take()`` returns the count and restarts it."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.count += hidden.shape[0]
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 def forward_module(transformer):
@@ -176,8 +180,12 @@ def sample_with_logprob(
     sde_type: str = "flow",
     generator: torch.Generator | None = None,
     coefficients: tuple[list[StepCoefficients], list[StepCoefficients]] | None = None,
+    start: int = 0,
+    stop: int | None = None,
+    dpm: torch.Tensor | None = None,
 ) -> SampleOutput:
-    """Run the S denoising steps from ``noise`` [N, *latent], keeping the recorded steps.
+    """Run the denoising steps ``start .. stop - 1`` (all S by default) from ``noise`` [N, *latent] (the
+    latents at ``sigmas[start]``), keeping the recorded steps; ``final`` is the latent at ``sigmas[stop]``.
 
     Args:
         family: the model family's adapter (``unirl.diffusion.families``); ``cond`` holds its
@@ -191,13 +199,27 @@ def sample_with_logprob(
         coefficients: ``schedule_coefficients(sigmas, noise_level=..., sde_type=...)`` on the latents'
             device when the caller keeps them; computed here when None. Given ones are used as they
             are: they must come from these sigmas and settings.
+        start, stop: the steps to run; a sampler that branches runs ``[0, k)`` once per prompt and
+            ``[k, S)`` per sample from the repeated latents (``sampling.branch_prefix``).
+        dpm: ``[S]`` bool, ODE steps taken by DPM-Solver++(2M) (``unirl.diffusion.dpm_solver``) instead
+            of Euler; each uses the data prediction of the step before it (second order) unless that
+            step is not run here or it is the last step (first order). None: Euler for every ODE step.
     """
-    n = noise.shape[0]
+    n, num_steps = noise.shape[0], len(timesteps)
+    stop = num_steps if stop is None else stop
+    if not 0 <= start <= stop <= num_steps:
+        raise ValueError(f"need 0 <= start <= stop <= {num_steps} steps, got start={start}, stop={stop}")
     record = torch.zeros(n, 0, dtype=torch.long) if record is None else record.cpu()
     rows = record.tolist()  # [N][T]: checked and grouped in Python, one read instead of a dozen small operations
     is_sde = stochastic.tolist()  # [S] python bools: no tensor read per step
     if not all(is_sde[i] for row in rows for i in row):
         raise ValueError("only stochastic steps can be recorded (an ODE step has no density)")
+    if not all(start <= i < stop for row in rows for i in row):
+        raise ValueError(f"recorded steps must lie in the steps run, [{start}, {stop})")
+    is_dpm = [False] * num_steps if dpm is None else dpm.tolist()  # [S]
+    if any(d and s for d, s in zip(is_dpm, is_sde)):
+        raise ValueError("a DPM-Solver step must be an ODE step (dpm and stochastic overlap)")
+    sigma_values = sigmas.tolist() if any(is_dpm) else None  # [S + 1] floats for the solver's scalars
     if coefficients is None:  # the constants meet the latents in addcmul: on their device
         coefficients = schedule_coefficients(sigmas.to(noise.device), noise_level=noise_level, sde_type=sde_type)
     sde_coef, ode_coef = coefficients  # step i takes entry i of one of them
@@ -207,14 +229,21 @@ def sample_with_logprob(
     step_times = timesteps.unsqueeze(1).expand(-1, n).unbind()  # S x [n]: each step's timestep for the batch, views
     latents = noise.float()  # [N, *latent]
     before, after, logps = [], [], []  # per recorded step: [N, *latent], [N, *latent], [N]
-    for i, step_time in enumerate(step_times):
-        v = guided_velocity(family, transformer, latents, step_time, cond, guidance_scale)
-        if i == 0:
+    prev_x0 = None  # the previous step's data prediction, when the next step is a DPM-Solver step
+    for i in range(start, stop):
+        v = guided_velocity(family, transformer, latents, step_times[i], cond, guidance_scale)
+        if i == start:
             check_step_inputs(v, latents, None, noise_level, sde_type, "mean")
-        nxt, logp, _, _ = sde_step(v, latents, (sde_coef if is_sde[i] else ode_coef)[i], generator=generator)
+        if is_dpm[i]:
+            x0 = data_prediction(latents, v, sigma_values[i])
+            nxt = dpm_solver_pp_step(latents, x0, sigma_values[i], sigma_values[i + 1], prev_x0=prev_x0,
+                                     prev_sigma=sigma_values[i - 1] if prev_x0 is not None else None)
+        else:
+            nxt, logp, _, _ = sde_step(v, latents, (sde_coef if is_sde[i] else ode_coef)[i], generator=generator)
+            x0 = data_prediction(latents, v, sigma_values[i]) if i + 1 < stop and is_dpm[i + 1] else None
         if i in recorded:
             before.append(latents), after.append(nxt), logps.append(logp)
-        latents = nxt
+        latents, prev_x0 = nxt, x0
     return _kept(latents, record, rows, recorded, before, after, logps)
 
 
