@@ -48,6 +48,9 @@ TINY_WAN_SPEC = {
     # Wan's latent normalisation (latents_mean / latents_std) is AutoencoderKLWan's default: Wan 2.1's.
     "vae": dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
     "umt5": dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, relative_attention_num_buckets=8),
+    # The tokenizer's model_max_length: the colour warm start encodes its prompts at that length, so 16
+    # as the other toys' CLIP context (T5's 512 made the warm start take minutes).
+    "tokenizer_max_length": 16,
     "scheduler": dict(num_train_timesteps=1000, shift=3.0),
     # A random Wan decoder draws every latent as the same flat colour (the brightness of its videos
     # varied by 0.0002 across random latents), so no demo reward could be learnt; this fit makes a
@@ -76,6 +79,7 @@ def build_tiny_wan(directory: str | Path | None = None, seed: int = 0, variant: 
     def build(directory: Path) -> None:
         # 1. Tokenizer: character level, built in memory (the other toys' T5).
         tokenizer = t5_char_tokenizer()
+        tokenizer.model_max_length = TINY_WAN_SPEC["tokenizer_max_length"]
 
         # 2. Models, each from its own seed.
         torch.manual_seed(seed)
