@@ -196,7 +196,9 @@ class NftConfig:
     #: after k optimizer steps, and d = 0 (a copy) while ``k < old_decay_flat`` (``return_decay``; its
     #: ``decay_type: 1``, the default: flat 0, rate 0.001, max 0.5; ``decay_type: 2`` for OCR: 75, 0.0075, 0.999).
     old_decay_flat: int = 0
+    #: The decay's rise per optimizer step after ``old_decay_flat`` (``uprate``; ``decay_type: 1``: 0.001).
     old_decay_rate: float = 0.001
+    #: The decay's ceiling, below 1 (``uphold``; ``decay_type: 1``: 0.5).
     old_decay_max: float = 0.5
 
     def __post_init__(self):
