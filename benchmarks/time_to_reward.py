@@ -122,6 +122,14 @@ def train_one(task: str, method: str, seed: int, steps: int, eval_every: int, wo
     return curve
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (Linux), to print beside the times."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def first_reaching(curve: list[dict], target: float) -> dict | None:
     return next((point for point in curve if point["reward"] >= target), None)
 
@@ -195,8 +203,8 @@ def main(argv=None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
-    torch.set_num_threads(torch.get_num_threads())  # as the environment left it (OMP_NUM_THREADS)
     run_id = time.strftime("%Y%m%d-%H%M%S")
+    print(f"torch threads {torch.get_num_threads()}; load average {load_average()}", flush=True)
     runs: dict[str, dict[str, list]] = {}
     for task in args.tasks.split(","):
         runs[task] = {m: [] for m in methods}
@@ -206,7 +214,8 @@ def main(argv=None) -> int:
                 runs[task][method].append(curve)
                 last = curve[-1]
                 print(f"{task} {method} seed {seed}: held-out {curve[0]['reward']:.3f} -> {last['reward']:.3f} "
-                      f"{last['colours']} in {last['time']:.1f} s, {last['samples']} sample-forwards", flush=True)
+                      f"{last['colours']} in {last['time']:.1f} s, {last['samples']} sample-forwards; "
+                      f"load average {load_average()}", flush=True)
     lines = summarise(runs, methods)
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
