@@ -12,7 +12,9 @@ rewards on tokens read the old and reference log-probs and the advantages read t
     penalty, GAE) -> update_critic -> update (after ``trainer.critic_warmup`` steps) -> sync -> log
 
 The algorithm lives in ``unirl/core`` (advantages, clipped loss, KL, aggregation); the environment
-(``unirl/env.py``) supplies samples, rewards and log-probs. Shapes: N = B*G samples, T tokens or
+(``unirl/env.py``) supplies samples, rewards and log-probs, or its own per-position loss
+(``Environment.own_loss``: DiffusionNFT's, ``unirl/core/nft.py``) that the update aggregates instead of
+the clipped ratio. Shapes: N = B*G samples, T tokens or
 trained denoising steps.
 """
 
@@ -514,7 +516,9 @@ class Trainer:
         logged losses (detached), and the detached inputs of its ratio figures, each [n, T']: ``logp``,
         ``old_logp``, ``advantages`` and ``mask``.
 
-        Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones."""
+        Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones.
+        An environment with its own loss (``env.own_loss``, DiffusionNFT) gives ``loss`` and its ``figures``
+        per position instead of log-probs; they are aggregated the same way, and there is no ratio."""
         algo, device = self.algo, self.accelerator.device
         cur = self.env.evaluate(model, micro, columns)
         mask = cur["mask"]  # [n, T'], or None: every position trained
