@@ -198,17 +198,23 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "time_to_reward")
     parser.add_argument("--work", type=Path, default=Path("/tmp/unirl-time-to-reward"))
+    parser.add_argument("--summarise", action="store_true", help="only print the table and plot of <out>.json")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    if args.summarise:  # a finished or stopped benchmark's saved runs
+        runs = json.loads(args.out.with_suffix(".json").read_text())
+        print("\n".join(summarise(runs, [m for m in methods if any(m in r for r in runs.values())])))
+        plot({t: {m: c for m, c in r.items() if c} for t, r in runs.items()}, args.out.with_suffix(".png"))
+        return 0
     run_id = time.strftime("%Y%m%d-%H%M%S")
     print(f"torch threads {torch.get_num_threads()}; load average {load_average()}", flush=True)
-    runs: dict[str, dict[str, list]] = {}
-    for task in args.tasks.split(","):
-        runs[task] = {m: [] for m in methods}
-        for seed in range(args.seeds):
+    tasks = args.tasks.split(",")
+    runs = {task: {m: [] for m in methods} for task in tasks}
+    for seed in range(args.seeds):  # seed by seed, so a stopped benchmark has every task and method
+        for task in tasks:
             for method in methods:  # interleaved: load changes hit every method alike
                 curve = train_one(task, method, seed, args.steps, args.eval_every, args.work / run_id)
                 runs[task][method].append(curve)
@@ -216,10 +222,10 @@ def main(argv=None) -> int:
                 print(f"{task} {method} seed {seed}: held-out {curve[0]['reward']:.3f} -> {last['reward']:.3f} "
                       f"{last['colours']} in {last['time']:.1f} s, {last['samples']} sample-forwards; "
                       f"load average {load_average()}", flush=True)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))  # so far: kept if stopped
     lines = summarise(runs, methods)
     print("\n".join(lines))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))
     plot(runs, args.out.with_suffix(".png"))
     print(f"saved {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
     return 0
