@@ -154,14 +154,16 @@ def summarise(runs: dict, methods: list[str]) -> list[str]:
             colours = " / ".join(f"{median([c[-1]['colours'][k] for c in curves]):.3f}" for k in COLOURS
                                  if all(k in c[-1]["colours"] for c in curves)) or "-"
             reached = [first_reaching(c, target) for c in curves] if target is not None else []
-            hits = [p for p in reached if p is not None]
-            if target is None or len(hits) * 2 <= len(curves):  # the median seed did not reach it
+            # Seeds that never reached it count as infinitely slow in the median; FlowGRPO's own figure is
+            # its whole run's (the target is its median final reward, reached at the end by definition).
+            t = median([p["time"] if p else float("inf") for p in reached]) if method != "flowgrpo" else base_time
+            if target is None or t == float("inf"):
                 to_time = to_samples = ratio = "not reached" if target is not None else "-"
             else:
-                # Seeds that never reached it count as infinitely slow in the median.
-                t = median([p["time"] if p else float("inf") for p in reached])
                 to_time, ratio = f"{t:.1f}", f"{t / base_time:.2f}"
-                to_samples = f"{median([p['samples'] if p else float('inf') for p in reached]):.0f}"
+                samples = [c[-1]["samples"] for c in curves] if method == "flowgrpo" else \
+                    [p["samples"] if p else float("inf") for p in reached]
+                to_samples = f"{median(samples):.0f}"
             total = median([c[-1]["time"] for c in curves])
             lines.append(f"| {task} | {method} | {len(curves)} | {final:.3f} | {colours} | {to_time} | {ratio} "
                          f"| {to_samples} | {total:.1f} |")
