@@ -18,8 +18,8 @@ counted by a forward hook on the transformer during training steps only).
 
 Printed: per task and method the median over seeds of the final held-out reward, the training time and
 forwards to reach FlowGRPO's final (``--steps``) held-out reward (its median), and the ratio of that time
-to FlowGRPO's. Saved: ``<out>.json`` (every run's curve) and ``<out>.png`` (reward against time and
-against sample-forwards, median over seeds). Time it under ``flock /tmp/bench.lock`` on a shared machine.
+to FlowGRPO's. Saved: ``<out>.json`` (every run's curve) and ``--plot`` (reward against time and
+against sample-forwards, median over seeds; docs/time_to_reward.png). Time it under ``flock /tmp/bench.lock`` on a shared machine.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "time_to_reward")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "time_to_reward.png")
     parser.add_argument("--work", type=Path, default=Path("/tmp/unirl-time-to-reward"))
     parser.add_argument("--summarise", action="store_true", help="only print the table and plot of <out>.json")
     args = parser.parse_args(argv)
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
     if args.summarise:  # a finished or stopped benchmark's saved runs
         runs = json.loads(args.out.with_suffix(".json").read_text())
         print("\n".join(summarise(runs, [m for m in methods if any(m in r for r in runs.values())])))
-        plot({t: {m: c for m, c in r.items() if c} for t, r in runs.items()}, args.out.with_suffix(".png"))
+        plot({t: {m: c for m, c in r.items() if c} for t, r in runs.items()}, args.plot)
         return 0
     run_id = time.strftime("%Y%m%d-%H%M%S")
     print(f"torch threads {torch.get_num_threads()}; load average {load_average()}", flush=True)
@@ -228,8 +229,8 @@ def main(argv=None) -> int:
                 args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))  # so far: kept if stopped
     lines = summarise(runs, methods)
     print("\n".join(lines))
-    plot(runs, args.out.with_suffix(".png"))
-    print(f"saved {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    plot(runs, args.plot)
+    print(f"saved {args.out.with_suffix('.json')} and {args.plot}")
     return 0
 
 
