@@ -5,7 +5,8 @@ the tiny LM, a diffusion rollout of the toy SD3, with fixed random rewards) is m
 ``--prepare`` in a single process and saved. Each process then takes its contiguous share of the rows
 (text responses trimmed to the share's own longest one, so widths differ between processes), and
 for every loss aggregation mode, with and without KL, a fresh Trainer runs the loop's advantage,
-old/reference and update stages. The main process writes the logged update figures and the updated
+old/reference and update stages (DiffusionNFT: its own rollout, advantage and update stages, with and
+without its KL). The main process writes the logged update figures and the updated
 trainable weights, which must not depend on the number of processes. PPO (text: GAE with a critic
 and the adaptive KL in the reward) runs the loop's ``learn`` stages, and adds the critic's weights.
 
@@ -38,7 +39,11 @@ def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path, 
               "trainer.eval_every=0", "trainer.progress=false", "trainer.reward_workers=0",
               f"algo.loss_agg={agg}", f"algo.kl_coef={kl}", "optim.max_grad_norm=1.0", "algo.adv_scale=batch"]
     extra = {"text": ["rollout.engine=hf", "rollout.max_new_tokens=12", "optim.lr=3e-4"],
-             "diffusion": ["optim.lr=1e-2", "ema.enabled=false"]}[env_name]
+             "diffusion": ["optim.lr=1e-2", "ema.enabled=false"]}[env_name.removesuffix("-nft")]
+    if env_name == "diffusion-nft":  # DiffusionNFT: its KL is nft.kl_coef, in its own loss
+        extra += ["algorithm=nft", f"nft.kl_coef={kl}", "sampling.timestep_fraction=0.5"]
+        common = [c for c in common if not c.startswith("algo.kl_coef=")]
+        env_name = "diffusion"
     cfg = load_run_config(env_name, "tiny", common + extra + list(overrides), output_dir=str(run_dir))
     env = _import(ENVIRONMENTS[env_name][1])(cfg)
     trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
@@ -49,7 +54,7 @@ def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path, 
 
 def prepare(batch_path: Path, work: Path) -> None:
     batches = {}
-    for env_name in ("text", "diffusion"):
+    for env_name in ("text", "diffusion", "diffusion-nft"):
         trainer = make_trainer(env_name, 1, "token-mean", 0.0, work / f"prepare-{env_name}")
         rollout = trainer.env.rollout(trainer.env.next_prompts(0), GROUP)
         rewards = torch.rand(len(rollout), generator=torch.Generator().manual_seed(7))
@@ -102,6 +107,17 @@ def run(batch_path: Path, work: Path, out_path: Path) -> None:
             **{name: torch.cat([p.detach().flatten().float().cpu() for p in trainer.accelerator.unwrap_model(m).parameters()
                                 if p.requires_grad]) for name, m in (("weights", trainer.env.model),
                                                                      ("critic_weights", trainer.critic.model))}}
+        trainer.env.close()
+    for kl in (0.0, 0.05):  # DiffusionNFT: two updates on its own rollout (the second away from the old policy)
+        trainer = make_trainer("diffusion-nft", state.num_processes, "token-mean", kl, work / f"nft-{kl}")
+        rollout, rewards = local_share(batches["diffusion-nft"]["rollout"], batches["diffusion-nft"]["rewards"],
+                                       state.process_index, state.num_processes)
+        for _ in range(2):
+            adv = trainer.advantages(rollout, rewards)
+            metrics = trainer.update(rollout)
+        model = trainer.accelerator.unwrap_model(trainer.env.model)
+        weights = torch.cat([p.detach().flatten().float().cpu() for p in model.parameters() if p.requires_grad])
+        results[("diffusion-nft", "token-mean", kl)] = {**adv, **metrics, "weights": weights, "world": state.num_processes}
         trainer.env.close()
     if state.is_main_process:
         torch.save(results, out_path)

@@ -2,7 +2,7 @@
 
 The same global batch updated by 1 process and by 2 (each holding half of the rows) must give the
 same logged loss, gradient norm and updated weights (to 1e-5 in float32), for every loss
-aggregation mode, with and without KL, in both environments (``tests/dist_equivalence.py`` runs
+aggregation mode, with and without KL, in both environments (and DiffusionNFT, with and without its KL) (``tests/dist_equivalence.py`` runs
 the loop's stages; this file launches it). A short CLI run on 2 processes then checks what a user
 sees: the logged step covers both processes' samples, and only the main process writes files.
 """
@@ -54,7 +54,8 @@ def one_and_two(tmp_path_factory, tiny_lm_dir):
 
 def test_one_and_two_processes_give_the_same_update(one_and_two):
     one, two = one_and_two
-    assert len(one) == 18 and one.keys() == two.keys()  # 2 environments x 4 modes x (KL on, off), 2 PPO
+    # 2 environments x 4 modes x (KL on, off), 2 PPO, 2 DiffusionNFT (its KL on, off)
+    assert len(one) == 20 and one.keys() == two.keys()
     for key, a in one.items():
         b = two[key]
         assert (a["world"], b["world"]) == (1, 2), key

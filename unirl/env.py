@@ -106,6 +106,12 @@ class Environment(ABC):
     #: The tensors padded on the left (text: the prompts), for ``concat_rollouts``.
     left_padded: tuple[str, ...] = ()
 
+    #: True: the environment trains with its own per-position loss instead of the clipped ratio of
+    #: log-probs (DiffusionNFT's flow-matching objective has no log-probs): ``evaluate`` then returns
+    #: ``loss`` [n, T'] (with gradients), ``figures`` {``loss/<name>``: [n, T'] detached} and ``mask``,
+    #: which the loop aggregates with ``algo.loss_agg`` as it would the clipped loss.
+    own_loss: bool = False
+
     @abstractmethod
     def setup(self, accelerator) -> None:
         """Load models, tokenizers/pipelines, data and the reward. Called once."""

@@ -12,7 +12,9 @@ rewards on tokens read the old and reference log-probs and the advantages read t
     penalty, GAE) -> update_critic -> update (after ``trainer.critic_warmup`` steps) -> sync -> log
 
 The algorithm lives in ``unirl/core`` (advantages, clipped loss, KL, aggregation); the environment
-(``unirl/env.py``) supplies samples, rewards and log-probs. Shapes: N = B*G samples, T tokens or
+(``unirl/env.py``) supplies samples, rewards and log-probs, or its own per-position loss
+(``Environment.own_loss``: DiffusionNFT's, ``unirl/core/nft.py``) that the update aggregates instead of
+the clipped ratio. Shapes: N = B*G samples, T tokens or
 trained denoising steps.
 """
 
@@ -411,7 +413,8 @@ class Trainer:
         log = MetricLog()
         if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv): nothing to learn from
             return {}
-        first_forward = "old_logp" not in rollout.tensors
+        # The first forward's log-probs are the old ones on-policy (an environment with its own loss has none).
+        first_forward = not self.env.own_loss and "old_logp" not in rollout.tensors
         if first_forward and not self._on_policy():
             raise RuntimeError("update: the rollout has no old_logp; call old_and_reference first (the update's first "
                                "forward gives them only on-policy: one mini-batch, trainer.ppo_epochs=1)")
@@ -493,6 +496,8 @@ class Trainer:
                  for name, values in parts.items()}
         if first_logp is not None:
             first_logp.append(whole["old_logp"].cpu())
+        if self.env.own_loss:  # no log-probs: no ratio figures
+            return _on_host(shares)
         ratio = policy_loss_metrics(whole["logp"], whole["old_logp"], whole["advantages"], whole["mask"],
                                     clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                                     level=algo.level)
@@ -511,10 +516,17 @@ class Trainer:
         logged losses (detached), and the detached inputs of its ratio figures, each [n, T']: ``logp``,
         ``old_logp``, ``advantages`` and ``mask``.
 
-        Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones."""
+        Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones.
+        An environment with its own loss (``env.own_loss``, DiffusionNFT) gives ``loss`` and its ``figures``
+        per position instead of log-probs; they are aggregated the same way, and there is no ratio."""
         algo, device = self.algo, self.accelerator.device
         cur = self.env.evaluate(model, micro, columns)
         mask = cur["mask"]  # [n, T'], or None: every position trained
+        agg = dict(denominator=denominator, seq_lengths=seq_lengths)
+        if self.env.own_loss:  # the environment's loss per position (DiffusionNFT), aggregated as the clipped one
+            loss = aggregate(cur["loss"], mask, algo.loss_agg, **agg)
+            shares = {name: aggregate(v, mask, algo.loss_agg, **agg) for name, v in cur["figures"].items()}
+            return loss, {**shares, "loss/total": loss.detach()}, {}
         logp = cur["logp"].detach()  # [n, T']
         old_logp = micro.tensors["old_logp"][:, columns].to(device) if "old_logp" in micro.tensors else logp
         advantages = micro.tensors["advantages"]  # [n] or [n, T]
@@ -530,7 +542,6 @@ class Trainer:
             engine_logp = micro.tensors["engine_logp"][:, columns].to(device)
             weights = rollout_is_weights(old_logp, engine_logp, mask, mode=algo.rollout_is, high=algo.tis_cap,
                                          low=algo.rollout_is_min)
-        agg = dict(denominator=denominator, seq_lengths=seq_lengths)
         policy_loss, _ = clipped_policy_loss(
             cur["logp"], old_logp, advantages, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
             dual_clip=algo.dual_clip, level=algo.level, agg=algo.loss_agg, weights=weights, with_metrics=False, **agg,

@@ -18,10 +18,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-#: environment -> (config dataclass, environment class); imported only when used.
+#: environment -> (config dataclass, environment class or factory taking the config); imported only when used.
 ENVIRONMENTS = {
     "text": ("unirl.text.config:TextConfig", "unirl.text.env:TextEnvironment"),
-    "diffusion": ("unirl.diffusion.config:DiffusionConfig", "unirl.diffusion.env:DiffusionEnvironment"),
+    "diffusion": ("unirl.diffusion.config:DiffusionConfig", "unirl.diffusion:build_environment"),
 }
 
 

@@ -247,6 +247,40 @@ class VideoConfig:
 
 
 @dataclass
+class NftConfig:
+    """DiffusionNFT (``algorithm: nft``; https://arxiv.org/abs/2509.16117, code github.com/NVlabs/DiffusionNFT):
+    the loss ``unirl.core.nft.nft_loss`` and the old policy. Defaults are NVlabs' ``config/nft.py``
+    (``_get_config``, its SD3.5-M base) and ``config/base.py``."""
+
+    #: The implicit policies' step beta: ``v+ = (1 - beta) v_old + beta v``, ``v- = (1 + beta) v_old - beta v``
+    #: (``config.beta = 1.0``; its OCR setting uses 0.1).
+    beta: float = 1.0
+    #: A_max: the advantage mapped to optimality probability 1 (``r = 1/2 + 1/2 clip(A / A_max, -1, 1)``)
+    #: and the loss's scale (``train.adv_clip_max = 5``).
+    adv_clip: float = 5.0
+    #: Weight of the KL to the reference, ``mean((v - v_ref)^2)`` per trained time, in the loss
+    #: (``train.beta = 0.0001`` for SD3). 0 skips the reference's forward.
+    kl_coef: float = 1.0e-4
+    #: The old policy (rollouts and ``v_old``) follows the trained weights once per training step,
+    #: ``old <- d old + (1 - d) new`` with ``d = min(old_decay_rate * (k - old_decay_flat), old_decay_max)``
+    #: after k optimizer steps, and d = 0 (a copy) while ``k < old_decay_flat`` (``return_decay``; its
+    #: ``decay_type: 1``, the default: flat 0, rate 0.001, max 0.5; ``decay_type: 2`` for OCR: 75, 0.0075, 0.999).
+    old_decay_flat: int = 0
+    #: The decay's rise per optimizer step after ``old_decay_flat`` (``uprate``; ``decay_type: 1``: 0.001).
+    old_decay_rate: float = 0.001
+    #: The decay's ceiling, below 1 (``uphold``; ``decay_type: 1``: 0.5).
+    old_decay_max: float = 0.5
+
+    def __post_init__(self):
+        check_range(self, "beta", low=0, low_open=True)
+        check_range(self, "adv_clip", low=0, low_open=True)
+        check_range(self, "kl_coef", low=0)
+        check_range(self, "old_decay_flat", low=0)
+        check_range(self, "old_decay_rate", low=0)
+        check_range(self, "old_decay_max", low=0, high=1, high_open=True)
+
+
+@dataclass
 class DataConfig:
     """The prompts for training and evaluation."""
 
@@ -276,6 +310,11 @@ class DiffusionConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
+    #: The diffusion RL algorithm: ``flowgrpo`` (FlowGRPO: SDE rollouts with per-step log-probs, the
+    #: clipped ratio of ``algo``) or ``nft`` (DiffusionNFT: deterministic rollouts with the old policy,
+    #: clean latents only, the flow-matching loss of ``nft``; ``unirl/diffusion/nft.py``).
+    algorithm: Literal["flowgrpo", "nft"] = "flowgrpo"
+    nft: NftConfig = field(default_factory=NftConfig)
     #: KL to the reference per trained step (``unirl.diffusion.sde.step_kl``): ``flowgrpo`` is
     #: FlowGRPO's ``train_sd3.py``, ``(mean - ref_mean)^2 / (2 s^2)`` with the SDE's diffusion
     #: coefficient s (for the flow SDE without the step's sqrt(|dt|), so |dt| times the exact KL);
@@ -303,6 +342,19 @@ class DiffusionConfig:
                 f"takes no classifier-free guidance here; set sampling.guidance_scale: 1.0 and its embedded guidance "
                 f"with sampling.distilled_guidance"
             )
+        if self.algorithm == "nft":
+            self._check_nft()
         if self.sampling.num_frames != 1 and not family.frames:
             raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
                              f"videos; set sampling.num_frames: 1")
+
+    def _check_nft(self) -> None:
+        """DiffusionNFT has no SDE steps, no log-probs and no CFG in training: settings for those are refused."""
+        if self.sampling.train_cfg:
+            raise ValueError("algorithm=nft trains CFG-free (its rollouts and training forward are unguided): "
+                             "set sampling.train_cfg: false")
+        if self.sampling.sde_window.size:
+            raise ValueError("algorithm=nft samples with the ODE (no SDE steps): set sampling.sde_window.size: 0")
+        if self.algo.kl_coef > 0 or self.algo.use_kl_in_reward:
+            raise ValueError("algorithm=nft: the KL to the reference is nft.kl_coef (on velocities); set "
+                             "algo.kl_coef: 0 and algo.use_kl_in_reward: false")
