@@ -40,9 +40,20 @@ REPO = Path(__file__).resolve().parents[1]
 #: Tuned on tiny_colour, seed 0 (benchmarks/README.md): 4 ODE steps a rollout, one noise level a sample, lr 3e-2.
 NFT = ["algorithm=nft", "nft.kl_coef=0.0", "sampling.num_steps=4", "sampling.timestep_fraction=0.25", "optim.lr=3e-2"]
 
+#: Flow-GRPO-Fast: a 2-step SDE window in the first 4 steps, the steps before it once per prompt (branching).
+FAST = ["sampling.sde_window.size=2", "sampling.sde_window.range=[0,4]", "sampling.same_noise_per_group=true",
+        "sampling.branch_prefix=true"]
+#: MixGRPO-Flash: the window slides (progressive) over the first 6 steps, branching before it,
+#: DPM-Solver++(2M) after it in 40% of the steps.
+MIXGRPO = ["sampling.sde_window.size=2", "sampling.sde_window.range=[0,6]", "sampling.sde_window.schedule=progressive",
+           "sampling.sde_window.shift_interval=10", "sampling.sde_window.stride=1", "sampling.same_noise_per_group=true",
+           "sampling.branch_prefix=true", "sampling.ode_solver=dpm2m", "sampling.tail_step_ratio=0.4"]
+
 #: method -> (config file under configs/diffusion/, ``{task}`` standing for the task's name; overrides).
 METHODS: dict[str, tuple[str, list[str]]] = {
     "flowgrpo": ("{task}.yaml", []),
+    "fast": ("{task}.yaml", FAST),
+    "mixgrpo": ("{task}.yaml", MIXGRPO),
     "nft": ("{task}.yaml", NFT),
 }
 
