@@ -84,7 +84,7 @@ def per_colour(env) -> dict[str, float]:
     rows = env.test_rows
     prompts = [row["prompt"] for row in rows]
     with env._ema_weights():
-        images = env.sample_deterministic(prompts)
+        images = env.sample_deterministic(rows)
     scores = env.rewards.components(images, prompts=prompts, columns={})
     total = next(iter(scores.values()))  # [n]: one reward on the toy tasks
     out = {}
