@@ -343,7 +343,7 @@ def _check_model(name: str, report: Report) -> None:
     what = "model.name_or_path"
     if Path(name).expanduser().is_dir():
         report.passed.append(f"{what}: {name} is a local directory")
-    elif name == "tiny" or name.startswith("tiny-"):
+    elif name in ("tiny", "tiny_search") or name.startswith("tiny-"):
         report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
     elif name in MODELS:
         _check_named_model(what, name, report)

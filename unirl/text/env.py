@@ -27,7 +27,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
+    """``tiny`` (``tiny_search``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
     prepared directory (prepared now if needed); anything else is passed through."""
     from unirl.models import MODELS, resolve
 
@@ -35,6 +35,10 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
         from unirl.text.tiny import build_tiny_lm
 
         return str(build_tiny_lm(seed=seed))
+    if name_or_path == "tiny_search":  # the tiny model warm-started on Search-R1's tags (unirl/text/tiny_search.py)
+        from unirl.text.tiny_search import build_tiny_search_lm
+
+        return str(build_tiny_search_lm(seed=seed))
     if name_or_path in MODELS:
         return resolve(name_or_path)
     return name_or_path
