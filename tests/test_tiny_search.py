@@ -1,6 +1,6 @@
 """The tiny search task's pieces (unirl/text/tiny_search.py): generated rows and corpus, the search
-tool over the generated corpus, and the warm-start examples' labels. (No config trains on it yet:
-the warm-started model does not read the code from the observation; see the module docstring.)"""
+tool over the generated corpus, and the warm-start examples' labels (the run itself:
+tests/test_tiny_search_e2e.py)."""
 
 from __future__ import annotations
 
