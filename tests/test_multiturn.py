@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from unirl.text.engines import Generation
@@ -144,3 +145,57 @@ def test_rollout_tensors_columns_and_metrics():
     m = multi_turn_metrics(t)
     assert m["rollout/turns_mean"] == 2 and m["rollout/tool_calls_mean"] == 1 and m["rollout/truncated_frac"] == 0
     assert m["rollout/observation_tokens_mean"] == t["observation_tokens"][0] > 0 and m["rollout/tool_errors"] == 0
+
+
+def test_max_observation_tokens_cuts_each_result_inside_the_format_and_counts_it():
+    long = "Doc 1(Title: X) " + "abcdefghij" * 5  # 66 characters = 66 tokens of the character tokenizer
+    tools = {"search": lambda query: long if "long" in query else "short"}
+    script = lambda ctx: "<answer>a</answer>" if "<information>" in ctx else "<search>" + ctx.split("?")[0] + "</search>"  # noqa: E731
+    groups = run(ScriptedEngine(script), ["long?", "short?"], tools, max_observation_tokens=20, truncated_text="~cut")
+    cut, kept = groups[0][0], groups[1][0]
+    text = "".join(chr(i) for i in cut.ids)
+    # by hand: the first 20 characters of the result, the marker, then the format's closing tag
+    assert "<information>Doc 1(Title: X) abcd~cut</information>" in text
+    assert cut.observation_tokens == len("\n\n<information>Doc 1(Title: X) abcd~cut</information>\n\n")
+    assert (cut.observations_truncated, kept.observations_truncated) == (1, 0)
+    assert "<information>short</information>" in "".join(chr(i) for i in kept.ids)
+    # a result of exactly the cap is kept whole; no cap keeps everything
+    exact = run(ScriptedEngine(script), ["long?"], {"search": lambda query: long[:20]}, max_observation_tokens=20)[0][0]
+    assert exact.observations_truncated == 0 and long[:20] + "</information>" in "".join(chr(i) for i in exact.ids)
+    whole = run(ScriptedEngine(script), ["long?"], tools)[0][0]
+    assert whole.observations_truncated == 0 and long + "</information>" in "".join(chr(i) for i in whole.ids)
+    rows = [{"prompt": "long?"}, {"prompt": "short?"}]
+    assert multi_turn_metrics(trajectories_to_rollout(rows, groups, CharTokenizer()).tensors)["rollout/observations_truncated"] == 1
+
+
+def test_call_format_names_a_users_format_class(tmp_path):
+    from unirl.text.config import RolloutConfig, ToolConfig
+    from unirl.text.multiturn_rollout import build_tools
+    from unirl.tools import ToolError
+    from unirl.tools.formats import CALL_FORMATS, resolve_call_format
+
+    (tmp_path / "fmt.py").write_text(
+        "from unirl.tools.calling import ToolCall\n"
+        "from unirl.tools.formats import CallFormat, Turn\n"
+        "class Bang(CallFormat):\n"
+        "    stop = ['!']\n"
+        "    def parse(self, text):\n"
+        "        return Turn(calls=[ToolCall('calculator', {'expression': text.rstrip('!')})]) if text.endswith('!') else Turn(answer=text)\n"
+        "    def observation(self, results, ended_with_eos):\n"
+        "        return '=' + results[0] + ';'\n"
+        "def not_a_format():\n"
+        "    pass\n")
+    cfg = RolloutConfig(tools=[ToolConfig(name="calculator")], call_format=f"{tmp_path}/fmt.py:Bang")
+    fmt, runner = build_tools(cfg, CharTokenizer())
+    try:
+        t = multi_turn_generate(ScriptedEngine(lambda ctx: "done$" if "=" in ctx else "6*7!"), CharTokenizer(), fmt, runner,
+                                [[ord("q")]], n=1, max_turns=3, max_new_tokens=16, max_total_tokens=None,
+                                temperature=1.0)[0][0]
+    finally:
+        runner.close()
+    assert "".join(chr(i) for i in t.ids if i > 1) == "6*7!=42;done" and t.loss_mask.count(0) == len("=42;")
+    assert resolve_call_format("search_r1") is CALL_FORMATS.get("search_r1")
+    with pytest.raises(ToolError, match=r"unknown call format 'serch_r1'\. Did you mean 'search_r1'"):
+        resolve_call_format("serch_r1")
+    with pytest.raises(ToolError, match="expected a subclass of unirl.tools.formats.CallFormat"):
+        resolve_call_format(f"{tmp_path}/fmt.py:not_a_format")

@@ -124,3 +124,17 @@ def test_search_r1_config_passes_its_dry_run_with_a_user_supplied_corpus(tmp_pat
     # without the user's corpus, the dry run names it
     cfg = load_run_config("text", config, overrides[1:], output_dir=str(tmp_path / "run"))
     assert any("corpus file not found: /path/to/wiki-18.jsonl" in p for p in preflight(cfg, "text").problems)
+
+
+def test_dry_run_names_an_unknown_call_format_and_a_missing_format_file():
+    from unirl.config import load_config
+    from unirl.preflight import preflight
+    from unirl.text.config import TextConfig
+
+    def problems(call_format: str) -> str:
+        cfg = load_config(TextConfig, None, ["rollout.tools=[{name: calculator}]", f"rollout.call_format={call_format}"])
+        return "\n".join(preflight(cfg, "text").problems)
+
+    assert "rollout.call_format: unknown call format 'hermez'. Did you mean 'hermes'" in problems("hermez")
+    assert "rollout.call_format (format file): '/nonexistent/fmt.py' not found" in problems("/nonexistent/fmt.py:Mine")
+    assert "call_format" not in problems("search_r1")

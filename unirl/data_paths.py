@@ -8,7 +8,9 @@ Three forms of a data value (``data.train``, ``data.test``; reward files too, se
   in any install.
 - ``unirl://ocr/generated?n=20000&seed=0``: prompts generated in code (``unirl/ocr_prompts.py``),
   not a file; ``generated_prompts`` returns them. ``unirl://arithmetic/train?n=5000&seed=0`` (and
-  ``/test``): text rows with answers (``unirl/text/arithmetic.py``); ``generated_rows`` returns them.
+  ``/test``): text rows with answers (``unirl/text/arithmetic.py``); ``unirl://tiny_search/train``,
+  ``/test`` and ``/corpus``: the tiny search task and its corpus (``unirl/text/tiny_search.py``);
+  ``generated_rows`` returns them.
 - a path: absolute, or relative. A relative path is looked up from the working directory first,
   then beside the config file that names it (``unirl.config.load_config`` does this once when it
   loads a file; see ``locate``). A path found nowhere stays as written, and the error that follows
@@ -36,9 +38,13 @@ GENERATED = {
                          "one-step arithmetic word problems with GSM8K answers (unirl/text/arithmetic.py)"),
     "arithmetic/test": ({"n": 200, "seed": 0, "max_operand": 20},
                         "held-out arithmetic word problems, never in arithmetic/train (unirl/text/arithmetic.py)"),
+    "tiny_search/train": ({"seed": 0}, "'What is the code of NAME?' with the code as answer, 32 names (unirl/text/tiny_search.py)"),
+    "tiny_search/test": ({"seed": 0}, "the same question about 16 other names, for evaluation (unirl/text/tiny_search.py)"),
+    "tiny_search/corpus": ({"seed": 0}, "the search corpus of tiny_search's 48 names and codes, {id, contents} "
+                                        "rows (unirl/text/tiny_search.py)"),
 }
-#: The generated sources that make text rows ({"question", "answer"}), not prompts.
-GENERATED_ROWS = ("arithmetic/train", "arithmetic/test")
+#: The generated sources that make rows (text rows {"question", "answer"}, or a search corpus), not prompts.
+GENERATED_ROWS = ("arithmetic/train", "arithmetic/test", "tiny_search/train", "tiny_search/test", "tiny_search/corpus")
 
 
 class DataFileNotFoundError(FileNotFoundError):
@@ -116,13 +122,18 @@ def generated_prompts(spec: str) -> list[str]:
 
 
 def generated_rows(spec: str) -> list[dict]:
-    """The text rows a generated source names, e.g. ``unirl://arithmetic/train?n=1000&seed=0``."""
-    from unirl.text.arithmetic import rows
-
+    """The rows a generated source names, e.g. ``unirl://arithmetic/train?n=1000&seed=0``."""
     name, params = _generated_params(spec)
     if name not in GENERATED_ROWS:
         raise ValueError(f"{spec!r} makes prompts, not text rows with answers")
-    return [dict(r) for r in rows(name.split("/")[1], params["n"], params["seed"], params["max_operand"])]
+    task, part = name.split("/")
+    if task == "tiny_search":
+        from unirl.text.tiny_search import task_rows
+
+        return task_rows(part, params["seed"])
+    from unirl.text.arithmetic import rows
+
+    return [dict(r) for r in rows(part, params["n"], params["seed"], params["max_operand"])]
 
 
 def _generated_params(spec: str) -> tuple[str, dict[str, int]]:

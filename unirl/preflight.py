@@ -78,6 +78,7 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     _check_rewards(cfg, SAMPLE_MODALITY[env_name], config_dir, report)
     if getattr(getattr(cfg, "rollout", None), "tools", None):
         _check_tools(cfg.rollout.tools, config_dir, report)
+        _check_call_format(cfg.rollout.call_format, config_dir, report)
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
@@ -281,6 +282,26 @@ def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
         report.passed.append(f"{what}: {tool.name} resolves")
 
 
+def _check_call_format(spec: str, config_dir: Path | None, report: Report) -> None:
+    """``rollout.call_format``: a registered format, or a file's or module's ``CallFormat`` subclass."""
+    from unirl.tools import ToolError
+    from unirl.tools.formats import resolve_call_format
+
+    where, sep, attr = spec.rpartition(":")
+    if sep and (where.endswith(".py") or "/" in where):
+        located = locate(where, config_dir)
+        if located.path is None:
+            report.problems.append(located.message("rollout.call_format (format file)"))
+            return
+        spec = f"{located.path}:{attr}"
+    try:
+        resolve_call_format(spec)
+    except ToolError as err:
+        report.problems.append(str(err))
+        return
+    report.passed.append(f"rollout.call_format: {spec} resolves")
+
+
 # ----------------------------------------------------------------------------------------------
 # 3.-5. Batch, output directory, model
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +359,7 @@ def _trains_a_critic(adv_estimator: str) -> bool:
 def _check_model(name: str, report: Report, what: str = "model.name_or_path") -> None:
     if Path(name).expanduser().is_dir():
         report.passed.append(f"{what}: {name} is a local directory")
-    elif name == "tiny" or name.startswith("tiny-"):
+    elif name in ("tiny", "tiny_search") or name.startswith("tiny-"):
         report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
     elif name in MODELS:
         _check_named_model(what, name, report)

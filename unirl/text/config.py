@@ -136,14 +136,23 @@ class RolloutConfig:
     #: Tools the policy may call (empty: one generation per sample). With tools, a rollout is
     #: multi-turn: generate until a call or the end, run the calls, append the observation, go on.
     tools: list[ToolConfig] = field(default_factory=list)
-    #: How calls and observations are written: ``search_r1`` (<search>/<information>/<answer> tags)
-    #: or ``hermes`` (the chat template's <tool_call> and tool messages); see unirl/tools/formats.py.
-    call_format: Literal["search_r1", "hermes"] = "search_r1"
+    #: How calls and observations are written: ``search_r1`` (<search>/<information>/<answer> tags),
+    #: ``hermes`` (the chat template's <tool_call> and tool messages), or your own ``CallFormat``
+    #: subclass: a name registered in ``CALL_FORMATS``, ``path/file.py:Class`` or ``module:Class``;
+    #: see unirl/tools/formats.py.
+    call_format: str = field(default="search_r1", metadata=FILE_SPEC)
     #: Generation turns per sample at most (Search-R1 trains with max_turns=2 on NQ + HotpotQA).
     max_turns: int = 4
     #: Prompt + all turns + observations, in tokens, at most (null: no limit beyond max_new_tokens
     #: per turn); a sample that reaches it is truncated and counted in rollout/truncated_frac.
     max_total_tokens: Optional[int] = None
+    #: A tool result longer than this many tokens keeps its first ones and ends with
+    #: ``observation_truncated_text`` (Search-R1's ``max_obs_length``, 500 in its train_grpo.sh; it
+    #: cuts the whole observation, closing tag included, where this cuts the result inside the
+    #: format's tags). Counted in rollout/observations_truncated. null: no cap.
+    max_observation_tokens: Optional[int] = None
+    #: What ends a result cut at ``max_observation_tokens``.
+    observation_truncated_text: str = " ...(truncated)"
     #: Seconds a tool call may take before the model is shown an error observation.
     tool_timeout_s: float = 30.0
     #: Tool calls of one turn of the batch run at most this many at once.
@@ -154,7 +163,7 @@ class RolloutConfig:
     def __post_init__(self):
         for name in ("max_new_tokens", "tensor_parallel_size"):
             check_range(self, name, low=1)
-        for name in ("max_model_len", "eval_max_new_tokens"):
+        for name in ("max_model_len", "eval_max_new_tokens", "max_observation_tokens"):
             check_range(self, name, low=1, optional=True)
         check_range(self, "top_p", low=0, high=1, low_open=True)
         check_range(self, "gpu_memory_utilization", low=0, high=1, low_open=True)

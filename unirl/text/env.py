@@ -27,7 +27,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
+    """``tiny`` (``tiny_search``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
     prepared directory (prepared now if needed); anything else is passed through."""
     from unirl.models import MODELS, resolve
 
@@ -35,6 +35,10 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
         from unirl.text.tiny import build_tiny_lm
 
         return str(build_tiny_lm(seed=seed))
+    if name_or_path == "tiny_search":  # the tiny model warm-started on Search-R1's tags (unirl/text/tiny_search.py)
+        from unirl.text.tiny_search import build_tiny_search_lm
+
+        return str(build_tiny_search_lm(seed=seed))
     if name_or_path in MODELS:
         return resolve(name_or_path)
     return name_or_path
@@ -186,7 +190,8 @@ class TextEnvironment(Environment):
             groups = multi_turn_generate(self.engine, self.tokenizer, fmt, runner, prompt_ids, n=group_size,
                                          max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
                                          max_total_tokens=r.max_total_tokens, temperature=r.temperature,
-                                         top_p=r.top_p, top_k=r.top_k)
+                                         top_p=r.top_p, top_k=r.top_k, max_observation_tokens=r.max_observation_tokens,
+                                         truncated_text=r.observation_truncated_text)
             return trajectories_to_rollout(rows, groups, self.tokenizer)
         gens = self.engine.generate(prompt_ids, n=group_size, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
@@ -401,7 +406,9 @@ class TextEnvironment(Environment):
             if self.tools is not None:  # greedy multi-turn, the tools called as in training
                 groups = multi_turn_generate(self.engine, self.tokenizer, *self.tools, prompt_ids, n=1, greedy=True,
                                              temperature=1.0, max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                                             max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+                                             max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens,
+                                             max_observation_tokens=r.max_observation_tokens,
+                                             truncated_text=r.observation_truncated_text)
                 texts = [self.tokenizer.decode(g[0].ids, skip_special_tokens=True) for g in groups]
             else:
                 gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,

@@ -42,6 +42,8 @@ class Trajectory:
     turns: int = 0
     tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments", "error"} of each call
     tool_latency_s: float = 0.0
+    #: Tool results cut at max_observation_tokens.
+    observations_truncated: int = 0
     answer: str | None = None
     #: Ended by the model (an answer, or a turn with no call that ended with EOS or a stop string).
     finished: bool = False
@@ -60,9 +62,12 @@ class Trajectory:
 
 def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, prompt_ids: list[list[int]], *,
                         n: int, max_turns: int, max_new_tokens: int, max_total_tokens: int | None,
-                        temperature: float, top_p: float = 1.0, top_k: int = -1,
-                        greedy: bool = False) -> list[list[Trajectory]]:
-    """``n`` trajectories per prompt (1 when ``greedy``), grouped by prompt like ``engine.generate``'s."""
+                        temperature: float, top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
+                        max_observation_tokens: int | None = None,
+                        truncated_text: str = " ...(truncated)") -> list[list[Trajectory]]:
+    """``n`` trajectories per prompt (1 when ``greedy``), grouped by prompt like ``engine.generate``'s.
+    A tool result longer than ``max_observation_tokens`` tokens is cut there and ends with
+    ``truncated_text`` before the format wraps it."""
     n = 1 if greedy else n
     groups = [[Trajectory(list(p)) for _ in range(n)] for p in prompt_ids]
     flat = [t for g in groups for t in g]
@@ -112,7 +117,9 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
                 mine = [next(results) for _ in cs]
                 t.tool_calls += [{"name": c.name, "arguments": c.arguments, "error": r.error} for c, r in zip(cs, mine)]
                 t.tool_latency_s += sum(r.latency_s for r in mine)
-                obs = tokenizer(fmt.observation([r.text for r in mine], eos), add_special_tokens=False).input_ids
+                texts = [_capped(tokenizer, r.text, max_observation_tokens, truncated_text) for r in mine]
+                t.observations_truncated += sum(text != r.text for text, r in zip(texts, mine))
+                obs = tokenizer(fmt.observation(texts, eos), add_special_tokens=False).input_ids
                 if max_total_tokens is not None:
                     room = max_total_tokens - len(t.prompt_ids) - len(t.ids)
                     if len(obs) >= room:  # no room to answer after it: cut, and the sample ends here
@@ -121,6 +128,14 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
                 t.loss_mask += [0] * len(obs)
                 t.logprobs += [0.0] * len(obs)
     return groups
+
+
+def _capped(tokenizer, text: str, cap: int | None, marker: str) -> str:
+    """``text`` cut to its first ``cap`` tokens, then ``marker``; as it is when it fits (or no cap)."""
+    if cap is None:
+        return text
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return text if len(ids) <= cap else tokenizer.decode(ids[:cap]) + marker
 
 
 def _budget(t: Trajectory, max_new_tokens: int, max_total_tokens: int | None) -> int:

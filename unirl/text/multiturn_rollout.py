@@ -14,7 +14,7 @@ def build_tools(rollout_cfg, tokenizer):
     model calls it)."""
     from unirl.tools import load_tool, tool_name
     from unirl.tools.calling import ToolRunner
-    from unirl.tools.formats import CALL_FORMATS
+    from unirl.tools.formats import resolve_call_format
 
     tools = {}
     for spec in rollout_cfg.tools:
@@ -23,7 +23,7 @@ def build_tools(rollout_cfg, tokenizer):
         if name in tools:
             raise ValueError(f"rollout.tools: two tools are called {name!r}")
         tools[name] = tool
-    fmt = CALL_FORMATS.get(rollout_cfg.call_format)(tokenizer)
+    fmt = resolve_call_format(rollout_cfg.call_format)(tokenizer)
     runner = ToolRunner(tools, timeout_s=rollout_cfg.tool_timeout_s, max_concurrency=rollout_cfg.tool_concurrency,
                         error_text=rollout_cfg.tool_error_text)
     return fmt, runner
@@ -63,7 +63,8 @@ def trajectories_to_rollout(rows: list[dict], groups: list[list[Trajectory]], to
                  "finished": per_sample(lambda t: not t.truncated, torch.bool),
                  "turns": per_sample(lambda t: t.turns), "tool_calls": per_sample(lambda t: len(t.tool_calls)),
                  "tool_errors": per_sample(lambda t: t.tool_errors), "tool_latency_s": per_sample(lambda t: t.tool_latency_s),
-                 "observation_tokens": per_sample(lambda t: t.observation_tokens)},
+                 "observation_tokens": per_sample(lambda t: t.observation_tokens),
+                 "observations_truncated": per_sample(lambda t: t.observations_truncated)},
         group_ids=torch.tensor([i for i, _ in flat]),
         prompts=[rows[i]["prompt"] for i, _ in flat],
         samples=[tokenizer.decode(t.ids, skip_special_tokens=True) for _, t in flat],
@@ -81,4 +82,5 @@ def multi_turn_metrics(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         "rollout/tool_latency_s": (tensors["tool_latency_s"].sum() / calls.clamp_min(1)).item(),
         "rollout/truncated_frac": 1.0 - tensors["finished"].float().mean().item(),
         "rollout/observation_tokens_mean": tensors["observation_tokens"].mean().item(),
+        "rollout/observations_truncated": tensors["observations_truncated"].sum().item(),
     }

@@ -103,12 +103,10 @@ def build_tiny_lm(directory: str | Path | None = None, seed: int = 0) -> Path:
     return directory
 
 
-def _build(directory: Path, spec: dict, seed: int, digest: str) -> None:
-    """The model, the task data and the warm start, written to ``directory`` (the marker last)."""
+def new_model(tokenizer, spec: dict, seed: int):
+    """A randomly initialised ``Qwen2ForCausalLM`` of ``spec``'s shape over ``tokenizer``'s vocabulary."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    # 1. Tokenizer and model from config, seeded.
-    tokenizer = build_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=spec["hidden_size"],
@@ -124,7 +122,14 @@ def _build(directory: Path, spec: dict, seed: int, digest: str) -> None:
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    return Qwen2ForCausalLM(config)
+
+
+def _build(directory: Path, spec: dict, seed: int, digest: str) -> None:
+    """The model, the task data and the warm start, written to ``directory`` (the marker last)."""
+    # 1. Tokenizer and model from config, seeded.
+    tokenizer = build_tokenizer()
+    model = new_model(tokenizer, spec, seed)
 
     # 2. Task data (train and held-out test from different seeds).
     train, test = addition_rows(2000, seed=seed + 1), addition_rows(200, seed=seed + 2)
@@ -150,19 +155,33 @@ def _format_warm_start(model, tokenizer, rows: list[dict], spec: dict, seed: int
     model.train()
     for _ in range(spec["warm_start_steps"]):
         batch = rng.sample(rows, 32)
-        prompts = [tokenizer(r["question"]).input_ids for r in batch]
-        answers = [tokenizer(r["answer"].split("\n")[-1]).input_ids + [tokenizer.eos_token_id] for r in batch]
-        length = max(len(p) + len(a) for p, a in zip(prompts, answers))
-        ids = torch.full((len(batch), length), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), length), -100)
-        attn = torch.zeros((len(batch), length), dtype=torch.long)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            seq = p + a
-            ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(p) : len(seq)] = torch.tensor(a)
-            attn[i, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        examples = []
+        for r in batch:
+            prompt = tokenizer(r["question"]).input_ids
+            answer = tokenizer(r["answer"].split("\n")[-1]).input_ids + [tokenizer.eos_token_id]
+            examples.append((prompt + answer, [-100] * len(prompt) + answer))
+        supervised_step(model, optimizer, examples, tokenizer.pad_token_id)
     model.eval()
+
+
+def supervised_step(model, optimizer, examples: list[tuple[list[int], list[int]]], pad_id: int) -> float:
+    """One next-token cross-entropy step on ``examples`` of ``(ids, labels)`` (labels -100: not
+    trained), right-padded into one batch; returns the loss."""
+    loss = model(**padded_batch(examples, pad_id)).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def padded_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``labels`` [n, L] of ``examples`` right-padded to the longest."""
+    length = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), length), pad_id)  # [n, L]
+    labels = torch.full((len(examples), length), -100)
+    attn = torch.zeros((len(examples), length), dtype=torch.long)
+    for i, (seq, lab) in enumerate(examples):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, : len(seq)] = torch.tensor(lab)
+        attn[i, : len(seq)] = 1
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels}

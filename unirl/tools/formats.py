@@ -11,6 +11,10 @@ the model was taught to read them). A new format is one class registered in ``CA
 - ``hermes``: the chat template's tool calls (Qwen2.5, Hermes): ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>``, as many as the turn holds; each result becomes a ``tool`` message rendered by
   the tokenizer's own chat template, followed by its generation prompt.
+
+A format of your own subclasses ``CallFormat``; ``rollout.call_format`` names it as a registered name
+(``@CALL_FORMATS.register("mine")`` in a module imported first), ``path/file.py:Class`` or
+``package.module:Class``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,24 @@ class CallFormat:
     def observation(self, results: list[str], ended_with_eos: bool) -> str:
         """The text the model is shown after a turn whose calls returned ``results`` (in call order)."""
         raise NotImplementedError
+
+
+def resolve_call_format(spec: str) -> type[CallFormat]:
+    """The ``CallFormat`` subclass ``rollout.call_format`` names: a registered name, or
+    ``path/file.py:Class`` / ``package.module:Class`` (registered or not)."""
+    from unirl.rewards.loading import resolve_object
+    from unirl.tools.registry import ToolError
+
+    if ":" not in spec:
+        if spec not in CALL_FORMATS:
+            raise ToolError(f"rollout.call_format: {CALL_FORMATS.unknown_message(spec)}. Or give path/file.py:Class "
+                            f"or package.module:Class naming a CallFormat subclass")
+        return CALL_FORMATS.get(spec)
+    cls = resolve_object(spec, kind="call format", error=ToolError)
+    if not (isinstance(cls, type) and issubclass(cls, CallFormat)):
+        raise ToolError(f"rollout.call_format {spec!r}: expected a subclass of unirl.tools.formats.CallFormat, "
+                        f"got {cls!r}")
+    return cls
 
 
 @CALL_FORMATS.register("search_r1")

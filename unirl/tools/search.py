@@ -1,7 +1,8 @@
 """``search``: BM25 over a local corpus, Search-R1's retriever with its output format.
 
 The corpus is a JSONL file of ``{"id": ..., "contents": "Title\\ntext"}`` rows (Search-R1's and
-FlashRAG's wiki-18 format: the first line of ``contents`` is the title). BM25 is ``bm25s``
+FlashRAG's wiki-18 format: the first line of ``contents`` is the title), or a generated one
+(``unirl://tiny_search/corpus``, the tiny search task's). BM25 is ``bm25s``
 (https://github.com/xhluca/bm25s): pure Python over numpy sparse matrices, a pip install with no
 Java (pyserini's Lucene index needs a JDK, which a CI runner or a laptop may not have), and it
 retrieves a batch of queries in one pass. Its scoring is Lucene's BM25 variant; k1=0.9, b=0.4 are
@@ -41,25 +42,39 @@ def corpus_path(written: str) -> Path:
 
 
 def read_corpus(written: str | Path) -> list[dict]:
-    """The rows of a JSONL corpus; a row that is not a JSON object with a string ``contents`` is an
-    error naming the file and its line number."""
-    path = corpus_path(str(written))
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ToolError(f"search: {path}:{number}: not JSON ({err.msg}): {line.strip()[:80]!r}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("contents"), str):
-                raise ToolError(f"search: {path}:{number}: expected an object with a string 'contents' "
-                                f"(and an 'id'), got {line.strip()[:80]!r}")
-            rows.append(row)
+    """The rows of a JSONL corpus, or of a generated one (``unirl://tiny_search/corpus``); a row that is
+    not a JSON object with a string ``contents`` is an error naming the file and its line number."""
+    from unirl.data_paths import generated_rows, makes_rows
+
+    written = str(written)
+    if makes_rows(written):  # generated in code: no file, the row number names a bad row
+        try:
+            rows = generated_rows(written)
+        except ValueError as err:
+            raise ToolError(f"search: corpus {written!r}: {err}") from None
+        for number, row in enumerate(rows, start=1):
+            _check_row(row, f"{written} row {number}", json.dumps(row)[:80])
+    else:
+        path = corpus_path(written)
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ToolError(f"search: {path}:{number}: not JSON ({err.msg}): {line.strip()[:80]!r}") from None
+                _check_row(row, f"{path}:{number}", line.strip()[:80])
+                rows.append(row)
     if not rows:
-        raise ToolError(f"search: corpus {path} has no rows")
+        raise ToolError(f"search: corpus {written} has no rows")
     return rows
+
+
+def _check_row(row, where: str, shown: str) -> None:
+    if not isinstance(row, dict) or not isinstance(row.get("contents"), str):
+        raise ToolError(f"search: {where}: expected an object with a string 'contents' (and an 'id'), got {shown!r}")
 
 
 def format_passages(passages: list[dict]) -> str:
@@ -88,8 +103,11 @@ class Search:
 
     @staticmethod
     def check(corpus: str, **kwargs) -> None:
-        """The dry run's check: the corpus file is there (indexing it waits for the run)."""
-        corpus_path(corpus)
+        """The dry run's check: the corpus file is there (indexing it waits for the run); a generated
+        corpus is generated (it is small)."""
+        from unirl.data_paths import makes_rows
+
+        read_corpus(corpus) if makes_rows(corpus) else corpus_path(corpus)
 
     def __call__(self, query: str) -> str:
         return self.call_batch([{"query": query}])[0]

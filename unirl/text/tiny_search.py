@@ -1,0 +1,217 @@
+"""The tiny search task and its model (``configs/text/tiny_search.yaml``): a code per name, found only
+by searching a small corpus, and the tiny model warm-started to write Search-R1's tags.
+
+The task. "Bako. What is its code?" asks for a made-up name's random one-digit code (2..9; the
+observation's ``Doc 1`` already shows a 1). Nothing in the question gives the code away; the corpus
+(one passage a name: title ``Bako``, text ``code 7``) does. A model that answers at once guesses (1 in
+8); one that writes ``<search>Bako</search>`` is shown ``<information>Doc 1(Title: Bako) code
+7</information>`` and can copy the code into ``<answer>7</answer>``. The rows and the corpus are
+generated here from a seed (``unirl://tiny_search/train``, ``/test``, ``/corpus``); the test names are
+not training names. The name comes first in the question: the character model learns to copy it
+into the query within 150 warm-start steps that way (it had not in 400 with the name mid-question).
+
+The model. ``unirl/text/tiny.py``'s architecture and character tokenizer with ``<``, ``>``, ``(`` and
+``)`` added, and a supervised warm start on *other* names (none of the task's), so it knows no task
+code. Three quarters of its examples search and then copy the code from the observation (the
+observation itself is not trained on, as in RL), the rest answer at once with a random code; the
+choice between the two is trained for a 10% prior (the built model samples a search 21% of the time
+on the test names). GRPO then raises the reward only by making it search more.
+
+Reading the code from the observation is what the 2-layer character model learns last: trained on
+whole trajectories only, its loss on the answer's digit stayed at ln 8 (a uniform guess) after 600
+steps, so searching did not pay and GRPO had nothing to reinforce. The warm start therefore adds
+reading drills (``reading_drill``) and stops once the model reads 90% of 64 held-out codes, checked
+every 50 steps (900 steps with seed 0, ~4 minutes on 2 shared cores); the seed fixes where it stops.
+Search-R1 needs no warm start: its 3B model follows the instruction in its prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from unirl.cache import default_cache_dir
+from unirl.text import tiny
+
+#: Everything that changes the built model goes into the cache key.
+TINY_SEARCH_SPEC = {
+    **tiny.TINY_LM_SPEC,
+    "version": 1,
+    "extra_chars": "<>()",
+    "max_position_embeddings": 192,  # prompt + call + observation + answer is about 115 characters
+    "warm_start_steps": 1500,  # at most: it stops once it reads the code (reading_accuracy)
+    "reading_accuracy": 0.9,
+    "warm_start_lr": 2e-3,
+    "search_examples": 0.75,
+    "search_prior": 0.1,  # trained for 0.1; the built model searches about a fifth of the time
+}
+#: Names in the task: training questions, held-out questions (the corpus holds both).
+TASK_SIZES = {"train": 32, "test": 16}
+
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def _name(rng: random.Random) -> str:
+    """A made-up four-letter name, consonant-vowel-consonant-vowel (``Bako``): 4,900 of them."""
+    return "".join(rng.choice(s) for s in (_CONSONANTS, _VOWELS, _CONSONANTS, _VOWELS)).capitalize()
+
+
+def _names(rng: random.Random, n: int, exclude: set[str] = frozenset()) -> list[str]:
+    out: list[str] = []
+    while len(out) < n:
+        name = _name(rng)
+        if name not in out and name not in exclude:
+            out.append(name)
+    return out
+
+
+def code(rng: random.Random) -> str:
+    """A code: one digit, 2..9 (``Doc 1`` already shows a 1), so a guess is right 1 time in 8."""
+    return str(rng.randint(2, 9))
+
+
+def question(name: str) -> str:
+    return f"{name}. What is its code?"
+
+
+def passage(name: str, code: str) -> str:
+    """A corpus row's ``contents``: title line, then text (Search-R1's corpus layout)."""
+    return f"{name}\ncode {code}"
+
+
+def task_codes(seed: int = 0) -> dict[str, dict[str, str]]:
+    """``{"train": {name: code}, "test": {name: code}}``: distinct names, codes 10..99, from ``seed``."""
+    rng = random.Random(seed)
+    names = _names(rng, sum(TASK_SIZES.values()))
+    codes = {n: code(rng) for n in names}
+    split = TASK_SIZES["train"]
+    return {"train": {n: codes[n] for n in names[:split]}, "test": {n: codes[n] for n in names[split:]}}
+
+
+def task_rows(part: str, seed: int = 0) -> list[dict]:
+    """``unirl://tiny_search/{train,test}``: ``{"question", "answer"}`` rows; ``corpus``: ``{"id", "contents"}``
+    rows of every task name (train and test)."""
+    codes = task_codes(seed)
+    if part == "corpus":
+        every = {**codes["train"], **codes["test"]}
+        return [{"id": str(i), "contents": passage(n, c)} for i, (n, c) in enumerate(every.items())]
+    return [{"question": question(n), "answer": c} for n, c in codes[part].items()]
+
+
+def build_tiny_search_lm(seed: int = 0) -> Path:
+    """Build (or reuse) the warm-started tiny search model; return its directory (``model.name_or_path:
+    tiny_search``)."""
+    spec = dict(TINY_SEARCH_SPEC, seed=seed)
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    directory = default_cache_dir() / f"tiny-search-{digest}"
+    marker = directory / "unirl_tiny.json"
+    if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
+        return directory
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is the same, cache cold or warm
+        tokenizer = tiny.build_tokenizer(extra=spec["extra_chars"])
+        model = tiny.new_model(tokenizer, spec, seed)
+        steps = warm_start(model, tokenizer, spec, seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    marker.write_text(json.dumps({"digest": digest, "spec": spec, "warm_start_steps_taken": steps}, indent=1))
+    return directory
+
+
+def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
+    """``spec["warm_start_steps"]`` steps on names outside the task (see the module doc), each of 16
+    whole trajectories and 32 reading drills.
+
+    Most trajectories search; the choice itself (the ``s`` of ``<search>`` or the ``a`` of
+    ``<answer>``) is trained on every answer-at-once example and on a share ``r`` of the searching
+    ones, so that the model searches ``search_prior`` of the time."""
+    rng = random.Random(seed + 3)
+    task_names = {n for part in task_codes().values() for n in part}
+    pool = _names(rng, 2000, exclude=task_names)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["warm_start_lr"])
+    model.train()
+    # P(search) = s r / (s r + 1 - s) = prior, with s the share of searching trajectories and r the
+    # share of them whose choice is trained.
+    s, prior = spec["search_examples"], spec["search_prior"]
+    r = prior * (1 - s) / ((1 - prior) * s)
+    held_out = [(name, code(rng)) for name in _names(rng, 64, exclude=task_names | set(pool))]
+    for step in range(1, spec["warm_start_steps"] + 1):
+        if step % 50 == 0 and reading_accuracy(model, tokenizer, held_out) >= spec["reading_accuracy"]:
+            break  # learned to read (the step it happens varies with the data; the seed fixes it)
+        searches, guesses = [], []
+        for _ in range(16):
+            search = rng.random() < s
+            (searches if search else guesses).append(example(
+                tokenizer, rng.choice(pool), code(rng), search=search, guess=code(rng),
+                choice_trained=not search or rng.random() < r))
+        drills = [reading_drill(tokenizer, rng.choice(pool), code(rng)) for _ in range(32)]
+        _accumulated_step(model, optimizer, [searches, guesses, drills], tokenizer.pad_token_id)
+    model.eval()
+    return step
+
+
+def _accumulated_step(model, optimizer, groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -> None:
+    """One step of mean token cross-entropy over every example of ``groups``, each group padded on its
+    own (the lengths differ by kind: a third of the padded tokens of one batch)."""
+    batches = [tiny.padded_batch(g, pad_id) for g in groups if g]
+    trained = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # next-token targets
+    for batch in batches:  # transformers' loss: sum over the batch's targets / num_items_in_batch
+        model(**batch, num_items_in_batch=trained).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@torch.no_grad()
+def reading_accuracy(model, tokenizer, pairs: list[tuple[str, str]]) -> float:
+    """Share of ``(name, code)`` whose code is the model's most likely token after a search that showed
+    it (``...<answer>``)."""
+    model.eval()
+    examples = [example(tokenizer, name, code, search=True, guess=code) for name, code in pairs]
+    batch = tiny.padded_batch(examples, tokenizer.pad_token_id)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [n, L, V]
+    right = 0
+    for i, ((ids, _), (_, c)) in enumerate(zip(examples, pairs)):
+        at = len(ids) - 1 - len("</answer>") - 1 - 1  # the position that predicts the code's digit
+        right += int(logits[i, at].argmax()) == tokenizer.convert_tokens_to_ids(c)
+    model.train()
+    return right / len(pairs)
+
+
+def reading_drill(tokenizer, name: str, code: str) -> tuple[list[int], list[int]]:
+    """A searching trajectory from its observation on (``<information>...code 7</information>
+    <answer>7</answer>``): the code sits as far before the answer as in the whole trajectory, among
+    ~50 tokens instead of ~110. Without these the model learned the tags but not to read the code
+    (its loss stayed at ln 8 after 600 steps); with them it reads it after a few hundred."""
+    ids, labels = example(tokenizer, name, code, search=True, guess=code)
+    start = len(tokenizer(question(name) + f"<search>{name}</search>").input_ids)
+    return ids[start:], labels[start:]
+
+
+def example(tokenizer, name: str, code: str, *, search: bool, guess: str,
+            choice_trained: bool = True) -> tuple[list[int], list[int]]:
+    """``(ids, labels)`` of one warm-start trajectory, written as the rollout writes it (the observation
+    is the search tool's output in the ``search_r1`` format); labels are -100 on the prompt, the
+    observation, and the choice between searching and answering unless ``choice_trained``."""
+    from unirl.tools.formats import SearchR1Format
+    from unirl.tools.search import format_passages
+
+    if search:
+        observation = SearchR1Format().observation([format_passages([{"contents": passage(name, code)}])], False)
+        pieces = [(f"<search>{name}</search>", True), (observation, False), (f"<answer>{code}</answer>", True)]
+    else:
+        pieces = [(f"<answer>{guess}</answer>", True)]
+    ids = tokenizer(question(name)).input_ids
+    labels = [-100] * len(ids)
+    for text, trained in pieces:
+        piece = tokenizer(text, add_special_tokens=False).input_ids
+        ids += piece
+        labels += piece if trained else [-100] * len(piece)
+    if not choice_trained:
+        labels[len(tokenizer(question(name) + "<").input_ids)] = -100  # the "s" of <search>
+    return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
