@@ -144,11 +144,13 @@ def test_a_plain_install_ships_the_configs_and_the_prompt_sets(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("unirl-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("unirl_toolkit-*.whl")  # the distribution name (pyproject.toml)
     names = set(zipfile.ZipFile(wheel).namelist())
     configs = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").rglob("*.yaml")}
     assert {"diffusion/sd3_ocr.yaml", "text/gsm8k.yaml"} <= configs
     for config in configs:
         assert f"unirl/configs/{config}" in names, config
+    # The rewards ship inside the package (unirl.rewards), never as a top-level `rewards` package.
+    assert "unirl/rewards/registry.py" in names and not any(n.startswith("rewards/") for n in names)
     for name in [*EXPECTED, "README.md", "ocr/LICENSE", "pickscore/LICENSE", "geneval/LICENSE"]:
         assert f"unirl/data/{name}" in names, name
