@@ -309,14 +309,8 @@ class DiffusionEnvironment(Environment):
                                       guidance_scale=self.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
                                       generator=generator, coefficients=coefficients, start=first, dpm=dpm)
-            chunk_images = to_pil(self.family.decode(self.pipe, out.final))
-            chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
-            if hi < N:
-                futures.append(self.rewards.submit(chunk_images, **chunk))
-            else:
-                futures.append(functools.partial(self.rewards.components, chunk_images, **chunk))
+            images += self._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
             outs.append(out)
-            images += chunk_images
         self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take()),
                                  "rollout/window_start": float(start), "rollout/window_size": float(stop - start)}
         # 5. Everything training needs to re-evaluate the trained steps.
@@ -338,6 +332,19 @@ class DiffusionEnvironment(Environment):
         rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns)
         self._pending = (id(rollout), futures)
         return rollout
+
+    def _decode_and_queue(self, final: torch.Tensor, prompts: list[str], columns: dict[str, list], lo: int, hi: int,
+                          *, last: bool, futures: list) -> list:
+        """Decode a sampled chunk's clean latents ``final`` (samples ``lo:hi``) and queue its rewards: in the
+        pool for every chunk but the last, which ``score`` runs on the calling thread (nothing is left to
+        sample while it scores). Returns the chunk's images."""
+        chunk_images = to_pil(self.family.decode(self.pipe, final))
+        chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
+        if last:
+            futures.append(functools.partial(self.rewards.components, chunk_images, **chunk))
+        else:
+            futures.append(self.rewards.submit(chunk_images, **chunk))
+        return chunk_images
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         if self._pending is not None and self._pending[0] == id(rollout):

@@ -27,13 +27,12 @@ latents ``[*latent]`` in the family's layout.
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 
 from unirl.core.nft import nft_loss, velocity_kl
 from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
-from unirl.diffusion.sampling import guided_velocity, sample_with_logprob, to_pil
+from unirl.diffusion.sampling import guided_velocity, sample_with_logprob
 from unirl.env import Rollout
 
 
@@ -126,14 +125,8 @@ class NFTEnvironment(DiffusionEnvironment):
                 cond = {k: v[lo:hi] for k, v in encoded.items()}
                 out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                           guidance_scale=1.0, noise_level=0.0, stochastic=ode)
-                chunk_images = to_pil(self.family.decode(self.pipe, out.final))
-                chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
-                if hi < N:
-                    futures.append(self.rewards.submit(chunk_images, **chunk))
-                else:
-                    futures.append(functools.partial(self.rewards.components, chunk_images, **chunk))
+                images += self._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
                 finals.append(out.final.cpu())
-                images += chunk_images
         self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take())}
         # 3. The training inputs: T noise levels per sample from the sampling schedule (NVlabs: a random
         #    permutation of its S timesteps, the first int(S * timestep_fraction)) and their fresh noise.
