@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
@@ -36,3 +37,10 @@ def test_num_mini_batches_and_scatter_rows():
     parts = [(torch.tensor([2, 0]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])), (torch.tensor([1]), torch.tensor([[5.0]]))]
     assert scatter_rows(parts, 3).tolist() == [[3.0, 4.0], [5.0, 0.0], [1.0, 2.0]]
     assert scatter_rows([(torch.tensor([1, 0]), torch.tensor([7, 8]))], 2).tolist() == [8, 7]
+
+
+def test_scatter_rows_pads_to_the_batch_width():
+    parts = [(torch.tensor([1]), torch.tensor([[1.0, 2.0]])), (torch.tensor([0]), torch.tensor([[3.0]]))]
+    assert scatter_rows(parts, 2, width=4).tolist() == [[3.0, 0.0, 0.0, 0.0], [1.0, 2.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="width"):
+        scatter_rows(parts, 2, width=1)

@@ -118,3 +118,33 @@ def test_update_trains_in_training_mode_and_sampling_restores_it(tmp_path, tiny_
         assert len(update_modes) >= 2 and all(update_modes)  # both updates' forwards ran in training mode
     finally:
         trainer.env.close()
+
+
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_old_logprobs_keep_the_rollout_width_when_the_widest_response_ends_masked(tmp_path, tiny_lm_dir, on_policy):
+    """Issue 37 item 0 (smollm2_math died at step 26): micro-batches are trimmed to their longest *real*
+    response, so when every sample's tail columns are padding (here: two extra masked columns, as a
+    truncated response with ``overlong.mask_truncated`` or a vLLM batch padded past its longest leaves)
+    the old log-probs put back from the micro-batches were narrower than ``engine_logp`` [N, R] and
+    ``rollout_metrics`` failed. They must come back [N, R] on both paths: the update's first forward
+    (on-policy) and the recomputation (two mini-batches)."""
+    trainer = _trainer(tmp_path, 4, "token-mean", 0.0)
+    if not on_policy:
+        trainer.cfg.mini_batch_size = 8  # two mini-batches: old log-probs recomputed before the update
+    try:
+        rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+        t = rollout.tensors
+        width = t["response_mask"].shape[1]
+        for name, value in list(t.items()):  # two masked columns past every response: R grows, nothing real does
+            if value.ndim == 2 and value.shape[1] == width:
+                t[name] = torch.nn.functional.pad(value, (0, 2))
+        rewards, _ = trainer.env.score(rollout)
+        metrics = {}
+        trainer.advantages(rollout, rewards)
+        metrics.update(trainer.old_and_reference(rollout))
+        metrics.update(trainer.update(rollout))
+        assert rollout.tensors["old_logp"].shape == rollout.tensors["engine_logp"].shape == (len(rollout), width + 2)
+        assert metrics["rollout/logprob_diff_max"] < 1e-3  # the figures the crash was in, computed
+        assert rollout.tensors["old_logp"][:, width:].abs().sum() == 0
+    finally:
+        trainer.env.close()

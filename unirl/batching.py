@@ -46,12 +46,19 @@ def split_to_count(chunks: list[list[int]], count: int) -> list[list[int]]:
     return chunks
 
 
-def scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> torch.Tensor:
+def scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n: int, width: int | None = None) -> torch.Tensor:
     """Rows ``[k, T_k, ...]`` of sub-batches (given as index tensors into n samples) put back in
-    sample order: ``[n, max T_k, ...]``, narrower parts right-padded with zeros (micro-batches
-    trimmed to their own longest sample). 1-D parts ``[k]`` give ``[n]``."""
+    sample order: ``[n, width, ...]``, narrower parts right-padded with zeros (micro-batches
+    trimmed to their own longest sample). ``width`` is the whole batch's T: a micro-batch is trimmed
+    to its longest *trained* tokens, so when the batch's widest sample ends in masked tokens (a
+    truncated response with ``mask_truncated_completions``) every part is narrower than the batch.
+    None: the widest part's. 1-D parts ``[k]`` give ``[n]``."""
     first = parts[0][1]
     shape = [n] + [max(v.shape[d] for _, v in parts) for d in range(1, first.ndim)]
+    if width is not None and first.ndim >= 2:
+        if width < shape[1]:
+            raise ValueError(f"scatter_rows: a part is {shape[1]} wide, more than the batch's width {width}")
+        shape[1] = width
     out = first.new_zeros(shape)
     for idx, v in parts:
         if v.ndim >= 2:

@@ -59,9 +59,7 @@ class Critic:
         parts = []
         for idx in self.micro_batches(rollout):
             parts.append((idx, self.env.values(self.model, self.env.trim_padding(rollout.select(idx))).cpu()))
-        values = scatter_rows(parts, len(rollout))  # [N, T'] with T' the longest micro-batch's width
-        width = self.env.loss_mask(rollout).shape[1]
-        rollout.tensors["values"] = torch.nn.functional.pad(values, (0, width - values.shape[1]))  # [N, T]
+        rollout.tensors["values"] = scatter_rows(parts, len(rollout), self.env.loss_mask(rollout).shape[1])  # [N, T]
 
     def update(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch AdamW steps on the clipped value loss against

@@ -378,7 +378,8 @@ class Trainer:
         for idx in self._micro_batches(rollout):
             out = self.env.evaluate(model, self.env.trim_padding(rollout.select(idx)))
             parts.append((idx, {k: v.detach().cpu() for k, v in out.items() if v is not None}))  # no mask: all trained
-        return {k: scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout)) for k in parts[0][1]}
+        width = self.env.loss_mask(rollout).shape[1]  # [N, T]: the rollout's T, whatever the parts' widths
+        return {k: scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout), width) for k in parts[0][1]}
 
     def _micro_batches(self, batch: Rollout) -> list[torch.Tensor]:
         """The micro-batches of ``batch`` as index tensors (``unirl.batching.plan_micro_batches``):
@@ -450,7 +451,7 @@ class Trainer:
         out = reduce_over_processes(self.accelerator, log.result(sum_shares=False))
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         if first_forward:
-            rollout.tensors["old_logp"] = scatter_rows(recorded, len(rollout))
+            rollout.tensors["old_logp"] = scatter_rows(recorded, len(rollout), self.env.loss_mask(rollout).shape[1])
             out.update(self._rollout_metrics(rollout))
         return out
 
