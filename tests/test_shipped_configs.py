@@ -29,3 +29,16 @@ def test_shipped_config_validates(path: Path):
 
     for reward in cfg.rewards:  # every named reward resolves (models load lazily, not here)
         load_reward(reward.name, **reward.kwargs)
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if p.parent.name in ("text", "diffusion")],
+                         ids=lambda p: p.relative_to(CONFIGS_ROOT).as_posix())
+def test_runs_of_many_steps_save_periodically(path: Path):
+    """A crash must not lose finished work (issue 37 item 0: smollm2_math died at step 26 of 40 with
+    ``save_every: 0`` and lost 25 trained steps): a config of more than 20 steps checkpoints at least
+    twice before its end."""
+    env = path.relative_to(CONFIGS_ROOT).parts[0]
+    trainer = load_config(_import(ENVIRONMENTS[env][0]), path).trainer
+    if trainer.total_steps > 20:
+        assert 0 < trainer.save_every <= trainer.total_steps // 2, (
+            f"{path}: trainer.save_every={trainer.save_every} for {trainer.total_steps} steps")
