@@ -1,0 +1,40 @@
+"""Every shipped tiny config's first steps give the figures pinned before the restructuring (issue 31):
+``tests/pinned_metrics.py`` says how the fixture is written and why runs are forced onto the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pinned_metrics import CONFIGS, FIXTURE, fingerprint, run_all_in_subprocess
+
+PINNED = json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """All configs in one CPU-only subprocess: one Python and torch start-up instead of eleven."""
+    return run_all_in_subprocess()
+
+
+def _same(a: float, b: float, exact: bool) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b if exact else a == pytest.approx(b, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env,name", CONFIGS, ids=[f"{e}-{n}" for e, n in CONFIGS])
+def test_first_steps_match_the_pinned_figures(runs, env, name):
+    expected = PINNED["configs"][f"{env}/{name}"]
+    exact = fingerprint() == PINNED["fingerprint"]  # bit for bit on the machine that wrote them
+    got = runs[f"{env}/{name}"]
+    assert not isinstance(got, str), f"{env}/{name} failed: {got}"
+    assert len(got) == len(expected) == PINNED["steps"]
+    for step, (g, e) in enumerate(zip(got, expected), start=1):
+        # Every pinned figure is still logged (a figure added since, e.g. a new diagnostic, is not pinned).
+        assert set(e) <= set(g), f"{env}/{name} step {step}: figures no longer logged {sorted(set(e) - set(g))}"
+        differing = {k: (g[k], e[k]) for k in e if not _same(g[k], e[k], exact)}
+        assert not differing, f"{env}/{name} step {step} (got, pinned): {differing}"
