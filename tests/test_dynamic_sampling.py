@@ -76,6 +76,15 @@ def test_nonconstant_groups_by_hand():
     assert nonconstant_groups(values, group_ids).tolist() == [False, False, True, True, False, False, False, False, True]
 
 
+def test_nonconstant_groups_keeps_float64_precision():
+    # Group 0 differs by 1e-12 (below float32's resolution at 0.1: 7.5e-9), group 1 is constant, group 2
+    # differs only in float64 too, around 1e6 (float32's step there is 0.0625).
+    values = torch.tensor([0.1, 0.1 + 1e-12, 0.3, 0.3, 1e6, 1e6 + 1e-3], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert nonconstant_groups(values, ids).tolist() == [True, True, False, False, True, True]
+    assert nonconstant_groups(torch.tensor([1, 1, 0, 1]), torch.tensor([0, 0, 1, 1])).tolist() == [False, False, True, True]
+
+
 def test_concat_rollouts_pads_each_side_and_renumbers_groups():
     a = Rollout(tensors={"prompt_ids": torch.tensor([[0, 5], [0, 5]]), "response_ids": torch.tensor([[7], [8]])},
                 group_ids=torch.tensor([3, 3]), prompts=["p", "p"], samples=["x", "y"], columns={"c": [1, 1]})

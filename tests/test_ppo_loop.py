@@ -29,8 +29,10 @@ def _weights(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
 
 
-def test_critic_warmup_trains_only_the_critic(tmp_path, tiny_lm_dir):
-    trainer = _trainer(tmp_path / "run", "trainer.critic_warmup=2")
+def test_critic_warmup_trains_only_the_critic_for_n_minus_1_steps_as_verl(tmp_path, tiny_lm_dir):
+    """verl's ``RayPPOTrainer.fit`` numbers steps from 1 and updates the actor when ``critic_warmup <=
+    global_steps``: critic_warmup=3 holds the actor back for steps 1 and 2, and step 3 trains it."""
+    trainer = _trainer(tmp_path / "run", "trainer.critic_warmup=3")
     trainer.setup()
     actor, critic = _weights(trainer.env.model), _weights(trainer.critic.model)
     for step in range(3):

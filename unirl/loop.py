@@ -9,7 +9,7 @@ PPO with a critic (``algo.adv_estimator: gae``) and the KL in the reward run ver
 rewards on tokens read the old and reference log-probs and the advantages read the critic's values:
 
     rollout -> score -> old_logprobs (+ reference) -> values -> advantages (token rewards with the KL
-    penalty, GAE) -> update_critic -> update (after ``trainer.critic_warmup`` steps) -> sync -> log
+    penalty, GAE) -> update_critic -> update (from step ``trainer.critic_warmup`` on) -> sync -> log
 
 The algorithm lives in ``unirl/core`` (advantages, clipped loss, KL, aggregation); the environment
 (``unirl/env.py``) supplies samples, rewards and log-probs, or its own per-position loss
@@ -206,7 +206,9 @@ class Trainer:
         if self.critic is not None:
             with _timer(times, "update_critic"):
                 metrics.update(self.critic.update(rollout, self.step))
-        if self.step >= self.cfg.critic_warmup:  # verl's critic warm-up: the actor waits for a trained critic
+        # verl's critic warm-up, as its code counts: step numbers start at 1 and the actor trains when
+        # critic_warmup <= step, so N holds it back N-1 steps (``TrainerConfig.critic_warmup``).
+        if self.cfg.critic_warmup <= self.step + 1:
             with _timer(times, "update"):
                 metrics.update(self.update(rollout))
             with _timer(times, "sync"):

@@ -321,8 +321,10 @@ class TrainerConfig:
     #: Threads scoring finished chunks of samples while the next chunk is sampled (0: score inline).
     #: The rewards are identical either way.
     reward_workers: int = 0
-    #: The first N steps update only the critic (verl's ``trainer.critic_warmup``), so the actor's first
-    #: advantages come from a value model that has seen some returns.
+    #: The actor trains from step N on (verl's ``trainer.critic_warmup``, counted as verl's code counts:
+    #: steps are numbered from 1 and the actor trains when ``critic_warmup <= step``), so the first N-1
+    #: steps update only the critic and the actor's first advantages come from a value model that has
+    #: seen some returns. 0 and 1 both mean no warm-up; a verl config's value holds the actor back as long.
     critic_warmup: int = 0
 
     def __post_init__(self):
