@@ -36,7 +36,7 @@ from unirl.core import (ADVANTAGE_ESTIMATORS, aggregate, aggregate_denominator, 
                         token_scores)
 from unirl.critic import Critic
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
-from unirl.dynamic_sampling import FilteredBatch, sample_filtered
+from unirl.dynamic_sampling import FilteredBatch, SamplingStopped, sample_filtered
 from unirl.env import Environment, Rollout
 from unirl.kl_control import build_kl_controller
 from unirl.metrics import MetricLog, reduce_over_processes
@@ -140,6 +140,8 @@ class Trainer:
                     metrics = self.train_step()
                 except RewardError as e:  # say what a crash leaves behind, with the reward's message
                     raise RewardError(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
+                except SamplingStopped:  # a signal while DAPO drew batches: the step is given up, the state saved
+                    raise self.signals.preempted(self.step, self.save_checkpoint(), self.run_dir) from None
                 history.append(metrics)
                 self.run_log.log(metrics)
                 progress.update(metrics)
@@ -225,7 +227,8 @@ class Trainer:
             return self.env.next_prompts(self.prompt_batches - 1)
 
         return sample_filtered(self.env, self.accelerator, self.algo.filter_groups, prompts_per_step=self.cfg.prompts_per_step,
-                               group_size=self.cfg.group_size, next_rows=next_rows)
+                               group_size=self.cfg.group_size, next_rows=next_rows,
+                               stop=lambda: self.signals.requested(self.accelerator))
 
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
         """Advantages from unirl.rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
