@@ -392,3 +392,41 @@ def test_tampered_metadata_is_named_and_the_checkpoint_before_is_resumed(tmp_pat
     _same(_snapshot(prepared, ema), first)
     skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: skipping")]
     assert len(skipped) == 1 and skipped[0].startswith(f"resume: skipping {ckpt}: {state}/") and said in skipped[0], skipped
+
+
+# ------------------------------------------------------------- resume semantics (issue 37 item 11)
+def _algo_config(estimator: str, **critic) -> dict:
+    return {"algo": {"adv_estimator": estimator}, "optim": {"lr": 1e-2}, "trainer": {"ppo_epochs": 1, "total_steps": 4},
+            "critic": {"name_or_path": None, "cliprange_value": 0.5, "ppo_epochs": None, "optim": {"lr": 1e-5},
+                       **critic}}
+
+
+@pytest.mark.parametrize("now, said", [
+    (_algo_config("grpo"), "algo.adv_estimator: 'gae' in the checkpoint (it trains a critic), 'grpo' now (no critic)"),
+    (_algo_config("gae", cliprange_value=0.2), "critic.cliprange_value: 0.5 in the checkpoint, 0.2 now"),
+    (_algo_config("gae", ppo_epochs=2), "critic.ppo_epochs: 1 in the checkpoint, 2 now"),
+    (_algo_config("gae", name_or_path="other-critic"), "critic.name_or_path: None in the checkpoint, 'other-critic' now"),
+])
+def test_a_ppo_checkpoint_refuses_another_critic_setting_naming_old_and_new(tmp_path, now, said):
+    acc, prepared, ema = _setup()
+    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
+                                config=_algo_config("gae"))
+    with pytest.raises(CheckpointError) as info:
+        checkpoints.resume(acc, tmp_path, now)
+    assert str(info.value).startswith(f"resume: {said}; ") and "\n" not in str(info.value)
+    # The same number of critic passes spelled out (null: the trainer's ppo_epochs) and the run's length are no change.
+    assert checkpoints.resume(acc, tmp_path, {**_algo_config("gae", ppo_epochs=1), "trainer": {"ppo_epochs": 1,
+                                                                                              "total_steps": 8}})["step"] == 1
+
+
+def test_a_grpo_checkpoint_resumed_as_ppo_names_the_estimator_not_a_critic_setting_it_never_had(tmp_path):
+    acc, prepared, ema = _setup()
+    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
+                                config=_algo_config("grpo"))
+    ppo = _algo_config("gae", optim={"lr": 1e-3})  # a PPO config's own critic learning rate
+    with pytest.raises(CheckpointError, match=r"^resume: algo\.adv_estimator: 'grpo' in the checkpoint \(no critic\), "
+                                              r"'gae' now \(it trains a critic\); ") as info:
+        checkpoints.resume(acc, tmp_path, ppo)
+    assert "critic.optim.lr" not in str(info.value)
+    # Without a critic on either side its unused settings may change.
+    assert checkpoints.resume(acc, tmp_path, _algo_config("grpo", cliprange_value=0.3, optim={"lr": 1e-3}))["step"] == 1

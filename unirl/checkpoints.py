@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.resume_checks import check_loop_state, check_optimizer, check_scheduler, link_message, link_out_of
+from unirl.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
+                                 link_out_of, trains_a_critic)
 from unirl.state_files import StateFileError, load_state, read_json, save_state
 
 
@@ -245,8 +246,15 @@ def check_config(directory: Path, config: dict[str, Any] | None) -> None:
     if not isinstance(saved, dict):
         raise StateFileError(f"{saved_file}: not a JSON object (the run's config)")
     old, new = _flat(saved), _flat(json.loads(json.dumps(config, default=str)))  # tuples as JSON lists, as saved
-    # Keys in both only: a field added since the checkpoint was written (or a run without a config) is no change.
-    changed = [k for k in sorted(set(old) & set(new)) if _state_bearing(k) and old[k] != new[k]]
+    critic = critic_changes(old, new)
+    if critic:
+        raise CheckpointError(
+            f"resume: {'; '.join(critic)}; the checkpoint's critic (or its absence) was trained with the saved "
+            f"settings. Resume with them, or start a new run (another --output-dir)")
+    # Keys in both only: a field added since the checkpoint was written (or a run without a config) is no change;
+    # the critic's only when there is one (a GRPO run's config carries critic defaults it never used).
+    used = (lambda k: True) if trains_a_critic(old) else (lambda k: not k.startswith("critic."))
+    changed = [k for k in sorted(set(old) & set(new)) if _state_bearing(k) and used(k) and old[k] != new[k]]
     if changed:
         what = ", ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in changed)
         raise CheckpointError(

@@ -123,3 +123,38 @@ def check_scheduler(scheduler: Any, stem: Path) -> None:
         rates = getattr(scheduler, name, None) or []
         if not all(_real(r) and math.isfinite(r) for r in rates):
             raise StateFileError(f"{stem}.json: {name} must be finite learning rates, got {_short(rates)}")
+
+
+# ============================================================ config changes
+#: The critic's settings a resumed PPO run may not change (compared only when both the checkpoint and
+#: this run train a critic): its values were learnt under this clip range, its schedule counts
+#: ``ppo_epochs`` optimizer passes a step, and its weights come from ``name_or_path``.
+CRITIC_KEYS = ("critic.cliprange_value", "critic.ppo_epochs", "critic.name_or_path")
+
+
+def trains_a_critic(flat: dict[str, Any]) -> bool:
+    """Whether a run's flattened config (``algo.adv_estimator``) trains a critic, as the loop decides."""
+    from unirl.core import ADVANTAGE_ESTIMATORS
+
+    name = flat.get("algo.adv_estimator")
+    return name in ADVANTAGE_ESTIMATORS and bool(getattr(ADVANTAGE_ESTIMATORS.get(name), "reads_values", False))
+
+
+def critic_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What a resume may not change about the critic, each ``key: old in the checkpoint, new now``
+    (flattened configs): whether there is one at all (``algo.adv_estimator``), then ``CRITIC_KEYS``."""
+    had, has = trains_a_critic(old), trains_a_critic(new)
+    if had != has:
+        what = ("it trains a critic", "no critic") if had else ("no critic", "it trains a critic")
+        return [f"algo.adv_estimator: {old.get('algo.adv_estimator')!r} in the checkpoint ({what[0]}), "
+                f"{new.get('algo.adv_estimator')!r} now ({what[1]})"]
+    if not had:
+        return []
+    changes = []
+    for key in CRITIC_KEYS:
+        before, now = old.get(key), new.get(key)
+        if key == "critic.ppo_epochs":  # null: the trainer's, so compare the passes it makes
+            before, now = before or old.get("trainer.ppo_epochs"), now or new.get("trainer.ppo_epochs")
+        if key in old and key in new and before != now:
+            changes.append(f"{key}: {before!r} in the checkpoint, {now!r} now")
+    return changes
