@@ -40,6 +40,7 @@ from unirl.dynamic_sampling import FilteredBatch, SamplingStopped, sample_filter
 from unirl.env import Environment, Rollout
 from unirl.kl_control import build_kl_controller
 from unirl.metrics import MetricLog, reduce_over_processes
+from unirl.nonfinite import NonFiniteWatch, skip_save_line
 from unirl.optim import build_optimizer, build_scheduler
 from unirl.preemption import Preempted, StopSignals
 from unirl.run_log import Progress, RunLog
@@ -63,6 +64,7 @@ class Trainer:
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
         self.prompt_batches = 0  # prompt batches drawn by dynamic sampling (without it, batch k is step k's)
         self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
+        self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -145,6 +147,7 @@ class Trainer:
                 history.append(metrics)
                 self.run_log.log(metrics)
                 progress.update(metrics)
+                self.nonfinite.observe(metrics, self.step, self.run_dir)
                 last = self.step == self.cfg.total_steps
                 # The finished run is saved before its last evaluation, so a failing evaluation loses no
                 # step; a periodic checkpoint comes after its evaluation (the state a resumed run goes on from).
@@ -621,8 +624,12 @@ class Trainer:
         return out
 
     # ========================================================= checkpoints
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.checkpoints``)."""
+        why = self.nonfinite.unsafe_to_save(self.accelerator._models)
+        if why is not None:  # a non-finite state is not saved over the last good checkpoint (unirl.nonfinite)
+            self.accelerator.print(skip_save_line(self.step, why, self.run_dir))
+            return (checkpoints.checkpoint_dirs(self.run_dir) or [None])[-1]
         state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
         if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
             state["kl_ctrl"] = self.kl_ctrl.state_dict()

@@ -326,6 +326,12 @@ class TrainerConfig:
     #: steps update only the critic and the actor's first advantages come from a value model that has
     #: seen some returns. 0 and 1 both mean no warm-up; a verl config's value holds the actor back as long.
     critic_warmup: int = 0
+    #: Stop the run when a loss (``loss/*``, ``critic/vf_loss``), the critic's values or the advantages are
+    #: NaN or inf this many steps in a row (0: never stop). 3, because one such step can pass (its optimizer
+    #: step is skipped when the gradient norm is not finite, as after an fp16 overflow or one NaN reward),
+    #: while three in a row mean the weights or the critic are broken and every further step is wasted. A
+    #: non-finite step is never checkpointed, so the last good checkpoint stays.
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         n = self.prompts_per_step * self.group_size
@@ -347,7 +353,7 @@ class TrainerConfig:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
-        for name in ("eval_every", "save_every"):
+        for name in ("eval_every", "save_every", "max_nonfinite_steps"):
             check_range(self, name, low=0)
         check_range(self, "seed", low=0, high=2**32 - 1)  # numpy's seeds
         for tracker in self.log_with:
