@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from unirl.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
-                                 link_out_of, trains_a_critic)
+                                 link_out_of, links_out, trains_a_critic)
 from unirl.state_files import StateFileError, load_state, read_json, save_state
 
 
@@ -78,7 +78,7 @@ def _check_root(run_dir: Path) -> None:
     """``<run>/checkpoints`` must not lead out of the run: resume would read, and pruning delete, another
     run's checkpoints."""
     root = Path(run_dir) / "checkpoints"
-    if link_out_of(root, run_dir) == root:
+    if links_out(root, run_dir):
         raise CheckpointError(f"checkpoints: {link_message(root)}; unirl writes, resumes and prunes checkpoints only "
                               f"inside the run directory (to keep them on another disk, put the run there: --output-dir)")
 

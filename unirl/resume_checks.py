@@ -24,19 +24,19 @@ MAX_COUNT = 2**53
 
 
 # ==================================================================== links
+def links_out(path: Path, run_dir: Path) -> bool:
+    """Whether ``path`` is a symbolic link whose target lies outside ``run_dir`` (both resolved)."""
+    return path.is_symlink() and not path.resolve().is_relative_to(Path(run_dir).resolve())
+
+
 def link_out_of(path: Path, run_dir: Path) -> Path | None:
-    """The first symbolic link at or under ``path`` whose target lies outside ``run_dir`` (both
-    resolved), or None. ``os.walk`` does not descend into linked directories, so nothing outside is read."""
-    inside = Path(run_dir).resolve()
-
-    def outside(p: Path) -> bool:
-        return p.is_symlink() and not p.resolve().is_relative_to(inside)
-
-    if outside(path):
+    """The first symbolic link at or under ``path`` whose target lies outside ``run_dir``, or None.
+    ``os.walk`` does not descend into linked directories, so nothing outside is read."""
+    if links_out(path, run_dir):
         return path
     for folder, dirs, files in os.walk(path):
         for name in (*dirs, *files):
-            if outside(Path(folder) / name):
+            if links_out(Path(folder) / name, run_dir):
                 return Path(folder) / name
     return None
 
