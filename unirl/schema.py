@@ -58,7 +58,7 @@ class FilterGroupsConfig:
     #: shaped total, whose overlong penalty would make a constant group look varied (verl-recipe #125).
     metric: Optional[str] = None
     #: Generation batches per step at most (verl's ``max_num_gen_batches``; the DAPO recipe's 10);
-    #: 0: no limit.
+    #: 0: no limit (a line after 10, 100, 1000 ... batches says it is still drawing; SIGTERM stops it).
     max_num_gen_batches: int = 10
     #: At the limit with fewer groups kept: ``error`` stops the run (verl), ``train`` trains on the
     #: groups kept (the same number on every process).
