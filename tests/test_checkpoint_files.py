@@ -12,6 +12,7 @@ import errno
 import json
 import pickle
 import random
+import re
 
 import numpy as np
 import pytest
@@ -288,3 +289,144 @@ def test_a_torn_last_metrics_row_is_dropped_and_a_torn_middle_row_named(tmp_path
     log.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
     with pytest.raises(CheckpointError, match=rf"{log}:2: not a JSON row"):
         checkpoints.resume(acc, tmp_path)
+
+
+# ---------------------------------------------------------------- links out of the run (issue 37 item 2)
+def test_a_checkpoint_linked_out_of_the_run_is_not_resumed_and_pruning_spares_what_it_did_not_write(tmp_path, capsys):
+    acc, prepared, ema = _setup()
+    env = _Env(prepared[0])
+    run, other = tmp_path / "run", tmp_path / "other"
+    _train(prepared, ema, 1)
+    checkpoints.save_checkpoint(acc, env, other, 5, {"step": 5, "optimizer_steps": 5}, keep=None)  # another run's
+    _train(prepared, ema, 1)
+    checkpoints.save_checkpoint(acc, env, run, 1, {"step": 1, "optimizer_steps": 1}, keep=None)
+    ours = _snapshot(prepared, ema)
+    link = run / "checkpoints" / "step_000005"
+    link.symlink_to(other / "checkpoints" / "step_000005", target_is_directory=True)
+    backup = run / "checkpoints" / "step_000001_backup"  # a copy a person made, under a name save never gives
+    backup.mkdir()
+    (backup / "notes.txt").write_text("keep me")
+    _train(prepared, ema, 1)
+    assert checkpoints.resume(acc, run)["step"] == 1  # not the other run's step 5 through the link
+    _same(_snapshot(prepared, ema), ours)
+    out = capsys.readouterr().out
+    assert f"skipping {link}: {link} is a link to {(other / 'checkpoints' / 'step_000005').resolve()}, outside" in out
+    for step in (2, 3, 4):  # keep 2: prunes step 1 and 2 of this run, nothing else
+        checkpoints.save_checkpoint(acc, env, run, step, {"step": step, "optimizer_steps": step}, keep=2)
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step_000001_backup", "step_000003", "step_000004", "step_000005"]
+    assert link.is_symlink() and (other / "checkpoints" / "step_000005" / "trainer_state" / "loop.json").exists()
+    assert (backup / "notes.txt").read_text() == "keep me"
+
+
+def test_a_checkpoints_folder_linked_out_of_the_run_is_refused_and_left_alone(tmp_path):
+    acc, prepared, ema = _setup()
+    env = _Env(prepared[0])
+    other = tmp_path / "other"
+    for step in (1, 2):
+        checkpoints.save_checkpoint(acc, env, other, step, {"step": step, "optimizer_steps": step}, keep=None)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(other / "checkpoints", target_is_directory=True)
+    with pytest.raises(CheckpointError, match=r"checkpoints: .*run/checkpoints is a link to .*other/checkpoints, outside"):
+        checkpoints.resume(acc, run)
+    with pytest.raises(CheckpointError, match="outside the run directory"):
+        checkpoints.save_checkpoint(acc, env, run, 3, {"step": 3, "optimizer_steps": 3}, keep=1)
+    assert sorted(p.name for p in (other / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+
+
+# ------------------------------------------------------------ tampered metadata (issue 37 item 3)
+def _edit_json(file, change):
+    plain = json.loads(file.read_text())
+    file.write_text(json.dumps(change(plain)))
+
+
+def _swap_moments(plain):
+    items = plain["state"]["__items__"]  # [[param index, {"step", "exp_avg", "exp_avg_sq"}], ...]
+    items[0][1]["exp_avg"], items[1][1]["exp_avg"] = items[1][1]["exp_avg"], items[0][1]["exp_avg"]
+    return plain
+
+
+TAMPERED = {  # name: (file, its change, what the skip line must say)
+    "step_string": ("loop.json", lambda p: {**p, "step": "2"}, "loop.json: step must be a whole number, got '2'"),
+    "step_float": ("loop.json", lambda p: {**p, "step": 3.7}, "loop.json: step must be a whole number, got 3.7"),
+    "step_negative": ("loop.json", lambda p: {**p, "step": -5}, "loop.json: step must be between 0 and 2**53, got -5"),
+    "step_huge": ("loop.json", lambda p: {**p, "step": 10**30}, "loop.json: step must be between 0 and 2**53"),
+    "step_other": ("loop.json", lambda p: {**p, "step": 7}, "loop.json: step is 7, but the checkpoint is step_000002"),
+    "optimizer_steps": ("loop.json", lambda p: {**p, "optimizer_steps": 10**30}, "loop.json: optimizer_steps must be"),
+    "kl_ctrl": ("loop.json", lambda p: {**p, "kl_ctrl": {"value": "0.1"}}, "loop.json: kl_ctrl.value must be a finite"),
+    "swapped_tensors": ("optimizer_1.json", _swap_moments,
+                        "optimizer_1.json: parameter 0's 'exp_avg' has shape (5,), the parameter (5, 3)"),
+    "scheduler": ("scheduler_0.json", lambda p: {**p, "last_epoch": "1"}, "scheduler_0.json: last_epoch must be a count"),
+}
+
+
+@pytest.mark.parametrize("case", [*TAMPERED, "rng_1e999", "deep_json", "config_deep"])
+def test_tampered_metadata_is_named_and_the_checkpoint_before_is_resumed(tmp_path, case, capsys):
+    acc, prepared, ema = _setup()
+    env = _Env(prepared[0])
+    _train(prepared, ema, 1)
+    checkpoints.save_checkpoint(acc, env, tmp_path, 1, {"step": 1, "optimizer_steps": 1, "kl_ctrl": {"value": 0.1}},
+                                keep=None, config={"optim": {"lr": 1e-2}})
+    first = _snapshot(prepared, ema)
+    _train(prepared, ema, 1)
+    ckpt = checkpoints.save_checkpoint(acc, env, tmp_path, 2, {"step": 2, "optimizer_steps": 2, "kl_ctrl": {"value": 0.1}},
+                                       keep=None, config={"optim": {"lr": 1e-2}})
+    state = ckpt / "trainer_state"
+    if case in TAMPERED:
+        name, change, said = TAMPERED[case]
+        _edit_json(state / name, change)
+    elif case == "rng_1e999":  # the python RNG state's first word, as a number no float can hold
+        text = (state / "rng_0.json").read_text()
+        (state / "rng_0.json").write_text(re.sub(r'("python": \{"__tuple__": \[3, \{"__tuple__": \[)\d+', r"\g<1>1e999", text))
+        assert "1e999" in (state / "rng_0.json").read_text()
+        said = "rng_0.json: cannot be read (the number 1e999 is too large for a float)"
+    elif case == "deep_json":
+        (state / "rng_0.json").write_text("[" * 200_000 + "]" * 200_000)
+        said = "rng_0.json: cannot be read (nested too deeply"
+    else:
+        (state / "config.json").write_text('{"a": ' * 200_000 + "1" + "}" * 200_000)
+        said = "config.json: cannot be read (nested too deeply"
+    _train(prepared, ema, 1)
+    assert checkpoints.resume(acc, tmp_path, {"optim": {"lr": 1e-2}})["step"] == 1
+    _same(_snapshot(prepared, ema), first)
+    skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: skipping")]
+    assert len(skipped) == 1 and skipped[0].startswith(f"resume: skipping {ckpt}: {state}/") and said in skipped[0], skipped
+
+
+# ------------------------------------------------------------- resume semantics (issue 37 item 11)
+def _algo_config(estimator: str, **critic) -> dict:
+    return {"algo": {"adv_estimator": estimator}, "optim": {"lr": 1e-2}, "trainer": {"ppo_epochs": 1, "total_steps": 4},
+            "critic": {"name_or_path": None, "cliprange_value": 0.5, "ppo_epochs": None, "optim": {"lr": 1e-5},
+                       **critic}}
+
+
+@pytest.mark.parametrize("now, said", [
+    (_algo_config("grpo"), "algo.adv_estimator: 'gae' in the checkpoint (it trains a critic), 'grpo' now (no critic)"),
+    (_algo_config("gae", cliprange_value=0.2), "critic.cliprange_value: 0.5 in the checkpoint, 0.2 now"),
+    (_algo_config("gae", ppo_epochs=2), "critic.ppo_epochs: 1 in the checkpoint, 2 now"),
+    (_algo_config("gae", name_or_path="other-critic"), "critic.name_or_path: None in the checkpoint, 'other-critic' now"),
+])
+def test_a_ppo_checkpoint_refuses_another_critic_setting_naming_old_and_new(tmp_path, now, said):
+    acc, prepared, ema = _setup()
+    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
+                                config=_algo_config("gae"))
+    with pytest.raises(CheckpointError) as info:
+        checkpoints.resume(acc, tmp_path, now)
+    assert str(info.value).startswith(f"resume: {said}; ") and "\n" not in str(info.value)
+    # The same number of critic passes spelled out (null: the trainer's ppo_epochs) and the run's length are no change.
+    assert checkpoints.resume(acc, tmp_path, {**_algo_config("gae", ppo_epochs=1), "trainer": {"ppo_epochs": 1,
+                                                                                              "total_steps": 8}})["step"] == 1
+
+
+def test_a_grpo_checkpoint_resumed_as_ppo_names_the_estimator_not_a_critic_setting_it_never_had(tmp_path):
+    acc, prepared, ema = _setup()
+    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
+                                config=_algo_config("grpo"))
+    ppo = _algo_config("gae", optim={"lr": 1e-3})  # a PPO config's own critic learning rate
+    with pytest.raises(CheckpointError, match=r"^resume: algo\.adv_estimator: 'grpo' in the checkpoint \(no critic\), "
+                                              r"'gae' now \(it trains a critic\); ") as info:
+        checkpoints.resume(acc, tmp_path, ppo)
+    assert "critic.optim.lr" not in str(info.value)
+    # Without a critic on either side its unused settings may change.
+    assert checkpoints.resume(acc, tmp_path, _algo_config("grpo", cliprange_value=0.3, optim={"lr": 1e-3}))["step"] == 1

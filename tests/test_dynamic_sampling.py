@@ -21,6 +21,7 @@ import torch
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.core import nonconstant_groups
+from unirl.dynamic_sampling import SamplingExhausted
 from unirl.env import Rollout, concat_rollouts
 from unirl.loop import Trainer
 from unirl.schema import FilterGroupsConfig
@@ -74,6 +75,15 @@ def test_nonconstant_groups_by_hand():
     group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4])
     # 0: constant; 1: varies; 2: 0.5 and a reward that does not apply -> constant; 3: no value; 4: one sample.
     assert nonconstant_groups(values, group_ids).tolist() == [False, False, True, True, False, False, False, False, True]
+
+
+def test_nonconstant_groups_keeps_float64_precision():
+    # Group 0 differs by 1e-12 (below float32's resolution at 0.1: 7.5e-9), group 1 is constant, group 2
+    # differs only in float64 too, around 1e6 (float32's step there is 0.0625).
+    values = torch.tensor([0.1, 0.1 + 1e-12, 0.3, 0.3, 1e6, 1e6 + 1e-3], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert nonconstant_groups(values, ids).tolist() == [True, True, False, False, True, True]
+    assert nonconstant_groups(torch.tensor([1, 1, 0, 1]), torch.tensor([0, 0, 1, 1])).tolist() == [False, False, True, True]
 
 
 def test_concat_rollouts_pads_each_side_and_renumbers_groups():
@@ -140,7 +150,7 @@ def test_at_the_limit_it_stops_with_a_clear_error_or_trains_on_what_was_kept(tmp
     trainer = _trainer(tmp_path, "algo.filter_groups.max_num_gen_batches=1", "trainer.prompts_per_step=8",
                        "trainer.mini_batch_size=24", "trainer.micro_batch_size=24")
     try:
-        with pytest.raises(RuntimeError, match=r"max_num_gen_batches\) kept \d of trainer.prompts_per_step=8"):
+        with pytest.raises(SamplingExhausted, match=r"max_num_gen_batches\) kept \d of trainer.prompts_per_step=8"):
             trainer.dynamic_sampling()
         trainer.algo.filter_groups.on_exhausted = "train"
         filtered = trainer.dynamic_sampling()
@@ -149,6 +159,65 @@ def test_at_the_limit_it_stops_with_a_clear_error_or_trains_on_what_was_kept(tmp
         assert {_kind(p) for p in filtered.rollout.prompts} == {2}
     finally:
         trainer.env.close()
+
+
+CONSTANT = """
+def constant(samples, prompts, **kwargs):
+    return [1.0] * len(samples)
+"""
+#: The tiny config with DAPO's filter on a reward that never varies: no group is ever kept.
+CONSTANT_ARGS = ["rollout.engine=hf", "rollout.max_new_tokens=4", "trainer.prompts_per_step=2", "trainer.group_size=2",
+                 "trainer.mini_batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0",
+                 "trainer.progress=false", "algo.filter_groups.enabled=true", "algo.filter_groups.metric=constant"]
+
+
+def _constant_reward(tmp_path) -> str:
+    (tmp_path / "constant.py").write_text(CONSTANT)
+    return f"rewards=[{{name: '{tmp_path / 'constant.py'}:constant'}}]"
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_exhausted_dynamic_sampling_is_one_line_from_the_cli(tmp_path, tiny_lm_dir, capsys):
+    from unirl.cli import main
+
+    code = main(["train", "text", "--config", "tiny", "--output-dir", str(tmp_path / "run"), *CONSTANT_ARGS,
+                 _constant_reward(tmp_path), "algo.filter_groups.max_num_gen_batches=2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("unirl: dynamic sampling: 2 generation batches"), err[-2000:]
+    assert "on_exhausted=train" in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny_lm_dir, capsys):
+    """max_num_gen_batches=0 and a reward that never varies: the step would draw for ever. A SIGTERM
+    during it stops the run after the batch in progress, saving the state, as after a finished step."""
+    import signal
+
+    from unirl.preemption import Preempted
+
+    cfg = load_run_config("text", "tiny", [*CONSTANT_ARGS, _constant_reward(tmp_path), "trainer.total_steps=3",
+                                           "algo.filter_groups.max_num_gen_batches=0"], output_dir=str(tmp_path / "run"))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    real, calls = trainer.env.rollout, []
+
+    def rollout(rows, group_size):
+        calls.append(len(rows))
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler the run installed records it
+        assert len(calls) < 30, "the SIGTERM did not stop dynamic sampling"
+        return real(rows, group_size)
+
+    trainer.env.rollout = rollout
+    with pytest.raises(Preempted) as info:
+        trainer.train()
+    assert info.value.exit_code == 143 and len(calls) == 3
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000000"
+    assert f"stopped by SIGTERM after step 0; checkpoint {checkpoint}" in str(info.value)
+    assert json.loads((checkpoint / "trainer_state" / "loop.json").read_text())["prompt_batches"] == 3
+    assert "still drawing" not in capsys.readouterr().out  # the line comes at 10 batches
 
 
 def _free_port() -> int:

@@ -287,6 +287,24 @@ def test_value_loss_matches_verls_formula(seed):
     close(parts, ref_loss)
 
 
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), -float("inf")])
+def test_value_loss_non_finite_at_masked_positions_reaches_no_gradient(junk):
+    """A hand-made batch whose masked positions hold NaN / inf in the values, the old values and the
+    returns: the loss, its figures and the gradient are those of the masked-in positions alone."""
+    # Row 0: token 0 in, token 1 out; row 1: token 0 out, token 1 in. The masked-in values as in
+    # test_value_loss_by_hand: v = [1.0, 0.0], old 0, returns [2.0, -1.0] -> loss 0.8125, grad [0, 0.5].
+    mask = torch.tensor([[True, False], [False, True]])
+    v = torch.tensor([[1.0, junk], [junk, 0.0]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[0.0, junk], [junk, 0.0]], dtype=F64)
+    ret = torch.tensor([[2.0, junk], [junk, -1.0]], dtype=F64)
+    loss, metrics = value_loss(v, old, ret, mask, clip=0.5)
+    close(loss, 0.8125)
+    close(metrics["vf_clipfrac"], 0.5)
+    close(metrics["vpred_mean"], 0.5)
+    loss.backward()
+    close(v.grad, [[0.0, 0.0], [0.0, 0.5]])  # finite everywhere: masked positions get exactly 0
+
+
 def test_explained_variance_by_hand():
     # returns [1, 2, 3, 4] (var 5/3); values = returns: 1; values = mean 2.5: 1 - (5/3)/(5/3 + 1e-5).
     ret = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=F64)

@@ -29,8 +29,10 @@ def _weights(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
 
 
-def test_critic_warmup_trains_only_the_critic(tmp_path, tiny_lm_dir):
-    trainer = _trainer(tmp_path / "run", "trainer.critic_warmup=2")
+def test_critic_warmup_trains_only_the_critic_for_n_minus_1_steps_as_verl(tmp_path, tiny_lm_dir):
+    """verl's ``RayPPOTrainer.fit`` numbers steps from 1 and updates the actor when ``critic_warmup <=
+    global_steps``: critic_warmup=3 holds the actor back for steps 1 and 2, and step 3 trains it."""
+    trainer = _trainer(tmp_path / "run", "trainer.critic_warmup=3")
     trainer.setup()
     actor, critic = _weights(trainer.env.model), _weights(trainer.critic.model)
     for step in range(3):
@@ -121,3 +123,48 @@ def test_values_sit_where_the_logprobs_are_packed_or_padded(tmp_path, tiny_lm_di
     torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5)
     torch.testing.assert_close(padded[0, :R], by_hand, rtol=0, atol=1e-5)
     env.close()
+
+
+def _critic_dir(tiny_lm_dir, directory, vocab_size=None, swap=None):
+    """The tiny model's directory as another critic: ``vocab_size`` embedding rows, or a tokenizer
+    with the ids of the tokens ``swap`` exchanged (the same size, another order)."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_lm_dir, directory)
+    if vocab_size is not None:
+        from transformers import AutoConfig, Qwen2ForCausalLM
+
+        config = AutoConfig.from_pretrained(directory)
+        config.vocab_size = vocab_size
+        Qwen2ForCausalLM(config).save_pretrained(directory)
+    if swap is not None:
+        file = directory / "tokenizer.json"
+        plain = json.loads(file.read_text())
+        vocab = plain["model"]["vocab"]
+        a, b = swap
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        file.write_text(json.dumps(plain))
+    return directory
+
+
+def test_a_critic_of_another_vocabulary_is_refused_at_load_in_one_line(tmp_path, tiny_lm_dir):
+    from tests.conftest import text_env
+    from unirl.text.config import CriticConfig
+
+    env = text_env(tmp_path / "env")
+    try:
+        needed = len(env.tokenizer)
+        small = _critic_dir(tiny_lm_dir, tmp_path / "small", vocab_size=needed - 5)
+        with pytest.raises(ValueError) as info:
+            env.value_model(CriticConfig(name_or_path=str(small)))
+        message = str(info.value)
+        assert message.startswith(f"critic.name_or_path={small}: the critic embeds {needed - 5} tokens, the policy's "
+                                  f"tokenizer has {needed}") and "\n" not in message
+        other = _critic_dir(tiny_lm_dir, tmp_path / "other", swap=("1", "2"))
+        with pytest.raises(ValueError, match=r"another tokenizer than the policy's \(token '1' is \d+ in the policy's, "
+                                             r"the critic's has it as \d+\)"):
+            env.value_model(CriticConfig(name_or_path=str(other)))
+        assert env.value_model(CriticConfig(name_or_path=str(tiny_lm_dir))) is not None  # the same vocabulary loads
+    finally:
+        env.close()

@@ -6,6 +6,10 @@ says where the checkpoint is.
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
 import pytest
 
 from unirl.rewards.registry import RewardError
@@ -42,3 +46,34 @@ def test_a_failing_final_evaluation_keeps_the_trained_steps(tmp_path, tiny_lm_di
     assert (checkpoint / "trainer_state" / "loop.json").exists()  # both trained steps are kept
     said = str(info.value) + " ".join(getattr(info.value, "__notes__", []))
     assert f"evaluation at step 2" in said and f"the last checkpoint is {checkpoint}" in said
+
+
+PPO_SMALL = ["rollout.engine=hf", "rollout.max_new_tokens=6", "trainer.prompts_per_step=8", "trainer.mini_batch_size=8",
+             "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false"]
+
+
+def test_non_finite_values_stop_the_run_with_one_line_and_keep_the_last_good_checkpoint(tmp_path, tiny_lm_dir, capsys):
+    """A critic learning rate of 1e30 (issue 37): its first update throws the value head's weights to
+    ~1e30, and from step 2 the values, the advantages and the losses are NaN or inf. Two such steps
+    (trainer.max_nonfinite_steps=2) stop the run naming the figure; no checkpoint is written from the
+    first non-finite step on."""
+    from unirl.nonfinite import NonFiniteError
+
+    cfg = load_run_config("text", "tiny_ppo", [*PPO_SMALL, "critic.optim.lr=1e30", "trainer.total_steps=6",
+                                               "trainer.save_every=1", "trainer.keep_checkpoints=null",
+                                               "trainer.max_nonfinite_steps=2"], output_dir=str(tmp_path / "run"))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
+                      config_dict=config_to_dict(cfg), critic=cfg.critic)
+    with pytest.raises(NonFiniteError) as info:
+        trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    bad = [r["step"] for r in rows if not all(math.isfinite(r[k]) for k in r if k.startswith(("loss/", "critic/vf")))]
+    first = bad[0]
+    assert bad == [first, first + 1] and rows[-1]["step"] == first + 1  # stopped at the second one in a row
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"step {first + 1}: ") and "trainer.max_nonfinite_steps=2" in message
+    assert re.search(r"(loss/\w+|critic/\w+|adv/\w+) is (nan|inf|-inf)", message), message
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == list(range(1, first)), saved  # every finite step's checkpoint, none after
+    assert f"the last checkpoint is {tmp_path / 'run' / 'checkpoints' / f'step_{first - 1:06d}'}" in message
+    assert f"step {first}: not checkpointed: " in capsys.readouterr().out

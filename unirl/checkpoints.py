@@ -16,7 +16,8 @@ resumes (``unirl.state_files``): Accelerate's ``save_state`` pickles the optimiz
 and registered objects and loads them with ``torch.load(weights_only=False)``, which runs whatever
 code a crafted file holds. Everything is written under a temporary name and renamed, so a crash
 never leaves a half checkpoint that resume would pick; a resume that finds the latest checkpoint
-unreadable falls back to the one before.
+unreadable, edited out of range or linked out of the run falls back to the one before, and pruning
+removes only checkpoints the run wrote (never a link or a folder under another name).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.state_files import StateFileError, load_state, save_state
+from unirl.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
+                                 link_out_of, links_out, trains_a_critic)
+from unirl.state_files import StateFileError, load_state, read_json, save_state
 
 
 class CheckpointError(OSError):
@@ -45,9 +49,38 @@ class CheckpointError(OSError):
 OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
+_STEP = re.compile(r"step_(\d{6,})")  # the names save_checkpoint gives: step_000042
+
+
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """The run's finished checkpoints, oldest first."""
-    return sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    """The run's finished checkpoints (``step_<N>``, links among them), oldest first by step number."""
+    found = [(int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step_*") if (m := _STEP.fullmatch(p.name))]
+    return [path for _, path in sorted(found)]
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(_STEP.fullmatch(checkpoint.name).group(1))
+
+
+def _written_here(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` is one save_checkpoint wrote: a directory, not a link, whose
+    ``trainer_state/loop.json`` (not a link either) holds its own step. Pruning removes nothing else."""
+    loop = checkpoint / "trainer_state" / "loop.json"
+    if checkpoint.is_symlink() or not checkpoint.is_dir() or loop.is_symlink() or (checkpoint / "trainer_state").is_symlink():
+        return False
+    try:
+        return read_json(loop).get("step") == _step_of(checkpoint)
+    except (StateFileError, AttributeError):
+        return False
+
+
+def _check_root(run_dir: Path) -> None:
+    """``<run>/checkpoints`` must not lead out of the run: resume would read, and pruning delete, another
+    run's checkpoints."""
+    root = Path(run_dir) / "checkpoints"
+    if links_out(root, run_dir):
+        raise CheckpointError(f"checkpoints: {link_message(root)}; unirl writes, resumes and prunes checkpoints only "
+                              f"inside the run directory (to keep them on another disk, put the run there: --output-dir)")
 
 
 def last_checkpoint_hint(run_dir: Path) -> str:
@@ -80,6 +113,7 @@ def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
+    _check_root(run_dir)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -93,9 +127,12 @@ def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict
         raise CheckpointError(f"saving checkpoint {final} failed: {_why(e)}; removed the partial {tmp.name}; "
                               f"{last_checkpoint_hint(run_dir)}") from e
     if accelerator.is_main_process:
+        if final.is_symlink():  # removing the link deletes nothing it points to
+            print(f"checkpoints: {final} was a link to {final.resolve()}; replaced by this run's checkpoint")
+            final.unlink()
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        _prune(root, keep)
+        _prune(run_dir, keep)
     accelerator.wait_for_everyone()
     return final
 
@@ -107,10 +144,12 @@ def _why(error: BaseException) -> str:
     return text
 
 
-def _prune(root: Path, keep: int | None) -> None:
+def _prune(run_dir: Path, keep: int | None) -> None:
+    """Keep the newest ``keep`` checkpoints this run wrote (``_written_here``); links, copies under
+    other names and anything else in the folder are neither counted nor touched."""
     if keep is None:
         return
-    for old in sorted(root.glob("step_*"))[:-keep]:
+    for old in [c for c in checkpoint_dirs(run_dir) if _written_here(c)][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -154,10 +193,13 @@ def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> 
     ``loop.json`` (None when there is no checkpoint yet). The logs' rows of steps after it (all rows,
     without a checkpoint) are dropped, so every step appears once.
 
-    A checkpoint with an unreadable file (truncated, corrupt) is skipped with a warning naming the
-    file, and the one before it is tried; every process takes the same one. A run whose config
+    A checkpoint with an unreadable file (truncated, corrupt), a field out of type or range, or a link
+    out of the run directory (``unirl.resume_checks``) is skipped with one line naming the file and
+    field, and the one before it is tried; every process takes the same one. A ``checkpoints`` folder
+    that is itself a link out of the run is refused. A run whose config
     changes a setting the state carries (``optim.*``, ``model.lora.*``) is refused, naming it."""
     run_dir = Path(run_dir)
+    _check_root(run_dir)
     steps = checkpoint_dirs(run_dir)
     state = None
     if not steps:
@@ -166,8 +208,10 @@ def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> 
     for checkpoint in reversed(steps):
         error = None
         try:
+            if (link := link_out_of(checkpoint, run_dir)) is not None:
+                raise StateFileError(link_message(link))
             check_config(checkpoint / "trainer_state", config)
-            state = load_trainer_state(accelerator, checkpoint / "trainer_state")
+            state = load_trainer_state(accelerator, checkpoint / "trainer_state", step=_step_of(checkpoint))
         except StateFileError as e:
             error = e
         if _everyone_ok(accelerator, error is None):
@@ -198,13 +242,19 @@ def check_config(directory: Path, config: dict[str, Any] | None) -> None:
     saved_file = directory / "config.json"
     if config is None or not saved_file.exists():
         return
-    try:
-        saved = json.loads(saved_file.read_text())
-    except ValueError as e:
-        raise StateFileError(f"{saved_file}: cannot be read ({e})") from e
+    saved = read_json(saved_file)
+    if not isinstance(saved, dict):
+        raise StateFileError(f"{saved_file}: not a JSON object (the run's config)")
     old, new = _flat(saved), _flat(json.loads(json.dumps(config, default=str)))  # tuples as JSON lists, as saved
-    # Keys in both only: a field added since the checkpoint was written (or a run without a config) is no change.
-    changed = [k for k in sorted(set(old) & set(new)) if _state_bearing(k) and old[k] != new[k]]
+    critic = critic_changes(old, new)
+    if critic:
+        raise CheckpointError(
+            f"resume: {'; '.join(critic)}; the checkpoint's critic (or its absence) was trained with the saved "
+            f"settings. Resume with them, or start a new run (another --output-dir)")
+    # Keys in both only: a field added since the checkpoint was written (or a run without a config) is no change;
+    # the critic's only when there is one (a GRPO run's config carries critic defaults it never used).
+    used = (lambda k: True) if trains_a_critic(old) else (lambda k: not k.startswith("critic."))
+    changed = [k for k in sorted(set(old) & set(new)) if _state_bearing(k) and used(k) and old[k] != new[k]]
     if changed:
         what = ", ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in changed)
         raise CheckpointError(
@@ -233,8 +283,9 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_trainer_state(accelerator, directory: Path) -> dict[str, Any]:
-    """Load what ``save_trainer_state`` wrote into the prepared objects; returns ``loop.json``.
+def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, Any]:
+    """Load what ``save_trainer_state`` wrote into the prepared objects; returns ``loop.json``, every
+    field checked (``unirl.resume_checks``; ``step``: the checkpoint's, which loop.json must hold).
 
     Raises ``StateFileError`` naming an unreadable file, ``CheckpointError`` for a checkpoint that does
     not fit this run (another model shape, a different number of models)."""
@@ -246,11 +297,9 @@ def load_trainer_state(accelerator, directory: Path) -> dict[str, Any]:
             raise CheckpointError(f"{directory}: written by an older unirl with pickled state (Accelerate's save_state), "
                                   f"which resume does not unpickle; start a new run from its weights instead")
         raise StateFileError(f"{directory / 'loop.json'}: missing")
-    try:
-        loop_state = json.loads((directory / "loop.json").read_text())
-        int(loop_state["step"]), int(loop_state["optimizer_steps"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise StateFileError(f"{directory / 'loop.json'}: cannot be read ({e})") from e
+    loop_file = directory / "loop.json"
+    loop_state = read_json(loop_file)
+    check_loop_state(loop_state, loop_file, step)
     for i, model in enumerate(accelerator._models):
         file = directory / f"model_{i}.safetensors"
         try:
@@ -265,6 +314,10 @@ def load_trainer_state(accelerator, directory: Path) -> dict[str, Any]:
         for i, obj in enumerate(objects):
             stem = directory / f"{kind}_{i}"
             _load_into(obj, load_state(stem), stem)
+            if kind == "optimizer":
+                check_optimizer(obj, stem)
+            else:  # a schedule, prepared or registered (the loop registers its own); other objects pass
+                check_scheduler(obj, stem)
     for i, (now, saved) in enumerate(zip(configured, _optimizer_settings(accelerator))):
         if now != saved:  # a setting outside an ``optim`` section, which check_config cannot name
             raise CheckpointError(f"resume: optimizer {i} was saved with {saved[0]}, this run configures {now[0]}; "
@@ -279,8 +332,8 @@ def load_trainer_state(accelerator, directory: Path) -> dict[str, Any]:
 def _load_into(obj, state: Any, stem: Path) -> None:
     try:
         obj.load_state_dict(state)
-    except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:
-        raise StateFileError(f"{stem}.json: does not fit {type(obj).__name__} ({e})") from e
+    except (KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError, AttributeError) as e:
+        raise StateFileError(f"{stem}.json: does not fit {type(obj).__name__} ({_why(e)})") from e
 
 
 def _set_rng_states(states: Any, stem: Path) -> None:
@@ -290,8 +343,8 @@ def _set_rng_states(states: Any, stem: Path) -> None:
         torch.set_rng_state(states["torch"])
         if "cuda" in states and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
-    except (KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise StateFileError(f"{stem}: corrupt RNG state ({e})") from e
+    except (KeyError, ValueError, RuntimeError, TypeError, OverflowError, IndexError) as e:
+        raise StateFileError(f"{stem}: corrupt RNG state ({_why(e)})") from e
 
 
 # ===================================================================== logs

@@ -26,6 +26,21 @@ from unirl.env import Environment, Rollout, concat_rollouts
 from unirl.schema import FilterGroupsConfig
 
 
+class SamplingExhausted(ValueError):
+    """``max_num_gen_batches`` generation batches kept too few varied groups. A ``ValueError``: the
+    data or the settings are the cause (the prompts are too easy or too hard, the limit too low), so
+    the CLI ends the run with its one line."""
+
+
+class SamplingStopped(Exception):
+    """A stop signal (SIGTERM / SIGINT) arrived while batches were drawn: the step is given up, so a run
+    whose groups never vary (``max_num_gen_batches: 0``, no limit) still stops on the first signal."""
+
+
+#: Without a limit, how many generation batches pass before each line saying the step is still drawing.
+_STILL_DRAWING = (10, 100, 1_000, 10_000, 100_000)
+
+
 @dataclass
 class FilteredBatch:
     rollout: Rollout  # the kept groups, at most prompts_per_step of them
@@ -35,9 +50,13 @@ class FilteredBatch:
 
 
 def sample_filtered(env: Environment, accelerator, cfg: FilterGroupsConfig, *, prompts_per_step: int,
-                    group_size: int, next_rows: Callable[[], list[dict]]) -> FilteredBatch:
+                    group_size: int, next_rows: Callable[[], list[dict]],
+                    stop: Callable[[], bool] | None = None) -> FilteredBatch:
     """Generate, score and filter batches of ``next_rows()`` prompts until ``prompts_per_step`` groups
-    vary on ``cfg.metric`` on every process (see the module docstring)."""
+    vary on ``cfg.metric`` on every process (see the module docstring).
+
+    ``stop`` is asked after every batch that leaves the step short (on every process alike: it may be a
+    collective); when it says so, ``SamplingStopped`` gives the step up."""
     kept: list[tuple[Rollout, torch.Tensor]] = []  # the kept groups of each generation batch, with their rewards
     count = batches = prompts = varied = 0
     while True:
@@ -58,15 +77,21 @@ def sample_filtered(env: Environment, accelerator, cfg: FilterGroupsConfig, *, p
             break
         if cfg.max_num_gen_batches and batches >= cfg.max_num_gen_batches:
             if cfg.on_exhausted == "error":
-                raise RuntimeError(
+                raise SamplingExhausted(
                     f"dynamic sampling: {batches} generation batches (algo.filter_groups.max_num_gen_batches) kept "
                     f"{smallest} of trainer.prompts_per_step={prompts_per_step} groups whose {cfg.metric!r} varies; the "
                     f"prompts are too easy or too hard for the policy. Raise max_num_gen_batches, or set "
                     f"algo.filter_groups.on_exhausted=train to train on the groups kept")
             if smallest == 0:
-                raise RuntimeError(f"dynamic sampling: no group with a varying {cfg.metric!r} on some process after "
+                raise SamplingExhausted(f"dynamic sampling: no group with a varying {cfg.metric!r} on some process after "
                                    f"{batches} generation batches; nothing to train on")
             break
+        if stop is not None and stop():
+            raise SamplingStopped(f"dynamic sampling stopped by a signal after {batches} generation batches")
+        if not cfg.max_num_gen_batches and batches in _STILL_DRAWING:
+            accelerator.print(f"dynamic sampling: {batches} generation batches kept {smallest} of "
+                              f"trainer.prompts_per_step={prompts_per_step} groups whose {cfg.metric!r} varies; still "
+                              f"drawing (algo.filter_groups.max_num_gen_batches=0: no limit)")
     rollout, rewards = _first_groups(kept, smallest, env)
     metrics = {
         "filter/kept_groups": sum_over_processes(accelerator, smallest),

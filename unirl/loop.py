@@ -9,7 +9,7 @@ PPO with a critic (``algo.adv_estimator: gae``) and the KL in the reward run ver
 rewards on tokens read the old and reference log-probs and the advantages read the critic's values:
 
     rollout -> score -> old_logprobs (+ reference) -> values -> advantages (token rewards with the KL
-    penalty, GAE) -> update_critic -> update (after ``trainer.critic_warmup`` steps) -> sync -> log
+    penalty, GAE) -> update_critic -> update (from step ``trainer.critic_warmup`` on) -> sync -> log
 
 The algorithm lives in ``unirl/core`` (advantages, clipped loss, KL, aggregation); the environment
 (``unirl/env.py``) supplies samples, rewards and log-probs, or its own per-position loss
@@ -36,10 +36,11 @@ from unirl.core import (ADVANTAGE_ESTIMATORS, aggregate, aggregate_denominator, 
                         token_scores)
 from unirl.critic import Critic
 from unirl.distributed import cpu_processes, gather_rows, sum_over_processes
-from unirl.dynamic_sampling import FilteredBatch, sample_filtered
+from unirl.dynamic_sampling import FilteredBatch, SamplingStopped, sample_filtered
 from unirl.env import Environment, Rollout
 from unirl.kl_control import build_kl_controller
 from unirl.metrics import MetricLog, reduce_over_processes
+from unirl.nonfinite import NonFiniteWatch, skip_save_line
 from unirl.optim import build_optimizer, build_scheduler
 from unirl.preemption import Preempted, StopSignals
 from unirl.run_log import Progress, RunLog
@@ -63,6 +64,7 @@ class Trainer:
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
         self.prompt_batches = 0  # prompt batches drawn by dynamic sampling (without it, batch k is step k's)
         self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
+        self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -140,9 +142,12 @@ class Trainer:
                     metrics = self.train_step()
                 except RewardError as e:  # say what a crash leaves behind, with the reward's message
                     raise RewardError(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
+                except SamplingStopped:  # a signal while DAPO drew batches: the step is given up, the state saved
+                    raise self.signals.preempted(self.step, self.save_checkpoint(), self.run_dir) from None
                 history.append(metrics)
                 self.run_log.log(metrics)
                 progress.update(metrics)
+                self.nonfinite.observe(metrics, self.step, self.run_dir)
                 last = self.step == self.cfg.total_steps
                 # The finished run is saved before its last evaluation, so a failing evaluation loses no
                 # step; a periodic checkpoint comes after its evaluation (the state a resumed run goes on from).
@@ -206,7 +211,9 @@ class Trainer:
         if self.critic is not None:
             with _timer(times, "update_critic"):
                 metrics.update(self.critic.update(rollout, self.step))
-        if self.step >= self.cfg.critic_warmup:  # verl's critic warm-up: the actor waits for a trained critic
+        # verl's critic warm-up, as its code counts: step numbers start at 1 and the actor trains when
+        # critic_warmup <= step, so N holds it back N-1 steps (``TrainerConfig.critic_warmup``).
+        if self.cfg.critic_warmup <= self.step + 1:
             with _timer(times, "update"):
                 metrics.update(self.update(rollout))
             with _timer(times, "sync"):
@@ -223,7 +230,8 @@ class Trainer:
             return self.env.next_prompts(self.prompt_batches - 1)
 
         return sample_filtered(self.env, self.accelerator, self.algo.filter_groups, prompts_per_step=self.cfg.prompts_per_step,
-                               group_size=self.cfg.group_size, next_rows=next_rows)
+                               group_size=self.cfg.group_size, next_rows=next_rows,
+                               stop=lambda: self.signals.requested(self.accelerator))
 
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
         """Advantages from unirl.rewards [N]: [N] (the same for every token / step of a sample) or [N, T]
@@ -616,8 +624,12 @@ class Trainer:
         return out
 
     # ========================================================= checkpoints
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.checkpoints``)."""
+        why = self.nonfinite.unsafe_to_save(self.accelerator._models)
+        if why is not None:  # a non-finite state is not saved over the last good checkpoint (unirl.nonfinite)
+            self.accelerator.print(skip_save_line(self.step, why, self.run_dir))
+            return (checkpoints.checkpoint_dirs(self.run_dir) or [None])[-1]
         state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
         if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
             state["kl_ctrl"] = self.kl_ctrl.state_dict()

@@ -58,7 +58,7 @@ class FilterGroupsConfig:
     #: shaped total, whose overlong penalty would make a constant group look varied (verl-recipe #125).
     metric: Optional[str] = None
     #: Generation batches per step at most (verl's ``max_num_gen_batches``; the DAPO recipe's 10);
-    #: 0: no limit.
+    #: 0: no limit (a line after 10, 100, 1000 ... batches says it is still drawing; SIGTERM stops it).
     max_num_gen_batches: int = 10
     #: At the limit with fewer groups kept: ``error`` stops the run (verl), ``train`` trains on the
     #: groups kept (the same number on every process).
@@ -321,9 +321,17 @@ class TrainerConfig:
     #: Threads scoring finished chunks of samples while the next chunk is sampled (0: score inline).
     #: The rewards are identical either way.
     reward_workers: int = 0
-    #: The first N steps update only the critic (verl's ``trainer.critic_warmup``), so the actor's first
-    #: advantages come from a value model that has seen some returns.
+    #: The actor trains from step N on (verl's ``trainer.critic_warmup``, counted as verl's code counts:
+    #: steps are numbered from 1 and the actor trains when ``critic_warmup <= step``), so the first N-1
+    #: steps update only the critic and the actor's first advantages come from a value model that has
+    #: seen some returns. 0 and 1 both mean no warm-up; a verl config's value holds the actor back as long.
     critic_warmup: int = 0
+    #: Stop the run when a loss (``loss/*``, ``critic/vf_loss``), the critic's values or the advantages are
+    #: NaN or inf this many steps in a row (0: never stop). 3, because one such step can pass (its optimizer
+    #: step is skipped when the gradient norm is not finite, as after an fp16 overflow or one NaN reward),
+    #: while three in a row mean the weights or the critic are broken and every further step is wasted. A
+    #: non-finite step is never checkpointed, so the last good checkpoint stays.
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         n = self.prompts_per_step * self.group_size
@@ -345,7 +353,7 @@ class TrainerConfig:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
-        for name in ("eval_every", "save_every"):
+        for name in ("eval_every", "save_every", "max_nonfinite_steps"):
             check_range(self, name, low=0)
         check_range(self, "seed", low=0, high=2**32 - 1)  # numpy's seeds
         for tracker in self.log_with:

@@ -10,6 +10,7 @@ not one of these types is refused when saving, with the path of the value, rathe
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,30 @@ def load_state(stem: Path) -> Any:
         tensors = load_file(str(tensor_file))
     except Exception as e:  # safetensors' own error type, or OSError
         raise StateFileError(f"{tensor_file}: cannot be read ({_first_line(e)})") from e
+    plain = read_json(json_file)
     try:
-        plain = json.loads(json_file.read_text())
         return _decode(plain, tensors)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise StateFileError(f"{json_file}: cannot be read ({_first_line(e)})") from e
+
+
+def read_json(file: Path) -> Any:
+    """A JSON file of a checkpoint, read strictly: ``StateFileError`` naming the file when it is missing,
+    not JSON, nested deeper than Python can follow, or holds a number too large for a float (``1e999``
+    would read as inf; a NaN or inf we wrote is spelled ``NaN`` / ``Infinity`` and still reads back)."""
+    try:
+        return json.loads(Path(file).read_text(), parse_float=_finite_float)
+    except RecursionError:
+        raise StateFileError(f"{file}: cannot be read (nested too deeply to be a checkpoint's file)") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise StateFileError(f"{file}: cannot be read ({_first_line(e)})") from e
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is too large for a float")
+    return value
 
 
 def _first_line(error: BaseException) -> str:

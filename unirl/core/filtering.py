@@ -24,11 +24,15 @@ def nonconstant_groups(values: torch.Tensor, group_ids: torch.Tensor) -> torch.T
     if values.ndim != 1 or group_ids.shape != values.shape:
         raise ValueError(f"values and group_ids must be [N] each, got {tuple(values.shape)} and {tuple(group_ids.shape)}")
     uniq, inverse = torch.unique(group_ids, return_inverse=True)  # [K], [N]
-    known = ~torch.isnan(values)  # [N]
-    v = values.float()
+    # Compared in the values' own precision (float64 stays float64): groups that differ below float32's
+    # resolution vary too. Integer and boolean values are exact in float64.
+    v = values if values.is_floating_point() else values.double()
+    known = ~torch.isnan(v)  # [N]
     k = len(uniq)
-    highest = torch.full((k,), -torch.inf, device=v.device).scatter_reduce(0, inverse[known], v[known], reduce="amax")  # [K]
-    lowest = torch.full((k,), torch.inf, device=v.device).scatter_reduce(0, inverse[known], v[known], reduce="amin")  # [K]
+    highest = torch.full((k,), -torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
+        0, inverse[known], v[known], reduce="amax")  # [K]
+    lowest = torch.full((k,), torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
+        0, inverse[known], v[known], reduce="amin")  # [K]
     sizes = torch.zeros(k, dtype=torch.long, device=v.device).index_add_(0, inverse, torch.ones_like(inverse))  # [K]
     varies = (highest > lowest) | (sizes == 1)  # [K]
     return varies[inverse]

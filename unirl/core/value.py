@@ -46,7 +46,11 @@ def value_loss(
     if not clip > 0:
         raise ValueError(f"clip must be > 0, got {clip!r}")
     mask = _bool_mask(mask)
-    old = old_values.detach()
+    # Masked positions are zeroed before any arithmetic, as the policy loss does: a NaN or inf there
+    # would otherwise reach the gradient through the squares (0 * NaN is NaN), whatever the mask does after.
+    values = torch.where(mask, values, 0.0)  # [N, T]
+    old = torch.where(mask, old_values.detach(), 0.0)  # [N, T]
+    returns = torch.where(mask, returns, 0.0)  # [N, T]
     clipped = torch.maximum(torch.minimum(values, old + clip), old - clip)  # [N, T]
     unclipped_loss = (values - returns).square()  # [N, T]
     clipped_loss = (clipped - returns).square()  # [N, T]

@@ -16,6 +16,7 @@ from unirl.core import kl_divergence, overlong_penalty, rollout_is_weights, roll
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.scoring import RewardSet
 from unirl.text.config import CriticConfig, TextConfig
+from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
@@ -290,6 +291,8 @@ class TextEnvironment(Environment):
 
         path = resolve_model_path(cfg.name_or_path) if cfg.name_or_path else self.model_path
         config = AutoConfig.from_pretrained(path, num_labels=1)
+        if cfg.name_or_path:  # another model than the policy: it must read the policy's token ids
+            check_critic_vocabulary(path, config, self.tokenizer, what=f"critic.name_or_path={cfg.name_or_path}")
         config.classifier_dropout = 0.0  # as verl: a value regressed with dropout would be noisy
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=_DTYPES[self.cfg.model.dtype])
         if self.cfg.model.share_prompt:
