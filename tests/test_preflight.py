@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unirl.cli import ENVIRONMENTS, _import, main
+from unirl.cli import main
+from unirl.runner import ENVIRONMENTS
+from unirl.runner import import_object as _import
 from unirl.config import CONFIGS_ROOT, load_config
 from unirl.preflight import preflight
 

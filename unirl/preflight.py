@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unirl.config import ConfigError
-from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate, makes_rows
-from unirl.models import MODELS
+from unirl.data.paths import generated_prompts, is_generated, is_scheme, locate, makes_rows
+from unirl.models.named import MODELS
 
 #: What the dry run leaves to the run itself.
 NOT_CHECKED = (
@@ -229,7 +229,7 @@ def _check_rewards(cfg: Any, modality: str, config_dir: Path | None, report: Rep
         else:
             report.passed.append(f"{what}: {reward.name} resolves")
     if ok:  # the checks a run makes over the whole list (duplicate names, weights)
-        from unirl.scoring import RewardSet
+        from unirl.reward_set import RewardSet
 
         try:
             names = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, eps=cfg.algo.adv_eps).names
@@ -370,8 +370,8 @@ def _check_model(name: str, report: Report, what: str = "model.name_or_path") ->
 
 
 def _check_named_model(what: str, name: str, report: Report) -> None:
-    """A named model (unirl/models.py): prepared, or its package installed so the run prepares it."""
-    from unirl.models import ModelNotAvailableError, find_gguf, is_prepared, model_dir
+    """A named model (unirl/models/named.py): prepared, or its package installed so the run prepares it."""
+    from unirl.models.named import ModelNotAvailableError, find_gguf, is_prepared, model_dir
 
     if is_prepared(name):
         report.passed.append(f"{what}: {name} is prepared in {model_dir(name)}")

@@ -1,6 +1,6 @@
 """Config dataclasses shared by every environment: the algorithm, the optimizer and the loop.
 
-YAML fills these (see ``unirl/config.py``); ``key=value`` overrides win; unknown keys and wrong
+YAML fills these (see ``unirl/config/loading.py``); ``key=value`` overrides win; unknown keys and wrong
 types fail with the dotted path of the bad key. Environment configs (``unirl/text/config.py``,
 ``unirl/diffusion/config.py``) nest them under ``algo``, ``optim`` and ``trainer``.
 """
