@@ -82,8 +82,9 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
+    known_estimator = _check_adv_estimator(cfg.algo.adv_estimator, report)
     critic = getattr(cfg, "critic", None)
-    if critic is not None and critic.name_or_path and _trains_a_critic(cfg.algo.adv_estimator):
+    if known_estimator and critic is not None and critic.name_or_path and _trains_a_critic(cfg.algo.adv_estimator):
         _check_model(critic.name_or_path, report, what="critic.name_or_path")
     return report
 
@@ -348,6 +349,18 @@ def existing_run_problem(output_dir: str, resume: bool) -> str | None:
         return None
     return (f"output_dir: {path} already holds a run (metrics.jsonl); pass trainer.resume=true to continue it, "
             f"--new-run (unirl.train(..., new_run=True)) for a fresh directory beside it, or another --output-dir")
+
+
+def _check_adv_estimator(name: str, report: Report) -> bool:
+    """A config built in code (``unirl.train(config=...)``) may set a name the loader never saw."""
+    from unirl.config.schema import check_adv_estimator
+
+    try:
+        check_adv_estimator(name)
+    except ValueError as err:
+        report.problems.append(f"algo.{err}")
+        return False
+    return True
 
 
 def _trains_a_critic(adv_estimator: str) -> bool:
