@@ -240,7 +240,7 @@ def hpsv2_stand_in(monkeypatch):
         pytest.skip("the real open_clip is installed: test_hpsv2_needs_open_clip covers it")
     registry._ensure_builtins()
     monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))
-    monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
+    monkeypatch.setattr(registry.REWARDS, "info", dict(registry.REWARDS.info))
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures" / "fake_open_clip"))
     monkeypatch.delitem(sys.modules, "unirl.rewards.hpsv2", raising=False)
     try:

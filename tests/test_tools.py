@@ -51,11 +51,11 @@ def test_entry_point_tool_is_loaded_by_name(monkeypatch):
     ep = md.EntryPoint(name="echo_tool", value="tests.fixtures_tools_echo:echo", group="unirl.tools")
     monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "unirl.tools" else [])
     monkeypatch.setattr(ep.__class__, "load", lambda self: (lambda text: text.upper()), raising=False)
-    monkeypatch.setattr(registry, "_ENTRY_POINTS_SEEN", set())
-    monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
+    monkeypatch.setattr(registry.TOOLS, "entry_points_seen", set())
+    monkeypatch.setattr(registry.TOOLS, "info", dict(registry.TOOLS.info))
     monkeypatch.setattr(registry.TOOLS, "_items", dict(registry.TOOLS._items))
     assert load_tool("echo_tool")(text="hi") == "HI"
-    assert "entry point" in registry._INFO["echo_tool"].source
+    assert "entry point" in registry.TOOLS.info["echo_tool"].source
 
 
 # ------------------------------------------------------------------ calculator

@@ -256,7 +256,7 @@ def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
     has one (the search tool's: the corpus file exists)."""
     import inspect
 
-    from unirl.rewards import loading as shared
+    from unirl.plugins import check_kwargs
     from unirl.tools import ToolError, resolve_tool
 
     for i, tool in enumerate(tools):
@@ -273,8 +273,7 @@ def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
             spec = f"{located.path}:{attr}"
         try:
             obj = resolve_tool(spec)
-            shared._check_bound_kwargs(spec, obj, tool.kwargs, kind="tool", error=ToolError,
-                                       skip_first=inspect.isclass(obj))
+            check_kwargs(spec, obj, tool.kwargs, kind="tool", error=ToolError, skip_first=inspect.isclass(obj))
             if hasattr(obj, "check"):
                 obj.check(**tool.kwargs)
         except (ToolError, TypeError) as err:
