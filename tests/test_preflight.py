@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from unirl.cli import main
-from unirl.runner import ENVIRONMENTS
-from unirl.runner import import_object as _import
+from unirl.config.environments import ENVIRONMENTS
+from unirl.config.environments import import_object as _import
 from unirl.config import CONFIGS_ROOT, load_config
 from unirl.preflight import preflight
 

@@ -36,7 +36,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from unirl.runner import TrainResult, config_class, new_run_dir, train_config
+from unirl.config.environments import config_class
+from unirl.runner import TrainResult, new_run_dir, train_config
 
 __all__ = ["TrainResult", "evaluate", "load_config", "train"]
 

@@ -54,7 +54,7 @@ def recipe_lines() -> list[tuple[str, str]]:
 def show_command(args: argparse.Namespace) -> int:
     from unirl.api import load_config
     from unirl.config import config_to_dict
-    from unirl.runner import config_class
+    from unirl.config.environments import config_class
 
     values = flatten(config_to_dict(load_config(args.env, args.config, args.overrides, recipe=args.recipe)))
     defaults = flatten(config_to_dict(config_class(args.env)()))

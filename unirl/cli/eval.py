@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from unirl.cli.train import config_names, load_run_config
-from unirl.runner import ENVIRONMENTS
+from unirl.config.environments import ENVIRONMENTS
 
 
 def add_parser(subparsers, common: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@
 
 ``prepare`` writes a named model (``unirl/models/named.py``) into unirl's cache, where
 ``model.name_or_path: NAME`` finds it; ``import-gguf`` turns any GGUF transformers reads into an
-ordinary HF model directory (``unirl/text/gguf.py``). Both check the written model's logits against
+ordinary HF model directory (``unirl/models/gguf.py``). Both check the written model's logits against
 the GGUF-loaded one and print the gap.
 """
 
@@ -61,7 +61,7 @@ def prepare_command(args: argparse.Namespace) -> int:
 
 
 def import_command(args: argparse.Namespace) -> int:
-    from unirl.text.gguf import import_gguf
+    from unirl.models.gguf import import_gguf
 
     print(import_gguf(args.file, args.out, dtype=args.dtype).format())
     return 0

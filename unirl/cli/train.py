@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from unirl.runner import ENVIRONMENTS, import_object
+from unirl.config.environments import ENVIRONMENTS, import_object
 
 
 def add_parser(subparsers, common: argparse.ArgumentParser) -> None:

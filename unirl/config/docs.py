@@ -102,7 +102,7 @@ def page(env_classes: dict[str, type]) -> str:
 
 
 def env_classes() -> dict[str, type]:
-    from unirl.runner import ENVIRONMENTS, config_class
+    from unirl.config.environments import ENVIRONMENTS, config_class
 
     return {env: config_class(env) for env in ENVIRONMENTS}
 
