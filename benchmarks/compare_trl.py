@@ -54,7 +54,7 @@ def build_inputs(root: Path, model: str) -> tuple[Path, Path]:
 def build_real_inputs(root: Path, model: str) -> tuple[Path, Path]:
     """The prepared real model and smollm2_math's training questions with verl's instruction appended
     (the gsm8k adapter's prompt), so both libraries send the same text through the chat template."""
-    from unirl.models import prepare
+    from unirl.models.named import prepare
     from unirl.text.arithmetic import rows
     from unirl.text.data import GSM8K_INSTRUCTION
 
@@ -204,7 +204,7 @@ def main() -> None:
     if unknown := set(runs) - set(RUNS):
         parser.error(f"unknown runs {sorted(unknown)}; choose from {RUNS}")
 
-    from unirl.cache import default_cache_dir
+    from unirl.models.cache import default_cache_dir
 
     root = Path(args.work) if args.work else default_cache_dir() / "compare-trl"
     model_dir, data = build_inputs(root, args.model)

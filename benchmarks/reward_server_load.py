@@ -68,7 +68,7 @@ def serving(spec: str, kwargs: str = "{}", server_args: list[str] = ()):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "unirl.reward_commands", "serve-reward", spec, "--port", "0", "--kwargs", kwargs,
+            [sys.executable, "-m", "unirl.cli", "serve-reward", spec, "--port", "0", "--kwargs", kwargs,
              *server_args],
             stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO,
         )

@@ -97,7 +97,9 @@ def per_colour(env) -> dict[str, float]:
 
 def train_one(task: str, method: str, seed: int, steps: int, eval_every: int, work: Path) -> list[dict]:
     """One run; its evaluations ``{step, time, calls, samples, reward, colours}``."""
-    from unirl.cli import ENVIRONMENTS, _import, load_run_config
+    from unirl.cli import load_run_config
+    from unirl.config.environments import ENVIRONMENTS
+    from unirl.config.environments import import_object as _import
     from unirl.config import config_to_dict
     from unirl.loop import Trainer
 

@@ -34,9 +34,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-from torch import nn
-
 from unirl.rewards.image import input_images
 from unirl.rewards.models import ModelReward
 from unirl.rewards.registry import register_reward
@@ -124,28 +121,6 @@ class ImageSimilarity(CLIPReward):
         return (self.image_embeddings(samples) * inputs).sum(-1).float().cpu()
 
 
-class AestheticHead(nn.Module):
-    """The improved aesthetic predictor's MLP (its ``MLP`` class, state-dict keys ``layers.N.*``).
-
-    The dropouts do nothing in eval mode; they are kept so that the layer indices, and thus the keys
-    of the published weights, match.
-    """
-
-    def __init__(self, input_dim: int = 768):
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(input_dim, 1024), nn.Dropout(0.2),
-            nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1),
-            nn.Linear(64, 16),
-            nn.Linear(16, 1),
-        )
-
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """[n, input_dim] normalised image embeddings -> [n, 1] predicted ratings."""
-        return self.layers(embeddings)
-
-
 @register_reward("aesthetic", modality="image")
 class Aesthetic(CLIPReward):
     """LAION aesthetic predictor: an MLP on the normalised CLIP ViT-L/14 image embedding (about 1-10)."""
@@ -164,6 +139,10 @@ class Aesthetic(CLIPReward):
             from huggingface_hub import hf_hub_download
 
             path = Path(hf_hub_download(self.head_path, self.head_file))
+        import torch
+
+        from unirl.rewards.aesthetic_head import AestheticHead
+
         state = torch.load(path, map_location="cpu", weights_only=True)
         state = {k if k.startswith("layers.") else f"layers.{k}": v for k, v in state.items()}
         dim = self.model.config.projection_dim

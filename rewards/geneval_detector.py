@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from unirl.rewards.geneval import COLOURS, Detection
+from unirl.rewards.geneval_rules import COLOURS, Detection
 
 #: COCO's names in transformers' label maps -> GenEval's (``object_names.txt``) where they differ.
 GENEVAL_NAMES = {"keyboard": "computer keyboard", "mouse": "computer mouse", "remote": "tv remote"}

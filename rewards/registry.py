@@ -5,7 +5,8 @@ The package by job, each file importing only the ones above it in this list:
 
 - ``registry.py`` (this file): the contract, ``RewardError``, the names and their ``RewardInfo``;
 - ``loading.py``: turning a config's spec into a callable (names, built-in modules, entry points,
-  files, modules, ``http://`` URLs) and checking the config's kwargs against it;
+  files, modules, ``http://`` URLs) and checking the config's kwargs against it, through the
+  resolver rewards and tools share (``unirl/plugins.py``);
 - ``scoring.py``: calling a reward over a batch, checking what it returned, naming the failing sample;
 - ``models.py`` (the class shape) and ``remote.py`` (``unirl serve-reward``) on top;
 - the built-in rewards, one task per file (``gsm8k.py``, ``reward_model.py``, ...), listed in
@@ -43,13 +44,13 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal
 
-from unirl.registry import Registry
+from unirl.plugins import Plugins
+from unirl.registry import first_sentence
 
 RewardFn = Callable[..., Any]
-
-REWARDS: Registry[RewardFn] = Registry("reward")
 
 #: Modules whose import registers the built-in rewards. Adding a module here registers its rewards.
 #: A module needing an optional package should import it before registering anything: if that
@@ -100,16 +101,13 @@ class RewardInfo:
     source: str
 
 
-# The registry's state besides ``REWARDS``. ``rewards/loading.py`` fills the last three as it
-# imports built-in modules and entry points; it reads them as attributes of this module, so a test
-# may swap in copies (``isolated_registry`` in tests/conftest.py).
-_INFO: dict[str, RewardInfo] = {}
-#: Built-in module or entry point -> why it could not be imported (a missing optional dependency).
-_UNAVAILABLE: dict[str, str] = {}
-#: Built-in modules imported (or found unavailable) so far.
-_IMPORTED: set[str] = set()
-#: ``name=value`` of the entry points loaded so far.
-_ENTRY_POINTS_SEEN: set[str] = set()
+#: The registered rewards, with their ``RewardInfo`` (``REWARDS.info``) and the built-ins and entry
+#: points that could not be loaded (``REWARDS.unavailable``); a test may swap in copies
+#: (``isolated_registry`` in tests/conftest.py).
+REWARDS: Plugins = Plugins(
+    "reward", builtin_modules=BUILTIN_MODULES, group=ENTRY_POINT_GROUP, error=RewardError,
+    register=lambda name, obj: register_reward(name, modality=getattr(obj, "modality", "text"))(obj),
+    package_dir=Path(__file__).resolve().parent, skip_first=True)
 
 
 def register_reward(
@@ -117,8 +115,7 @@ def register_reward(
 ) -> Callable[[RewardFn], RewardFn]:
     """Register a reward function or class under ``name``.
 
-    ``description`` (the one line ``unirl rewards list`` shows) defaults to the first line of the
-    docstring.
+    ``description`` (the one line ``unirl rewards list`` shows) defaults to the docstring's first sentence.
     """
     if modality not in ("text", "image"):
         raise ValueError(f"reward {name!r}: modality must be 'text' or 'image', got {modality!r}")
@@ -128,8 +125,9 @@ def register_reward(
             raise TypeError(f"reward {name!r}: register a function or a class, got {type(fn).__name__}")
         REWARDS.add(name, fn)
         module = getattr(fn, "__module__", "?")
-        source = "built-in" if module in BUILTIN_MODULES else f"module {module}"
-        _INFO[name] = RewardInfo(name, modality, description if description is not None else _first_line(fn), source)
+        source = "built-in" if module in REWARDS.builtin_modules else f"module {module}"
+        about = description if description is not None else first_sentence(inspect.getdoc(fn) or "")
+        REWARDS.info[name] = RewardInfo(name, modality, about, source)
         return fn
 
     return decorator
@@ -138,12 +136,7 @@ def register_reward(
 def unregister_reward(name: str) -> None:
     """Undo ``register_reward(name)`` (``unirl.train`` registers reward callables for one run only)."""
     REWARDS.remove(name)
-    _INFO.pop(name, None)
-
-
-def _first_line(obj: Any) -> str:
-    doc = inspect.getdoc(obj) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    REWARDS.info.pop(name, None)
 
 
 #: Names that lived in this file before it was split by job, and the module that holds each now.

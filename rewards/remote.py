@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -103,76 +104,98 @@ def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = f
 
     app = FastAPI(title=f"serve-reward {spec}", lifespan=lifespan, redirect_slashes=False,
                   docs_url=None, redoc_url=None, openapi_url=None)
-
-    def answer(request: Request, status: int, body: dict) -> JSONResponse:
-        if status != 200:  # one line on stderr for each request that failed
-            client = request.client.host if request.client else "?"
-            first = body["error"].splitlines()[0][:300] if body.get("error") else ""
-            sys.stderr.write(f"serve-reward {spec}: {client} {request.method} {request.url.path} {status}: {first}\n")
-        return JSONResponse(body, status_code=status)
-
-    def refused(request: Request) -> JSONResponse | None:
-        """401 unless the request carries the token (when the server has one)."""
-        if token is None:
-            return None
-        sent = request.headers.get("authorization", "")
-        if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-            return None
-        return answer(request, 401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (the "
-                                              f"client sends kwargs.token or ${TOKEN_ENV})"})
+    guard = RequestGuard(f"serve-reward {spec}", max_body=max_body, body_timeout=body_timeout, token=token)
 
     @app.get("/info")
     @app.get("/info/")
     async def info(request: Request):
-        return refused(request) or answer(request, 200, meta)
+        return guard.refused(request) or guard.answer(request, 200, meta)
 
     @app.get("/health")
     @app.get("/health/")
     async def health(request: Request):
-        return answer(request, 200, {"status": "ok", **queue.stats(), "max_batch": queue.max_batch,
-                                     "max_wait_ms": queue.max_wait * 1000, "max_queue": queue.max_queue})
+        return guard.answer(request, 200, {"status": "ok", **queue.stats(), "max_batch": queue.max_batch,
+                                           "max_wait_ms": queue.max_wait * 1000, "max_queue": queue.max_queue})
 
     @app.post("/score")
     @app.post("/score/")
     async def score(request: Request):
-        denied = refused(request)
-        if denied is not None:
-            return denied
-        try:
-            body = await asyncio.wait_for(_read_body(request, max_body), body_timeout)
-        except BodyTooLarge as err:
-            return answer(request, 413, {"error": str(err)})
-        except TimeoutError:
-            return answer(request, 408, {"error": f"the request body did not arrive within {body_timeout:g} s"})
-        try:
-            item = await _parse(body)
-        except Exception as err:
-            return answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
-        named = sorted(settings & set(item[1]))
-        if named:  # the reward is called with the columns as keyword arguments: they would replace the server's
-            return answer(request, 400, {"error": f"request column(s) {', '.join(map(repr, named))} are settings "
-                                                  f"of this server (serve-reward --kwargs); a request may not change them"})
-        try:
-            scores = await queue.submit(item)
-        except QueueFull as err:
-            return answer(request, 503, {"error": f"reward server busy: {err}; try again later "
-                                                  f"(or serve with a larger --max-queue)"})
-        except RewardError as err:
-            return answer(request, 500, {"error": str(err)})
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:  # not a RewardError: a bug of the server, or the reward called sys.exit
-            return answer(request, 500, {"error": f"reward {spec!r}: the server failed: {type(err).__name__}: {err}"})
-        return answer(request, 200, {"scores": scores})
+        item = await guard.read(request, _parse)
+        if isinstance(item, JSONResponse):  # refused, too large, too slow or malformed
+            return item
+        return await _score(request, item, guard, queue, spec, settings)
 
     @app.exception_handler(HTTPException)
     async def no_such_path(request: Request, exc: HTTPException):
         if exc.status_code not in (404, 405):
-            return answer(request, exc.status_code, {"error": str(exc.detail)})
+            return guard.answer(request, exc.status_code, {"error": str(exc.detail)})
         use = "POST /score" if request.method == "POST" else "GET /info, GET /health or POST /score"
-        return answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
+        return guard.answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
 
     return app
+
+
+class RequestGuard:
+    """What every request to a server meets before its work: the token (401), the body's size (413) and
+    arrival time (408), its parsing (400); and one line on stderr for each request that failed.
+    ``where`` starts that line (``serve-reward gsm8k``)."""
+
+    def __init__(self, where: str, *, max_body: int, body_timeout: float, token: str | None):
+        self.where, self.max_body, self.body_timeout, self.token = where, max_body, body_timeout, token
+
+    def answer(self, request: Request, status: int, body: dict) -> JSONResponse:
+        if status != 200:  # one line on stderr for each request that failed
+            client = request.client.host if request.client else "?"
+            first = body["error"].splitlines()[0][:300] if body.get("error") else ""
+            sys.stderr.write(f"{self.where}: {client} {request.method} {request.url.path} {status}: {first}\n")
+        return JSONResponse(body, status_code=status)
+
+    def refused(self, request: Request) -> JSONResponse | None:
+        """401 unless the request carries the token (when the server has one)."""
+        if self.token is None:
+            return None
+        sent = request.headers.get("authorization", "")
+        if hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+            return None
+        return self.answer(request, 401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' "
+                                                   f"(the client sends kwargs.token or ${TOKEN_ENV})"})
+
+    async def read(self, request: Request, parse) -> Any:
+        """``await parse(body)`` of an allowed request, or the error response that refuses it."""
+        denied = self.refused(request)
+        if denied is not None:
+            return denied
+        try:
+            body = await asyncio.wait_for(_read_body(request, self.max_body), self.body_timeout)
+        except BodyTooLarge as err:
+            return self.answer(request, 413, {"error": str(err)})
+        except TimeoutError:
+            return self.answer(request, 408, {"error": f"the request body did not arrive within {self.body_timeout:g} s"})
+        try:
+            return await parse(body)
+        except Exception as err:
+            return self.answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
+
+
+async def _score(request: Request, item: tuple[list, dict], guard: RequestGuard, queue: BatchQueue, spec: str,
+                 settings: set[str]) -> JSONResponse:
+    """A parsed ``/score`` request through the queue: 200 with the scores, or why not."""
+    named = sorted(settings & set(item[1]))
+    if named:  # the reward is called with the columns as keyword arguments: they would replace the server's
+        return guard.answer(request, 400, {"error": f"request column(s) {', '.join(map(repr, named))} are settings "
+                                                    f"of this server (serve-reward --kwargs); a request may not change them"})
+    try:
+        scores = await queue.submit(item)
+    except QueueFull as err:
+        return guard.answer(request, 503, {"error": f"reward server busy: {err}; try again later "
+                                                    f"(or serve with a larger --max-queue)"})
+    except RewardError as err:
+        return guard.answer(request, 500, {"error": str(err)})
+    except asyncio.CancelledError:
+        raise
+    except BaseException as err:  # not a RewardError: a bug of the server, or the reward called sys.exit
+        return guard.answer(request, 500, {"error": f"reward {spec!r}: the server failed: {type(err).__name__}: {err}"})
+    return guard.answer(request, 200, {"scores": scores})
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

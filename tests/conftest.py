@@ -63,9 +63,10 @@ def isolated_registry(monkeypatch):
 
     registry._ensure_builtins()  # registered before the copy: a module imported once never registers again
     monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))
-    monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
-    monkeypatch.setattr(registry, "_UNAVAILABLE", dict(registry._UNAVAILABLE))
-    monkeypatch.setattr(registry, "_IMPORTED", set(registry._IMPORTED))
-    monkeypatch.setattr(registry, "_ENTRY_POINTS_SEEN", set(registry._ENTRY_POINTS_SEEN))
-    monkeypatch.setattr(registry, "BUILTIN_MODULES", list(registry.BUILTIN_MODULES))
+    rewards = registry.REWARDS
+    for name, copy in [("info", dict), ("unavailable", dict), ("imported", set), ("entry_points_seen", set)]:
+        monkeypatch.setattr(rewards, name, copy(getattr(rewards, name)))
+    builtin_modules = list(rewards.builtin_modules)  # one list: a test appends to registry.BUILTIN_MODULES
+    monkeypatch.setattr(rewards, "builtin_modules", builtin_modules)
+    monkeypatch.setattr(registry, "BUILTIN_MODULES", builtin_modules)
     return registry

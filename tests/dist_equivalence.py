@@ -30,7 +30,9 @@ PPO = ["algo.adv_estimator=gae", "algo.use_kl_in_reward=true", "algo.kl_estimato
 
 
 def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path, overrides: list[str] = ()):
-    from unirl.cli import ENVIRONMENTS, _import, load_run_config
+    from unirl.cli import load_run_config
+    from unirl.config.environments import ENVIRONMENTS
+    from unirl.config.environments import import_object as _import
     from unirl.config import config_to_dict
     from unirl.loop import Trainer
 

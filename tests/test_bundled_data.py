@@ -14,10 +14,10 @@ import pytest
 
 from conftest import REPO, SHARED_DATA
 from unirl.cli import main
-from unirl.data_paths import (
+from unirl.data.paths import (
     BUNDLED_DIR, DataFileNotFoundError, bundled_files, generated_prompts, is_generated, local_path, locate,
 )
-from unirl.ocr_prompts import generate
+from unirl.data.ocr_prompts import generate
 
 # Row counts by hand: `python -c "print(len(open(f).read().splitlines()))"` on each file (the OCR
 # and GenEval files end without a newline, so `wc -l` says one less).

@@ -53,7 +53,7 @@ def _setup(lr: float = 1e-2, width: int = 4):
     from accelerate import Accelerator
 
     from unirl.optim import build_optimizer, build_scheduler
-    from unirl.schema import OptimConfig
+    from unirl.config.schema import OptimConfig
 
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)

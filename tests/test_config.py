@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 
 import pytest
 
-from unirl import config as config_module
+from unirl.config import loading as config_module
 from unirl.config import ConfigError, config_to_dict, dump_config, load_config, resolve_config_path
 
 
@@ -194,4 +194,4 @@ def test_resolve_config_path(tmp_path, monkeypatch):
 
 
 def test_configs_root_is_the_repository_configs_dir():
-    assert config_module.CONFIGS_ROOT == Path(config_module.__file__).resolve().parents[1] / "configs"
+    assert config_module.CONFIGS_ROOT == Path(config_module.__file__).resolve().parents[2] / "configs"

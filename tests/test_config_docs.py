@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from unirl.config_docs import PAGE, env_classes, main, missing, page, rows
+from unirl.config.docs import PAGE, env_classes, main, missing, page, rows
 
 
 @dataclass

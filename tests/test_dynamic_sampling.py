@@ -24,7 +24,7 @@ from unirl.core import nonconstant_groups
 from unirl.dynamic_sampling import SamplingExhausted
 from unirl.env import Rollout, concat_rollouts
 from unirl.loop import Trainer
-from unirl.schema import FilterGroupsConfig
+from unirl.config.schema import FilterGroupsConfig
 from unirl.text.env import TextEnvironment
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from unirl.rewards.registry import RewardError
-from unirl.schema import RewardConfig
-from unirl.scoring import RewardSet
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,8 +23,8 @@ import pytest
 from unirl.rewards.judge import LLMJudge, VLMJudge, parse_score
 from unirl.rewards.loading import load_reward
 from unirl.rewards.registry import RewardError
-from unirl.schema import RewardConfig
-from unirl.scoring import RewardSet
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet
 
 
 class _Stub:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from unirl.optim import build_scheduler, lr_factor
-from unirl.schema import OptimConfig
+from unirl.config.schema import OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -29,7 +29,7 @@ from unirl.diffusion.env import ParamEMA
 from unirl.diffusion.sampling import trained_steps
 from unirl.diffusion.sde import sde_step_with_logprob, step_kl
 from unirl.loop import Trainer
-from unirl.schema import AlgoConfig, TrainerConfig
+from unirl.config.schema import AlgoConfig, TrainerConfig
 from unirl.text.config import TextConfig
 from unirl.text.env import TextEnvironment
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unirl.cli import ENVIRONMENTS, _import, main
+from unirl.cli import main
+from unirl.config.environments import ENVIRONMENTS
+from unirl.config.environments import import_object as _import
 from unirl.config import CONFIGS_ROOT, load_config
 from unirl.preflight import preflight
 
@@ -246,6 +249,31 @@ def test_preflight_is_callable_without_a_config_file(empty_cwd):
     report = preflight(load_config(DiffusionConfig), "diffusion")
     assert report.problems == [] and "data.train: tiny (prompts built in code)" in report.passed
     assert set(ENVIRONMENTS) == {"text", "diffusion"}
+
+
+VALID_ESTIMATORS = "Available: gae, grpo, reinforce++, reinforce++-baseline, rloo"
+
+
+def test_an_unknown_adv_estimator_fails_the_dry_run_in_one_line(empty_cwd, capsys):
+    # issue 37 item 17: it passed the dry run and was a 29-line KeyError after the model loaded
+    code, out, err = _dry_run(capsys, "text", "tiny_ppo", "algo.adv_estimator=gea")
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "unirl: config error: algo: adv_estimator: unknown advantage estimator 'gea'. Did you mean 'gae'? "
+        f"{VALID_ESTIMATORS} (--debug shows the traceback)"]
+
+
+def test_an_unknown_adv_estimator_fails_at_config_load_and_in_preflight(empty_cwd):
+    from unirl.config import ConfigError
+    from unirl.text.config import TextConfig
+
+    with pytest.raises(ConfigError, match=rf"^algo: adv_estimator: unknown advantage estimator 'ppo'\..*{re.escape(VALID_ESTIMATORS)}$"):
+        load_config(TextConfig, {"algo": {"adv_estimator": "ppo"}})
+    cfg = load_config(TextConfig, CONFIGS_ROOT / "text" / "tiny_ppo.yaml")
+    cfg.algo.adv_estimator = "ppo"  # a config changed in code after loading: only the preflight sees it
+    problems = preflight(cfg, "text").problems
+    assert [p for p in problems if "adv_estimator" in p] == [
+        f"algo.adv_estimator: unknown advantage estimator 'ppo'. {VALID_ESTIMATORS}"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def response_length(samples, **columns) -> list[float]:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from unirl.models import prepare
+    from unirl.models.named import prepare
 
     return prepare("smollm2-135m-instruct")  # into the session's $UNIRL_CACHE (tests/conftest.py)
 

@@ -32,7 +32,7 @@ def test_arithmetic_problems_are_seeded_right_and_their_splits_disjoint():
 
 
 def test_arithmetic_sources_load_as_text_rows_and_cat_as_json_lines(capsys):
-    from unirl.data_paths import generated_prompts, generated_rows
+    from unirl.data.paths import generated_prompts, generated_rows
     from unirl.text.arithmetic import rows
     from unirl.text.data import load_rows, to_prompt_rows
 
@@ -58,7 +58,7 @@ def test_flexible_score_is_verls_flexible():
 
 
 def test_named_model_resolves_to_its_prepared_directory(tmp_path, monkeypatch):
-    from unirl import models
+    from unirl.models import named as models
     from unirl.text.env import resolve_model_path
 
     monkeypatch.setenv("UNIRL_CACHE", str(tmp_path))

@@ -21,8 +21,8 @@ from unirl.rewards.loading import load_reward
 from unirl.rewards.registry import RewardError
 from unirl.rewards.scoring import score_batch
 from unirl.rewards.remote import RemoteReward, make_server
-from unirl.schema import RewardConfig
-from unirl.scoring import RewardSet
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_serve_reward_command_end_to_end_text():
     """The real command in a subprocess, on a free port, used through a RewardSet like a run does."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unirl.reward_commands", "serve-reward", "gsm8k", "--port", "0",
+        [sys.executable, "-m", "unirl.cli", "serve-reward", "gsm8k", "--port", "0",
          "--kwargs", '{"method": "flexible"}'],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
     )
@@ -208,7 +208,7 @@ def test_health_and_unknown_paths(served):
 
 
 def test_serve_command_reports_bad_names(capsys):
-    from unirl.reward_commands import main
+    from unirl.cli import main
 
     assert main(["serve-reward", "gsm9k", "--port", "0"]) == 1
     assert "unknown reward 'gsm9k'. Did you mean 'gsm8k'?" in capsys.readouterr().err

@@ -124,7 +124,7 @@ def test_serve_reward_exits_on_sigterm_while_a_call_hangs(tmp_path):
     (tmp_path / "guarded.py").write_text(REWARD)
     marker = tmp_path / "called"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unirl.reward_commands", "serve-reward", f"{tmp_path / 'guarded.py'}:hang", "--port", "0",
+        [sys.executable, "-m", "unirl.cli", "serve-reward", f"{tmp_path / 'guarded.py'}:hang", "--port", "0",
          "--grace-s", "0.5", "--kwargs", json.dumps({"marker": str(marker)})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

@@ -33,8 +33,8 @@ SCRIPT = '''
 import os, sys
 from concurrent.futures import ThreadPoolExecutor
 import torch
-from unirl.schema import RewardConfig
-from unirl.scoring import RewardSet
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet
 
 threads = lambda: len(os.listdir("/proc/self/task"))
 main_count = torch.get_num_threads()

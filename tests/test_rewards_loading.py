@@ -12,8 +12,8 @@ from unirl.rewards import registry
 from unirl.rewards.loading import list_rewards, load_reward, reward_info
 from unirl.rewards.registry import RewardError
 from unirl.rewards.scoring import score_batch
-from unirl.schema import RewardConfig
-from unirl.scoring import RewardSet
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet
 
 
 
@@ -82,10 +82,10 @@ def test_entry_point_reward_is_found_listed_and_takes_kwargs(installed_plugin):
 def test_rewards_list_command(installed_plugin, capsys):
     import argparse
 
-    from unirl.reward_commands import add_subcommands
+    from unirl.cli.rewards import add_parser
 
-    parser = argparse.ArgumentParser(prog="unirl")  # as unirl/cli.py wires it
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    parser = argparse.ArgumentParser(prog="unirl")  # as unirl/cli/__init__.py wires it
+    add_parser(parser.add_subparsers(dest="command", required=True), argparse.ArgumentParser(add_help=False))
     args = parser.parse_args(["rewards", "list"])
     assert args.func(args) == 0
     out = capsys.readouterr().out

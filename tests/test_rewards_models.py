@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from unirl.rewards.registry import RewardError, load_reward, score_batch
-from unirl.schema import RewardConfig
-from unirl.scoring import RewardSet
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet
 
 PROMPTS = ["a red square", "a blue square", "green", "a cat 12"]
 
@@ -107,7 +107,7 @@ def test_clip_score_is_the_cosine(toy_clip, images):
 
 
 def test_aesthetic_head_shape_and_collapsed_affine_map(toy_clip, images, tmp_path):
-    from unirl.rewards.clip_rewards import AestheticHead
+    from unirl.rewards.aesthetic_head import AestheticHead
 
     torch.manual_seed(1)
     head = AestheticHead(16)
@@ -138,7 +138,7 @@ def test_aesthetic_head_shape_and_collapsed_affine_map(toy_clip, images, tmp_pat
 
 
 def test_model_load_failures_are_named(toy_clip, tmp_path):
-    from unirl.rewards.clip_rewards import AestheticHead
+    from unirl.rewards.aesthetic_head import AestheticHead
 
     torch.save(AestheticHead(768).state_dict(), tmp_path / "l14.pth")
     with pytest.raises(RewardError, match=r"Aesthetic could not load its model: .*takes 768-d embeddings.*makes 16-d"):
@@ -240,7 +240,7 @@ def hpsv2_stand_in(monkeypatch):
         pytest.skip("the real open_clip is installed: test_hpsv2_needs_open_clip covers it")
     registry._ensure_builtins()
     monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))
-    monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
+    monkeypatch.setattr(registry.REWARDS, "info", dict(registry.REWARDS.info))
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures" / "fake_open_clip"))
     monkeypatch.delitem(sys.modules, "unirl.rewards.hpsv2", raising=False)
     try:

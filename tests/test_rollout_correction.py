@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from unirl.core import clipped_policy_loss, rollout_is_weights, rollout_mismatch_metrics, truncated_importance_weights
-from unirl.schema import AlgoConfig
+from unirl.config.schema import AlgoConfig
 
 SEEDS = [0, 1, 2, 3, 4]
 F64 = torch.float64

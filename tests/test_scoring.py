@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from unirl.rewards.registry import RewardError
-from unirl.schema import RewardConfig
-from unirl.scoring import RewardSet, concat_components
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet, concat_components
 
 # Two rewards with known values over four samples in two groups (samples 0-1 answer prompt 0,
 # samples 2-3 answer prompt 1). "b" does not apply to sample 0.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from unirl.tools import ToolError, load_tool
-from unirl.tools.remote import RemoteTool
+from unirl.tools.remote_client import RemoteTool
 
 # Builds BM25 indexes in this process, importing numba: see conftest.pytest_collection_modifyitems.
 pytestmark = pytest.mark.imports_numba

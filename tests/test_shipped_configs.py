@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from unirl.cli import ENVIRONMENTS, _import
+from unirl.config.environments import ENVIRONMENTS
+from unirl.config.environments import import_object as _import
 from unirl.config import CONFIGS_ROOT, load_config
 
 SHIPPED = sorted(CONFIGS_ROOT.rglob("*.yaml"))

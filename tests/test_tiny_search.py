@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from unirl.data_paths import generated_rows
+from unirl.data.paths import generated_rows
 from unirl.text import tiny, tiny_search
 
 

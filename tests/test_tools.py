@@ -23,6 +23,27 @@ def test_builtins_are_listed_with_their_source():
     assert names["calculator"].source == "built-in"
 
 
+def test_rewards_and_tools_share_one_registry_type_and_resolver():
+    from unirl.plugins import Plugins
+    from unirl.rewards.registry import REWARDS
+    from unirl.tools.registry import TOOLS
+
+    assert type(REWARDS) is type(TOOLS) is Plugins
+    assert (REWARDS.group, TOOLS.group) == ("unirl.rewards", "unirl.tools")
+
+
+def test_a_broken_tool_file_is_a_tool_error_naming_the_tool(tmp_path):
+    # The resolver was the rewards': a tool file with a syntax error came out as "reward ...: syntax error".
+    path = tmp_path / "broken_tool.py"
+    path.write_text("def lookup(key:\n    return key\n")
+    with pytest.raises(ToolError, match=rf"^tool '{path}:lookup': {path}:1: syntax error: "):
+        load_tool(f"{path}:lookup")
+    raising = tmp_path / "raising_tool.py"
+    raising.write_text("raise RuntimeError('no index')\n")
+    with pytest.raises(ToolError, match=rf"^tool '{raising}:f': importing {raising} failed: RuntimeError: no index$"):
+        load_tool(f"{raising}:f")
+
+
 def test_file_and_module_specs_and_kwargs_bind(tmp_path):
     path = tmp_path / "lookup.py"
     path.write_text("def lookup(key, *, table='x'):\n    return f'{table}:{key}'\n")
@@ -51,11 +72,11 @@ def test_entry_point_tool_is_loaded_by_name(monkeypatch):
     ep = md.EntryPoint(name="echo_tool", value="tests.fixtures_tools_echo:echo", group="unirl.tools")
     monkeypatch.setattr(md, "entry_points", lambda group=None: [ep] if group == "unirl.tools" else [])
     monkeypatch.setattr(ep.__class__, "load", lambda self: (lambda text: text.upper()), raising=False)
-    monkeypatch.setattr(registry, "_ENTRY_POINTS_SEEN", set())
-    monkeypatch.setattr(registry, "_INFO", dict(registry._INFO))
+    monkeypatch.setattr(registry.TOOLS, "entry_points_seen", set())
+    monkeypatch.setattr(registry.TOOLS, "info", dict(registry.TOOLS.info))
     monkeypatch.setattr(registry.TOOLS, "_items", dict(registry.TOOLS._items))
     assert load_tool("echo_tool")(text="hi") == "HI"
-    assert "entry point" in registry._INFO["echo_tool"].source
+    assert "entry point" in registry.TOOLS.info["echo_tool"].source
 
 
 # ------------------------------------------------------------------ calculator

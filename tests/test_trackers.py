@@ -37,9 +37,9 @@ def _metric_keys(out: Path) -> set[str]:
 def test_unknown_or_missing_tracker_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match=r"trainer.*log_with: unknown tracker 'mlflow'; choose from wandb, tensorboard"):
         load_config(TextConfig, {"trainer": {"log_with": ["mlflow"]}})
-    import unirl.schema
+    import unirl.config.schema
 
-    monkeypatch.setitem(unirl.schema.TRACKERS, "wandb", ("wandb_is_not_installed_here", "wandb"))
+    monkeypatch.setitem(unirl.config.schema.TRACKERS, "wandb", ("wandb_is_not_installed_here", "wandb"))
     with pytest.raises(ConfigError, match=r"trainer.*log_with: wandb is not installed; run `pip install wandb`"):
         load_config(TextConfig, {"trainer": {"log_with": ["wandb"]}})
 

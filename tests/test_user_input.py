@@ -124,7 +124,7 @@ def test_config_list_show_version_and_help(capsys):
     assert rows["algo.clip_low"].split() == ["algo.clip_low", "0.2", "0.2"]
     assert rows["trainer.total_steps"].split() == ["*", "trainer.total_steps", "150", "100"]
     from unirl.config import config_to_dict
-    from unirl.config_commands import flatten
+    from unirl.cli.config import flatten
     from unirl.text.config import TextConfig
 
     assert set(rows) == set(flatten(config_to_dict(TextConfig())))  # every key
@@ -146,8 +146,8 @@ def test_config_list_show_version_and_help(capsys):
 def test_every_recipe_sets_its_keys_and_the_overrides_win(env):
     import unirl
     from unirl.config import config_to_dict
-    from unirl.config_commands import flatten
-    from unirl.recipes import RECIPES
+    from unirl.cli.config import flatten
+    from unirl.config.recipes import RECIPES
 
     base = flatten(config_to_dict(unirl.load_config(env, "tiny")))
     for name, recipe in RECIPES.items():

@@ -168,8 +168,8 @@ def test_frame_rewards_stride_reduce_and_none():
     from PIL import Image
 
     from unirl.diffusion.frames import FrameRewards
-    from unirl.schema import RewardConfig
-    from unirl.scoring import RewardSet
+    from unirl.config.schema import RewardConfig
+    from unirl.reward_set import RewardSet
 
     def grey(v):
         return Image.new("RGB", (2, 2), (v, v, v))

@@ -36,7 +36,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from unirl.runner import TrainResult, config_class, new_run_dir, train_config
+from unirl.config.environments import config_class
+from unirl.runner import TrainResult, new_run_dir, train_config
 
 __all__ = ["TrainResult", "evaluate", "load_config", "train"]
 
@@ -47,10 +48,10 @@ _MODALITY = {"text": "text", "diffusion": "image"}
 def load_config(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str, Any] = (), *,
                 recipe: str | None = None):
     """The environment's typed config from a shipped name, a YAML path, a mapping or a config object,
-    with a ``recipe``'s keys (``unirl.recipes``) and then ``overrides`` (``key=value`` strings or
+    with a ``recipe``'s keys (``unirl.config.recipes``) and then ``overrides`` (``key=value`` strings or
     ``{"key": value}``) applied. Errors are the CLI's (``ConfigError`` naming the key)."""
     from unirl.config import config_to_dict, load_config as load, resolve_config_path
-    from unirl.recipes import recipe_overrides
+    from unirl.config.recipes import recipe_overrides
 
     cls = config_class(env)
     items = recipe_overrides(recipe) + _override_strings(overrides)
@@ -73,7 +74,7 @@ def train(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str
     ``rewards`` replaces the config's rewards; ``train_data``/``test_data`` its data files;
     ``output_dir`` its run directory (``new_run``: a fresh, time-stamped directory beside it);
     ``progress=False`` hides the progress bar; ``verbose`` shows the libraries' start-up output;
-    ``recipe`` (``dr_grpo``, ``gspo``, ``rloo``: ``unirl.recipes``) sets its keys before ``overrides``."""
+    ``recipe`` (``dr_grpo``, ``gspo``, ``rloo``: ``unirl.config.recipes``) sets its keys before ``overrides``."""
     from unirl.config import resolve_config_path
     from unirl.preflight import PreflightError, existing_run_problem
 
@@ -178,7 +179,7 @@ def _data_file(data: Any, path: Path, what: str) -> str:
 
 def _reward_configs(rewards: Sequence[Any], env: str) -> tuple[list, list[tuple[str, Callable]]]:
     """The ``RewardConfig`` list and the ``(name, callable)`` pairs to register for the run."""
-    from unirl.schema import RewardConfig
+    from unirl.config.schema import RewardConfig
 
     if isinstance(rewards, (str, Mapping)) or callable(rewards):
         rewards = [rewards]

@@ -23,7 +23,7 @@ import torch
 from unirl.core import nonconstant_groups
 from unirl.distributed import gather_rows, sum_over_processes
 from unirl.env import Environment, Rollout, concat_rollouts
-from unirl.schema import FilterGroupsConfig
+from unirl.config.schema import FilterGroupsConfig
 
 
 class SamplingExhausted(ValueError):

@@ -55,7 +55,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
     """A directory vLLM and transformers load: a LoRA adapter is merged into ``base`` (in ``work``); a
     named model (``unirl models list``) is its prepared directory."""
-    from unirl.models import MODELS, resolve
+    from unirl.models.named import MODELS, resolve
 
     if checkpoint in MODELS:
         return resolve(checkpoint)
@@ -86,7 +86,7 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.scoring import RewardSet
+    from unirl.reward_set import RewardSet
     from unirl.text.engines import HFEngine, VLLMEngine
     from unirl.text.env import TextEnvironment, resolve_model_path
 

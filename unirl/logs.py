@@ -30,11 +30,12 @@ LIBRARY_PACKAGES = frozenset({"vllm", "torch", "transformers", "diffusers", "acc
 LOG_NAME = "run.log"
 
 
-def configure(verbose: bool = False) -> None:
+def configure(verbose: bool = False, libraries: bool = True) -> None:
     """Set the libraries' log level (WARNING, or INFO with ``verbose``) and their loading bars.
 
     Call before the libraries are imported where possible: vLLM reads ``VLLM_LOGGING_LEVEL`` when
-    it configures its logger at import."""
+    it configures its logger at import. ``libraries=False`` (a command that loads no model: ``unirl
+    config list``) leaves out transformers' and diffusers' own settings, which import them (~4 s)."""
     level = logging.INFO if verbose else logging.WARNING
     os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(level))
     if not verbose:  # vLLM's own handler prints to stdout; its records go to RunOutput's file instead
@@ -44,6 +45,7 @@ def configure(verbose: bool = False) -> None:
     if not verbose:
         logging.getLogger("transformers.utils.import_utils").addFilter(TorchvisionFallbackFilter())
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not verbose and libraries:
         try:
             from transformers.utils import logging as hf_logging
 

@@ -44,7 +44,7 @@ from unirl.nonfinite import NonFiniteWatch, skip_save_line
 from unirl.optim import build_optimizer, build_scheduler
 from unirl.preemption import Preempted, StopSignals
 from unirl.run_log import Progress, RunLog
-from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
+from unirl.config.schema import AlgoConfig, OptimConfig, TrainerConfig
 
 __all__ = ["Preempted", "Trainer"]
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from unirl.schema import OptimConfig
+from unirl.config.schema import OptimConfig
 
 #: ``OptimConfig.lr_scheduler`` values: verl's ``lr_scheduler_type`` (constant, cosine) and TRL's
 #: (transformers') ``linear``, the default of TRL's ``GRPOConfig``.

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unirl.config import ConfigError
-from unirl.data_paths import generated_prompts, is_generated, is_scheme, locate, makes_rows
-from unirl.models import MODELS
+from unirl.data.paths import generated_prompts, is_generated, is_scheme, locate, makes_rows
+from unirl.models.named import MODELS
 
 #: What the dry run leaves to the run itself.
 NOT_CHECKED = (
@@ -82,8 +82,9 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
+    known_estimator = _check_adv_estimator(cfg.algo.adv_estimator, report)
     critic = getattr(cfg, "critic", None)
-    if critic is not None and critic.name_or_path and _trains_a_critic(cfg.algo.adv_estimator):
+    if known_estimator and critic is not None and critic.name_or_path and _trains_a_critic(cfg.algo.adv_estimator):
         _check_model(critic.name_or_path, report, what="critic.name_or_path")
     return report
 
@@ -229,7 +230,7 @@ def _check_rewards(cfg: Any, modality: str, config_dir: Path | None, report: Rep
         else:
             report.passed.append(f"{what}: {reward.name} resolves")
     if ok:  # the checks a run makes over the whole list (duplicate names, weights)
-        from unirl.scoring import RewardSet
+        from unirl.reward_set import RewardSet
 
         try:
             names = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, eps=cfg.algo.adv_eps).names
@@ -255,7 +256,7 @@ def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
     has one (the search tool's: the corpus file exists)."""
     import inspect
 
-    from unirl.rewards import loading as shared
+    from unirl.plugins import check_kwargs
     from unirl.tools import ToolError, resolve_tool
 
     for i, tool in enumerate(tools):
@@ -272,8 +273,7 @@ def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
             spec = f"{located.path}:{attr}"
         try:
             obj = resolve_tool(spec)
-            shared._check_bound_kwargs(spec, obj, tool.kwargs, kind="tool", error=ToolError,
-                                       skip_first=inspect.isclass(obj))
+            check_kwargs(spec, obj, tool.kwargs, kind="tool", error=ToolError, skip_first=inspect.isclass(obj))
             if hasattr(obj, "check"):
                 obj.check(**tool.kwargs)
         except (ToolError, TypeError) as err:
@@ -350,6 +350,18 @@ def existing_run_problem(output_dir: str, resume: bool) -> str | None:
             f"--new-run (unirl.train(..., new_run=True)) for a fresh directory beside it, or another --output-dir")
 
 
+def _check_adv_estimator(name: str, report: Report) -> bool:
+    """A config built in code (``unirl.train(config=...)``) may set a name the loader never saw."""
+    from unirl.config.schema import check_adv_estimator
+
+    try:
+        check_adv_estimator(name)
+    except ValueError as err:
+        report.problems.append(f"algo.{err}")
+        return False
+    return True
+
+
 def _trains_a_critic(adv_estimator: str) -> bool:
     from unirl.core import ADVANTAGE_ESTIMATORS  # the loop's own test (Trainer._build_critic)
 
@@ -370,8 +382,8 @@ def _check_model(name: str, report: Report, what: str = "model.name_or_path") ->
 
 
 def _check_named_model(what: str, name: str, report: Report) -> None:
-    """A named model (unirl/models.py): prepared, or its package installed so the run prepares it."""
-    from unirl.models import ModelNotAvailableError, find_gguf, is_prepared, model_dir
+    """A named model (unirl/models/named.py): prepared, or its package installed so the run prepares it."""
+    from unirl.models.named import ModelNotAvailableError, find_gguf, is_prepared, model_dir
 
     if is_prepared(name):
         report.passed.append(f"{what}: {name} is prepared in {model_dir(name)}")

@@ -7,6 +7,7 @@ fails with the choices instead of a bare ``KeyError``.
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -71,3 +72,15 @@ class Registry(Generic[T]):
 
 def _where(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of ``text``'s first paragraph, its lines joined: a one-line description that is
+    never cut mid-sentence (a docstring's or a config header's first line often is).
+
+    >>> first_sentence("GRPO on a real model: it learns one-step\\narithmetic. Goal: 0.5.\\n\\nMore.")
+    'GRPO on a real model: it learns one-step arithmetic.'
+    """
+    paragraph = " ".join(text.strip().split("\n\n", 1)[0].split())
+    match = re.search(r"(?<=[.!?])\s+(?=[A-Z`(\[])", paragraph)
+    return paragraph[: match.start()] if match else paragraph

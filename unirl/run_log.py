@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unirl.schema import TrainerConfig
+from unirl.config.schema import TrainerConfig
 
 
 class RunLog:

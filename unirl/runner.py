@@ -18,26 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-#: environment -> (config dataclass, environment class or factory taking the config); imported only when used.
-ENVIRONMENTS = {
-    "text": ("unirl.text.config:TextConfig", "unirl.text.env:TextEnvironment"),
-    "diffusion": ("unirl.diffusion.config:DiffusionConfig", "unirl.diffusion:build_environment"),
-}
-
-
-def import_object(path: str):
-    """``module:name`` -> the object."""
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def config_class(env_name: str) -> type:
-    if env_name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {env_name!r}; choose from {', '.join(sorted(ENVIRONMENTS))}")
-    return import_object(ENVIRONMENTS[env_name][0])
-
+from unirl.config.environments import ENVIRONMENTS, import_object
 
 @dataclass
 class TrainResult:

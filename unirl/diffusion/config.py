@@ -1,7 +1,7 @@
 """Config of a FlowGRPO run on a flow-matching diffusers model of any registered family (``unirl train diffusion --config NAME``).
 
 The shared ``algo``, ``optim``, ``trainer``, ``rewards`` and ``output_dir`` fields are the text
-environment's (``unirl/schema.py``); everything diffusion-specific lives in ``model``, ``sampling``,
+environment's (``unirl/config/schema.py``); everything diffusion-specific lives in ``model``, ``sampling``,
 ``ema`` and ``data``. FlowGRPO: https://arxiv.org/abs/2505.05470 (reference code
 https://github.com/yifan123/flow_grpo, ``config/grpo.py``).
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from unirl.config import PATH
-from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
+from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.

@@ -51,11 +51,11 @@ from unirl.diffusion.sampling import (ForwardCounter, rescore_step, rescore_step
 from unirl.diffusion.window import kept_steps, window_bounds, window_mask
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
-from unirl.scoring import RewardSet, concat_components
+from unirl.reward_set import RewardSet, concat_components
 
 def load_prompt_rows(source: str, split: str, image: bool = False) -> list[dict]:
     """Rows ``{"prompt": ..., <columns>}`` from ``tiny``, a ``.txt`` (one prompt a line), a ``.jsonl``,
-    a bundled ``unirl://NAME`` file or generated ``unirl://ocr/generated?n=...`` (``unirl/data_paths.py``).
+    a bundled ``unirl://NAME`` file or generated ``unirl://ocr/generated?n=...`` (``unirl/data/paths.py``).
 
     ``image``: the family takes a conditioning image per prompt (``ModelFamily.conditioning_image``), so
     every row must be a ``.jsonl`` row naming an existing file in its ``image`` field (relative paths
@@ -67,7 +67,7 @@ def load_prompt_rows(source: str, split: str, image: bool = False) -> list[dict]
 
 
 def _check_images(rows: list[dict], source: str, split: str) -> None:
-    from unirl.data_paths import local_path
+    from unirl.data.paths import local_path
 
     for i, row in enumerate(rows):
         name = row.get("image")  # only .jsonl rows have one, so only then is the source a file
@@ -79,7 +79,7 @@ def _check_images(rows: list[dict], source: str, split: str) -> None:
 
 
 def _prompt_rows(source: str, split: str) -> list[dict]:
-    from unirl.data_paths import DataFileNotFoundError, generated_prompts, is_generated, local_path, locate
+    from unirl.data.paths import DataFileNotFoundError, generated_prompts, is_generated, local_path, locate
 
     if source == "tiny":
         from unirl.diffusion.tiny.prompts import tiny_prompts

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.scoring import RewardSet
+from unirl.reward_set import RewardSet
 
 REDUCTIONS = {"mean": torch.mean, "min": torch.amin, "max": torch.amax}
 

@@ -21,6 +21,8 @@ import functools
 import hashlib
 import random
 
+from unirl.data.paths import register_source
+
 NAMES = [("Mia", "She"), ("Tom", "He"), ("Ava", "She"), ("Leo", "He"), ("Zoe", "She"), ("Sam", "He"),
          ("Ivy", "She"), ("Max", "He"), ("Emma", "She"), ("Noah", "He"), ("Lily", "She"), ("Ben", "He"),
          ("Ella", "She"), ("Jack", "He"), ("Ruby", "She"), ("Omar", "He"), ("Nina", "She"), ("Raj", "He")]
@@ -79,3 +81,15 @@ def gsm8k_flexible(samples, *, answer, **kwargs) -> list[float]:
     from unirl.rewards.gsm8k import gsm8k
 
     return gsm8k(samples, answer=answer, method="flexible")
+
+
+@register_source("arithmetic/train", defaults={"n": 5000, "seed": 0, "max_operand": 20}, rows=True,
+                 about="one-step arithmetic word problems with GSM8K answers (unirl/text/arithmetic.py)")
+def _train_rows(n: int, seed: int, max_operand: int) -> tuple[dict, ...]:
+    return rows("train", n, seed, max_operand)
+
+
+@register_source("arithmetic/test", defaults={"n": 200, "seed": 0, "max_operand": 20}, rows=True,
+                 about="held-out arithmetic word problems, never in arithmetic/train (unirl/text/arithmetic.py)")
+def _test_rows(n: int, seed: int, max_operand: int) -> tuple[dict, ...]:
+    return rows("test", n, seed, max_operand)

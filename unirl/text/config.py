@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from unirl.config import FILE_SPEC, PATH
-from unirl.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
+from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
 
 
 @dataclass

@@ -12,7 +12,7 @@ GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after
 def load_rows(source: str, *, split: str = "train", hub_config: str | None = None) -> list[dict]:
     """Rows from a local ``.jsonl``/``.json``/``.parquet`` file (``unirl://NAME``: a bundled one, or
     generated ones such as ``unirl://arithmetic/train``) or a ``datasets`` hub name."""
-    from unirl.data_paths import DataFileNotFoundError, generated_rows, is_generated, local_path, locate
+    from unirl.data.paths import DataFileNotFoundError, generated_rows, is_generated, local_path, locate
 
     if is_generated(source):  # e.g. unirl://arithmetic/train?n=5000
         return generated_rows(source)
@@ -97,7 +97,7 @@ def to_prompt_rows(rows: list[dict], *, adapter: str, prompt_key: str | None, so
 def row_place(source: str, index: int) -> str:
     """Where row ``index`` (0-based, as ``load_rows`` returns them) sits: ``file:line`` for a .jsonl
     file (blank lines are skipped by the loader), else the source itself. Read only for an error."""
-    from unirl.data_paths import local_path
+    from unirl.data.paths import local_path
 
     path = local_path(source)
     if path.suffix == ".jsonl" and path.exists():

@@ -14,7 +14,7 @@ import torch
 
 from unirl.core import kl_divergence, overlong_penalty, rollout_is_weights, rollout_mismatch_metrics
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
-from unirl.scoring import RewardSet
+from unirl.reward_set import RewardSet
 from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
@@ -30,7 +30,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
     """``tiny`` (``tiny_search``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
     prepared directory (prepared now if needed); anything else is passed through."""
-    from unirl.models import MODELS, resolve
+    from unirl.models.named import MODELS, resolve
 
     if name_or_path == "tiny":
         from unirl.text.tiny import build_tiny_lm

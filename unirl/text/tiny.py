@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.cache import default_cache_dir
+from unirl.models.cache import default_cache_dir
 
 # Characters the tokenizer knows. Enough for the addition task and simple English prompts.
 _ALPHABET = list("0123456789+-*/=?#:.,$ \n") + list("abcdefghijklmnopqrstuvwxyz") + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")

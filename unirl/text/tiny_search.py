@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from unirl.cache import default_cache_dir
+from unirl.models.cache import default_cache_dir
 from unirl.text import tiny
+from unirl.text.tiny_search_task import code, distinct_names, passage, question, task_codes
 
 #: Everything that changes the built model goes into the cache key.
 TINY_SEARCH_SPEC = {
@@ -49,59 +50,6 @@ TINY_SEARCH_SPEC = {
     "search_examples": 0.75,
     "search_prior": 0.1,  # trained for 0.1; the built model searches about a fifth of the time
 }
-#: Names in the task: training questions, held-out questions (the corpus holds both).
-TASK_SIZES = {"train": 32, "test": 16}
-
-_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
-
-
-def _name(rng: random.Random) -> str:
-    """A made-up four-letter name, consonant-vowel-consonant-vowel (``Bako``): 4,900 of them."""
-    return "".join(rng.choice(s) for s in (_CONSONANTS, _VOWELS, _CONSONANTS, _VOWELS)).capitalize()
-
-
-def _names(rng: random.Random, n: int, exclude: set[str] = frozenset()) -> list[str]:
-    out: list[str] = []
-    while len(out) < n:
-        name = _name(rng)
-        if name not in out and name not in exclude:
-            out.append(name)
-    return out
-
-
-def code(rng: random.Random) -> str:
-    """A code: one digit, 2..9 (``Doc 1`` already shows a 1), so a guess is right 1 time in 8."""
-    return str(rng.randint(2, 9))
-
-
-def question(name: str) -> str:
-    return f"{name}. What is its code?"
-
-
-def passage(name: str, code: str) -> str:
-    """A corpus row's ``contents``: title line, then text (Search-R1's corpus layout)."""
-    return f"{name}\ncode {code}"
-
-
-def task_codes(seed: int = 0) -> dict[str, dict[str, str]]:
-    """``{"train": {name: code}, "test": {name: code}}``: distinct names, codes 10..99, from ``seed``."""
-    rng = random.Random(seed)
-    names = _names(rng, sum(TASK_SIZES.values()))
-    codes = {n: code(rng) for n in names}
-    split = TASK_SIZES["train"]
-    return {"train": {n: codes[n] for n in names[:split]}, "test": {n: codes[n] for n in names[split:]}}
-
-
-def task_rows(part: str, seed: int = 0) -> list[dict]:
-    """``unirl://tiny_search/{train,test}``: ``{"question", "answer"}`` rows; ``corpus``: ``{"id", "contents"}``
-    rows of every task name (train and test)."""
-    codes = task_codes(seed)
-    if part == "corpus":
-        every = {**codes["train"], **codes["test"]}
-        return [{"id": str(i), "contents": passage(n, c)} for i, (n, c) in enumerate(every.items())]
-    return [{"question": question(n), "answer": c} for n, c in codes[part].items()]
-
-
 def build_tiny_search_lm(seed: int = 0) -> Path:
     """Build (or reuse) the warm-started tiny search model; return its directory (``model.name_or_path:
     tiny_search``)."""
@@ -132,14 +80,14 @@ def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
     ones, so that the model searches ``search_prior`` of the time."""
     rng = random.Random(seed + 3)
     task_names = {n for part in task_codes().values() for n in part}
-    pool = _names(rng, 2000, exclude=task_names)
+    pool = distinct_names(rng, 2000, exclude=task_names)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["warm_start_lr"])
     model.train()
     # P(search) = s r / (s r + 1 - s) = prior, with s the share of searching trajectories and r the
     # share of them whose choice is trained.
     s, prior = spec["search_examples"], spec["search_prior"]
     r = prior * (1 - s) / ((1 - prior) * s)
-    held_out = [(name, code(rng)) for name in _names(rng, 64, exclude=task_names | set(pool))]
+    held_out = [(name, code(rng)) for name in distinct_names(rng, 64, exclude=task_names | set(pool))]
     for step in range(1, spec["warm_start_steps"] + 1):
         if step % 50 == 0 and reading_accuracy(model, tokenizer, held_out) >= spec["reading_accuracy"]:
             break  # learned to read (the step it happens varies with the data; the seed fixes it)

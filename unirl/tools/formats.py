@@ -61,7 +61,7 @@ class CallFormat:
 def resolve_call_format(spec: str) -> type[CallFormat]:
     """The ``CallFormat`` subclass ``rollout.call_format`` names: a registered name, or
     ``path/file.py:Class`` / ``package.module:Class`` (registered or not)."""
-    from unirl.rewards.loading import resolve_object
+    from unirl.plugins import resolve_object
     from unirl.tools.registry import ToolError
 
     if ":" not in spec:

@@ -2,7 +2,7 @@
 name. The bottom of the tools package (``unirl/tools/``); it imports nothing from it.
 
 A tool is what a policy calls in the middle of a multi-turn rollout (``rollout.tools``). It is named
-in a config exactly as a reward is (``rewards/loading.py`` does the resolving for both): a registered
+in a config exactly as a reward is (``unirl/plugins.py`` resolves both): a registered
 name, an entry point of the ``unirl.tools`` group, ``path/to/file.py:function``,
 ``package.module:function``, or ``http://host:port`` (a tool served by ``unirl serve-tool``).
 
@@ -29,11 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from unirl.registry import Registry
+from unirl.plugins import Plugins
+from unirl.registry import first_sentence
 
 ToolFn = Callable[..., Any]
-
-TOOLS: Registry[ToolFn] = Registry("tool")
 
 #: Modules whose import registers the built-in tools (a module needing an optional package imports it
 #: first: if that fails, its tools are listed as unavailable with the package to install).
@@ -41,9 +40,6 @@ BUILTIN_MODULES: list[str] = ["unirl.tools.calculator", "unirl.tools.search"]
 
 #: The entry-point group through which an installed package adds tools.
 ENTRY_POINT_GROUP = "unirl.tools"
-
-#: An exception raised from a file here while importing a built-in is a bug, not a missing package.
-PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 class ToolError(ValueError):
@@ -60,27 +56,26 @@ class ToolInfo:
     source: str
 
 
-# The registry's state besides ``TOOLS``, read by ``rewards/loading.py``'s built-in import as
-# attributes of this module (the same names as in ``rewards/registry.py``).
-_INFO: dict[str, ToolInfo] = {}
-_UNAVAILABLE: dict[str, str] = {}
-_IMPORTED: set[str] = set()
-_ENTRY_POINTS_SEEN: set[str] = set()
+#: The registered tools, with their ``ToolInfo`` (``TOOLS.info``) and the built-ins and entry points
+#: that could not be loaded (``TOOLS.unavailable``).
+TOOLS: Plugins = Plugins(
+    "tool", builtin_modules=BUILTIN_MODULES, group=ENTRY_POINT_GROUP, error=ToolError,
+    register=lambda name, obj: register_tool(name)(obj), package_dir=Path(__file__).resolve().parent,
+    skip_first=False)
 
 
 def register_tool(name: str, *, description: str | None = None) -> Callable[[ToolFn], ToolFn]:
     """Register a tool function or class under ``name`` (the name the model calls it by).
-    ``description`` defaults to the docstring's first line."""
+    ``description`` defaults to the docstring's first sentence."""
 
     def decorator(fn: ToolFn) -> ToolFn:
         if not callable(fn):
             raise TypeError(f"tool {name!r}: register a function or a class, got {type(fn).__name__}")
         TOOLS.add(name, fn)
         module = getattr(fn, "__module__", "?")
-        source = "built-in" if module in BUILTIN_MODULES else f"module {module}"
-        doc = (inspect.getdoc(fn) or "").strip()
-        _INFO[name] = ToolInfo(name, description if description is not None else (doc.splitlines()[0] if doc else ""),
-                               source)
+        source = "built-in" if module in TOOLS.builtin_modules else f"module {module}"
+        about = description if description is not None else first_sentence(inspect.getdoc(fn) or "")
+        TOOLS.info[name] = ToolInfo(name, about, source)
         return fn
 
     return decorator

@@ -1,10 +1,10 @@
 """Tools over HTTP: ``unirl serve-tool NAME`` hosts a tool (the search index, built once, shared by
-every run and process that names it ``http://host:port``), and ``RemoteTool`` calls it.
+every run and process that names it ``http://host:port``).
 
 The serving is the reward server's (``rewards/remote.py``, ``rewards/batching.py``): concurrent
 requests join one call of the tool in one worker thread (the BM25 search retrieves them in one pass
 through ``call_batch``), at most ``max_batch`` calls at once, a full queue answered 503, which the
-client retries. The protocol:
+client retries. The client, ``RemoteTool``, is ``unirl/tools/remote_client.py``. The protocol:
 
 - ``GET /info`` -> ``{"name", "description"}``; ``GET /health`` -> ``{"status": "ok", "queued",
   "scoring", "batches", "answered", ...}`` (the reward server's counters).
@@ -25,20 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from unirl.rewards.batching import QueueFull
-from unirl.rewards.remote_client import RemoteReward
 from unirl.tools.registry import ToolError
-
-
-class RemoteTool(RemoteReward):
-    """A tool served at ``url``, called like any tool: ``tool(**arguments) -> str``. The transport
-    (``timeout`` per attempt, ``retries`` with ``backoff``) is the remote reward's."""
-
-    def __call__(self, **arguments: Any) -> str:
-        answer = self._request("POST", "/call", json.dumps({"arguments": arguments}).encode())
-        text = answer.get("text")
-        if not isinstance(text, str):
-            raise ToolError(f"tool server {self.url} answered garbage: expected {{\"text\": ...}}, got {json.dumps(answer)[:200]}")
-        return text
 
 
 def call_batch(tool, calls: list[dict]) -> list:

@@ -30,7 +30,7 @@ from unirl.tools.registry import ToolError, register_tool
 
 def corpus_path(written: str) -> Path:
     """The corpus file: a path, or ``unirl://NAME`` for one bundled with unirl."""
-    from unirl.data_paths import is_scheme, local_path
+    from unirl.data.paths import is_scheme, local_path
 
     try:
         path = local_path(written) if is_scheme(written) else Path(written).expanduser()
@@ -44,7 +44,7 @@ def corpus_path(written: str) -> Path:
 def read_corpus(written: str | Path) -> list[dict]:
     """The rows of a JSONL corpus, or of a generated one (``unirl://tiny_search/corpus``); a row that is
     not a JSON object with a string ``contents`` is an error naming the file and its line number."""
-    from unirl.data_paths import generated_rows, makes_rows
+    from unirl.data.paths import generated_rows, makes_rows
 
     written = str(written)
     if makes_rows(written):  # generated in code: no file, the row number names a bad row
@@ -105,7 +105,7 @@ class Search:
     def check(corpus: str, **kwargs) -> None:
         """The dry run's check: the corpus file is there (indexing it waits for the run); a generated
         corpus is generated (it is small)."""
-        from unirl.data_paths import makes_rows
+        from unirl.data.paths import makes_rows
 
         read_corpus(corpus) if makes_rows(corpus) else corpus_path(corpus)
 

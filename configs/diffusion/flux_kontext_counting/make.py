@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from unirl.data_paths import bundled_path
+from unirl.data.paths import bundled_path
 from unirl.rewards.image import PALETTE
 
 here = Path(__file__).resolve().parent

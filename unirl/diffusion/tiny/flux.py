@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.cache import default_cache_dir
+from unirl.models.cache import default_cache_dir
 from unirl.diffusion.tiny.common import TOY_VAE, cached_build, clip_char_tokenizer, fit_decoder, t5_char_tokenizer, variant_spec
 
 #: Everything that changes the built artefacts goes into the cache key.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.cache import default_cache_dir
+from unirl.models.cache import default_cache_dir
 from unirl.diffusion.tiny.common import cached_build, variant_spec
 from unirl.diffusion.tiny.flux import TINY_FLUX_SPEC, build_tiny_flux
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.cache import default_cache_dir
+from unirl.models.cache import default_cache_dir
 from unirl.diffusion.tiny.common import cached_build, fit_latent_rgb, variant_spec
 
 #: Everything that changes the built artefacts goes into the cache key.

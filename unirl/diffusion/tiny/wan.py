@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.cache import default_cache_dir
+from unirl.models.cache import default_cache_dir
 from unirl.diffusion.tiny.common import cached_build, t5_char_tokenizer, variant_spec
 
 #: Everything that changes the built artefacts goes into the cache key.

@@ -1,5 +1,5 @@
 """``unirl tools list`` and ``unirl serve-tool``: the tool subcommands of the ``unirl`` CLI
-(``add_subcommands(subparsers)`` adds both; each sets ``func``)."""
+(``add_parser(subparsers, common)`` adds both; each sets ``func``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import json
 import sys
 
 
-def add_subcommands(subparsers) -> None:
-    p_tools = subparsers.add_parser("tools", help="the tools a config's rollout.tools can name")
+def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p_tools = subparsers.add_parser("tools", help="the tools a config's rollout.tools can name", parents=[common])
     tools_sub = p_tools.add_subparsers(dest="tools_command", required=True)
-    tools_sub.add_parser("list", help="each tool's name, source and description").set_defaults(func=list_command)
+    p_list = tools_sub.add_parser("list", help="each tool's name, source and description", parents=[common])
+    p_list.set_defaults(func=list_command, loads_libraries=False)
 
-    p_serve = subparsers.add_parser("serve-tool", help="host a tool over HTTP; a run names it http://host:port")
+    p_serve = subparsers.add_parser("serve-tool", help="host a tool over HTTP; a run names it http://host:port",
+                                    parents=[common])
     p_serve.add_argument("name", help="a registered tool (search, calculator), path/to/file.py:function or module:function")
     p_serve.add_argument("--corpus", default=None, help="the search tool's JSONL corpus (same as --kwargs '{\"corpus\": ...}')")
     p_serve.add_argument("--kwargs", default="{}", metavar="JSON", help="settings for the tool, as in a config's kwargs")

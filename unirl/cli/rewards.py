@@ -1,8 +1,7 @@
 """``unirl rewards list`` and ``unirl serve-reward``: the reward subcommands of the ``unirl`` CLI.
 
-``add_subcommands(subparsers)`` adds both to a parser's subcommands; each sets ``func`` (which
-takes the parsed arguments and returns an exit status). Also runnable alone:
-``python -m unirl.reward_commands rewards list``.
+``add_parser(subparsers, common)`` adds both; each sets ``func`` (which takes the parsed arguments
+and returns an exit status).
 """
 
 from __future__ import annotations
@@ -12,14 +11,15 @@ import json
 import sys
 
 
-def add_subcommands(subparsers) -> None:
+def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     """Add ``rewards list`` and ``serve-reward`` to ``subparsers`` (from ``add_subparsers()``)."""
-    p_rewards = subparsers.add_parser("rewards", help="the rewards a config can name")
+    p_rewards = subparsers.add_parser("rewards", help="the rewards a config can name", parents=[common])
     rewards_sub = p_rewards.add_subparsers(dest="rewards_command", required=True)
-    p_list = rewards_sub.add_parser("list", help="each reward's name, modality, source and description")
-    p_list.set_defaults(func=list_command)
+    p_list = rewards_sub.add_parser("list", help="each reward's name, modality, source and description", parents=[common])
+    p_list.set_defaults(func=list_command, loads_libraries=False)
 
-    p_serve = subparsers.add_parser("serve-reward", help="host a reward over HTTP; a run uses it as http://host:port")
+    p_serve = subparsers.add_parser("serve-reward", help="host a reward over HTTP; a run uses it as http://host:port",
+                                    parents=[common])
     p_serve.add_argument("name", help="a registered reward, path/to/file.py:function or package.module:function")
     p_serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -107,13 +107,3 @@ def _leave(code: int) -> int:
         os._exit(code)
     return code
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m unirl.reward_commands", description="unirl's reward subcommands")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

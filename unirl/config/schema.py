@@ -1,6 +1,6 @@
 """Config dataclasses shared by every environment: the algorithm, the optimizer and the loop.
 
-YAML fills these (see ``unirl/config.py``); ``key=value`` overrides win; unknown keys and wrong
+YAML fills these (see ``unirl/config/loading.py``); ``key=value`` overrides win; unknown keys and wrong
 types fail with the dotted path of the bad key. Environment configs (``unirl/text/config.py``,
 ``unirl/diffusion/config.py``) nest them under ``algo``, ``optim`` and ``trainer``.
 """
@@ -37,6 +37,17 @@ def check_range(owner: Any, name: str, *, low: float | None = None, high: float 
         hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
         expected = " and ".join(part for part in (lo, hi) if part) + (" or null" if optional else "")
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_adv_estimator(name: str) -> None:
+    """Raise ``ValueError`` (one line listing the valid names) unless ``name`` is a registered advantage
+    estimator. The names are those of ``unirl.core``'s ``ADVANTAGE_ESTIMATORS``, the registry the loop
+    looks the estimator up in, so a user's registered estimator counts; reading it imports torch
+    (loading a config costs that once; ``unirl config list`` loads none)."""
+    from unirl.core import ADVANTAGE_ESTIMATORS
+
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"adv_estimator: {ADVANTAGE_ESTIMATORS.unknown_message(name)}")
 
 
 def check_groups(algo: "AlgoConfig", trainer: "TrainerConfig") -> None:
@@ -85,10 +96,9 @@ class KLControlConfig:
     horizon: int = 10000
 
     def __post_init__(self):
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.target_kl <= 0 or self.horizon < 1:
-            raise ValueError(f"target_kl must be > 0 and horizon >= 1, got {self.target_kl} and {self.horizon}")
+        check_range(self, "kl_coef", low=0)
+        check_range(self, "target_kl", low=0, low_open=True)
+        check_range(self, "horizon", low=1)
 
 
 @dataclass
@@ -170,23 +180,17 @@ class AlgoConfig:
     lam: float = 1.0
 
     def __post_init__(self):
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ValueError("clip_low and clip_high must be >= 0")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if self.kl_clamp is not None and self.kl_clamp <= 0:
-            raise ValueError(f"kl_clamp must be > 0 or null, got {self.kl_clamp}")
-        if self.adv_eps < 0:
-            raise ValueError(f"adv_eps must be >= 0, got {self.adv_eps}")
-        check_range(self, "adv_eps", low=0)  # NaN passes the comparison above
-        check_range(self, "adv_clip", low=0, low_open=True, optional=True)  # -1 would set every advantage to -1
-        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
-            check_range(self, name, low=0)
+        # Each range once; check_range also refuses NaN, which passes a plain comparison.
+        check_adv_estimator(self.adv_estimator)
         check_range(self, "clip_low", low=0, high=1, high_open=True)  # the ratio's lower bound 1 - clip_low > 0
+        for name in ("clip_high", "kl_coef", "entropy_coef", "adv_eps"):
+            check_range(self, name, low=0)
+        check_range(self, "dual_clip", low=1, low_open=True, optional=True)
+        check_range(self, "tis_cap", low=0, low_open=True, optional=True)
+        check_range(self, "kl_clamp", low=0, low_open=True, optional=True)
+        check_range(self, "adv_clip", low=0, low_open=True, optional=True)  # -1 would set every advantage to -1
+        check_range(self, "gamma", low=0, high=1)
+        check_range(self, "lam", low=0, high=1)
         if self.rollout_is_min is not None and not 0 < self.rollout_is_min < (self.tis_cap or math.inf):
             raise ValueError(f"algo.rollout_is_min must be in (0, tis_cap={self.tis_cap}), got {self.rollout_is_min}")
         if self.level == "sequence" and self.loss_agg != "seq-mean-token-mean":
@@ -194,8 +198,6 @@ class AlgoConfig:
                 f"level=sequence (GSPO) aggregates with loss_agg=seq-mean-token-mean, as verl does; "
                 f"got loss_agg={self.loss_agg} (set algo.loss_agg=seq-mean-token-mean)"
             )
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma} and {self.lam}")
 
 
 @dataclass
@@ -228,11 +230,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self):
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        check_range(self, "lr", low=0, low_open=True)  # NaN passes the comparison above
+        check_range(self, "lr", low=0, low_open=True)
+        check_range(self, "warmup_steps", low=0)
         # max_grad_norm < 0 reverses the gradient, 0 zeroes it: neither trains.
         check_range(self, "max_grad_norm", low=0, low_open=True, optional=True)
         check_range(self, "weight_decay", low=0)

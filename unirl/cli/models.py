@@ -4,9 +4,9 @@
     unirl models prepare smollm2-135m-instruct [--force]
     unirl models import-gguf FILE --out DIR [--dtype bf16|fp32]
 
-``prepare`` writes a named model (``unirl/models.py``) into unirl's cache, where
+``prepare`` writes a named model (``unirl/models/named.py``) into unirl's cache, where
 ``model.name_or_path: NAME`` finds it; ``import-gguf`` turns any GGUF transformers reads into an
-ordinary HF model directory (``unirl/text/gguf.py``). Both check the written model's logits against
+ordinary HF model directory (``unirl/models/gguf.py``). Both check the written model's logits against
 the GGUF-loaded one and print the gap.
 """
 
@@ -15,17 +15,20 @@ from __future__ import annotations
 import argparse
 
 
-def add_subcommands(subparsers) -> None:
+def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     """Add ``models list``, ``models prepare`` and ``models import-gguf``; each sets ``func``."""
-    p_models = subparsers.add_parser("models", help="real models from GGUF files (prepare, import-gguf, list)")
+    p_models = subparsers.add_parser("models", help="real models from GGUF files (prepare, import-gguf, list)",
+                                     parents=[common])
     sub = p_models.add_subparsers(dest="models_command", required=True)
-    p_list = sub.add_parser("list", help="the named models, whether installed and prepared")
-    p_list.set_defaults(func=list_command)
-    p_prepare = sub.add_parser("prepare", help="write a named model into unirl's cache (model.name_or_path: NAME)")
+    p_list = sub.add_parser("list", help="the named models, whether installed and prepared", parents=[common])
+    p_list.set_defaults(func=list_command, loads_libraries=False)
+    p_prepare = sub.add_parser("prepare", help="write a named model into unirl's cache (model.name_or_path: NAME)",
+                               parents=[common])
     p_prepare.add_argument("name", help="a named model (see unirl models list)")
     p_prepare.add_argument("--force", action="store_true", help="write it again even when prepared")
     p_prepare.set_defaults(func=prepare_command)
-    p_import = sub.add_parser("import-gguf", help="a GGUF file -> an HF model directory (config, safetensors, tokenizer)")
+    p_import = sub.add_parser("import-gguf", help="a GGUF file -> an HF model directory (config, safetensors, tokenizer)",
+                              parents=[common])
     p_import.add_argument("file", help="the .gguf file")
     p_import.add_argument("--out", required=True, help="the directory to write")
     p_import.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
@@ -34,7 +37,7 @@ def add_subcommands(subparsers) -> None:
 
 
 def list_command(args: argparse.Namespace) -> int:
-    from unirl.models import MODELS, ModelNotAvailableError, find_gguf, is_prepared, model_dir
+    from unirl.models.named import MODELS, ModelNotAvailableError, find_gguf, is_prepared, model_dir
 
     for name, model in MODELS.items():
         try:
@@ -48,7 +51,7 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 def prepare_command(args: argparse.Namespace) -> int:
-    from unirl.models import is_prepared, prepare
+    from unirl.models.named import is_prepared, prepare
 
     if is_prepared(args.name) and not args.force:
         print(f"{args.name} is prepared: {prepare(args.name)}")
@@ -58,7 +61,7 @@ def prepare_command(args: argparse.Namespace) -> int:
 
 
 def import_command(args: argparse.Namespace) -> int:
-    from unirl.text.gguf import import_gguf
+    from unirl.models.gguf import import_gguf
 
     print(import_gguf(args.file, args.out, dtype=args.dtype).format())
     return 0

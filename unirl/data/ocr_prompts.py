@@ -18,7 +18,10 @@ and none equals a prompt of the bundled test set. Reproducing FlowGRPO's numbers
 
 from __future__ import annotations
 
+import functools
 import random
+
+from unirl.data.paths import bundled_path, register_source
 
 #: A surface that carries text, and the words that introduce the text.
 SURFACES = [
@@ -151,3 +154,12 @@ def generate(n: int, seed: int = 0, *, exclude: set[str] | frozenset[str] = froz
             if len(out) == n:
                 return out
     raise ValueError(f"could not generate {n} distinct OCR prompts (got {len(out)}); ask for fewer")
+
+
+@register_source("ocr/generated", defaults={"n": 20000, "seed": 0}, rows=False,
+                 about="OCR training prompts of the test set's form, made in code (unirl/data/ocr_prompts.py)")
+@functools.lru_cache(maxsize=4)
+def generated(n: int, seed: int) -> tuple[str, ...]:
+    """``unirl://ocr/generated?n=N&seed=S``: ``generate`` with the bundled test prompts excluded."""
+    test = bundled_path("ocr/test.txt").read_text(encoding="utf-8").splitlines()
+    return tuple(generate(n, seed, exclude={line.strip() for line in test}))

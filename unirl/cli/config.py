@@ -1,7 +1,7 @@
 """``unirl config list`` and ``unirl config show``: the shipped configs, and every key of one with its value and default.
 
-``unirl config list`` prints each shipped config (``configs/<env>/NAME.yaml``) with the first line of
-its header comment, and each recipe (``unirl/recipes.py``) with the keys it sets. ``unirl config show ENV --config NAME [key=value ...]`` loads the config as a run
+``unirl config list`` prints each shipped config (``configs/<env>/NAME.yaml``) with the first sentence of
+its header comment, and each recipe (``unirl/config/recipes.py``) with the keys it sets. ``unirl config show ENV --config NAME [key=value ...]`` loads the config as a run
 would (overrides applied) and prints every key, its value and its default, a ``*`` marking the
 keys the config (or an override) changes. What each key means: docs/configs.md.
 """
@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 
-def add_subcommands(subparsers) -> None:
-    """Add ``config list`` and ``config show`` to a parser's subcommands; each sets ``func``."""
-    p_config = subparsers.add_parser("config", help="the shipped configs and their keys")
+def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    """Add ``config list`` and ``config show``; each sets ``func``."""
+    p_config = subparsers.add_parser("config", help="the shipped configs and their keys", parents=[common])
     config_sub = p_config.add_subparsers(dest="config_command", required=True)
-    p_list = config_sub.add_parser("list", help="each shipped config with its one-line description")
-    p_list.set_defaults(func=list_command)
-    p_show = config_sub.add_parser("show", help="every key of a config with its value and default")
+    p_list = config_sub.add_parser("list", help="each shipped config with its one-line description", parents=[common])
+    p_list.set_defaults(func=list_command, loads_libraries=False)
+    p_show = config_sub.add_parser("show", help="every key of a config with its value and default", parents=[common])
     p_show.add_argument("env", choices=["diffusion", "text"])
     p_show.add_argument("--config", required=True, help="config name (unirl config list) or a YAML path")
     p_show.add_argument("--recipe", default=None, help="a recipe's keys, set before the overrides (unirl config list)")
@@ -45,7 +45,7 @@ def list_command(args: argparse.Namespace) -> int:
 
 def recipe_lines() -> list[tuple[str, str]]:
     """``(name, "key=value, ...: about (reference)")`` of each recipe."""
-    from unirl.recipes import RECIPES
+    from unirl.config.recipes import RECIPES
 
     return [(name, ", ".join(f"{k}={_text(v)}" for k, v in recipe.keys.items()) + f": {recipe.about} ({recipe.reference})")
             for name, recipe in RECIPES.items()]
@@ -54,7 +54,7 @@ def recipe_lines() -> list[tuple[str, str]]:
 def show_command(args: argparse.Namespace) -> int:
     from unirl.api import load_config
     from unirl.config import config_to_dict
-    from unirl.runner import config_class
+    from unirl.config.environments import config_class
 
     values = flatten(config_to_dict(load_config(args.env, args.config, args.overrides, recipe=args.recipe)))
     defaults = flatten(config_to_dict(config_class(args.env)()))
@@ -83,10 +83,12 @@ def _text(value: Any) -> str:
 
 
 def _description(path: Path) -> str:
-    """The first line of the config file's header comment."""
+    """The first sentence of the config file's header comment (its leading ``#`` lines)."""
+    from unirl.registry import first_sentence
+
+    header = []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
+        if not line.startswith("#"):
             break
-    return ""
+        header.append(line.lstrip("#").strip())
+    return first_sentence("\n".join(header))

@@ -1,0 +1,35 @@
+"""``unirl eval ENV --config NAME --checkpoint DIR [--n N] [--k K,...]``: score a checkpoint on held-out prompts."""
+
+from __future__ import annotations
+
+import argparse
+
+from unirl.cli.train import config_names, load_run_config
+from unirl.config.environments import ENVIRONMENTS
+
+
+def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser("eval", help="score a checkpoint on the config's held-out prompts", parents=[common])
+    p.add_argument("env", choices=sorted(ENVIRONMENTS))
+    p.add_argument("--config", required=True,
+                   help=f"config name ({config_names()}), a YAML path or a run's config.yaml (its test split and rewards)")
+    p.add_argument("--checkpoint", required=True,
+                   help="a run's checkpoints/step_N/ (full or LoRA), a model directory, a named model "
+                        "(unirl models list) or a hub name")
+    p.add_argument("--output-dir", default=None, help="where samples and the summary go (default CHECKPOINT/eval)")
+    p.add_argument("--n", type=int, default=1, help="text: answers per prompt (1: greedy; N: sampled, pass@k)")
+    p.add_argument("--k", default="", help="text: extra k for pass@k, comma-separated (1 and N always)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.eval_size=100")
+    p.set_defaults(func=eval_command)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from unirl.api import evaluate as evaluate_checkpoint
+    from unirl.evaluation import summary_line
+
+    ks = [int(k) for k in args.k.split(",") if k.strip()]
+    cfg = load_run_config(args.env, args.config, args.overrides)
+    summary = evaluate_checkpoint(args.env, cfg, checkpoint=args.checkpoint, output_dir=args.output_dir, n=args.n,
+                                  ks=ks, verbose=getattr(args, "verbose", False))
+    print(summary_line(summary))
+    return 0
