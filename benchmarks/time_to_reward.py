@@ -99,7 +99,7 @@ def train_one(task: str, method: str, seed: int, steps: int, eval_every: int, wo
     """One run; its evaluations ``{step, time, calls, samples, reward, colours}``."""
     from unirl.cli import ENVIRONMENTS, _import, load_run_config
     from unirl.config import config_to_dict
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
 
     config, overrides = METHODS[method]
     path = REPO / "configs" / "diffusion" / config.format(task=task)

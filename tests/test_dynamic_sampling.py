@@ -22,7 +22,7 @@ from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.core import nonconstant_groups
 from unirl.env import Rollout, concat_rollouts
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.schema import FilterGroupsConfig
 from unirl.text.env import TextEnvironment
 

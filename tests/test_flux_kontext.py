@@ -133,11 +133,11 @@ def test_first_update_is_exactly_on_policy(tiny_dir, overrides):
     assert rollout.tensors["image_latents"].shape == (8, 64, 16)  # each row's input, repeated for its group
     assert rollout.columns["image"] == [row["image"] for row in rows for _ in range(4)]  # the reward's input paths
     assert all(Path(p).is_absolute() and Path(p).is_file() for p in rollout.columns["image"])
-    old = rollout.tensors["old_logp"]
+    old = rollout.old_logp
     with torch.no_grad():
-        cur = env.evaluate(env.model, rollout)
+        cur = env.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
-    env.evaluate(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0

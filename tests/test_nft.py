@@ -169,7 +169,7 @@ def test_bad_nft_settings_fail_with_the_key(override, match):
 # ----------------------------------------------------------------------------- environment and loop
 def make_trainer(tmp_path, *overrides: str):
     from unirl.diffusion import build_environment
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
 
     cfg = load_config(DiffusionConfig, None, [*TINY, "trainer.eval_every=0", "trainer.progress=false",
                                               "trainer.reward_workers=0", *overrides])
@@ -230,7 +230,7 @@ def test_tiny_colour_nft_learns_each_colour(tmp_path):
     """The shipped config for 30 steps: the held-out reward of the "red" prompts and of the "blue" ones
     both rise (one colour for every prompt would lower the other)."""
     from unirl.diffusion import build_environment
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
 
     benchmark = _benchmark()
     cfg = load_config(DiffusionConfig, REPO / "configs/diffusion/tiny_colour_nft.yaml",

@@ -106,7 +106,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     """Errors a user causes (a config, a data file, a reward, a model that cannot be found, a missing
     package, a wrong launch): the CLI ends them with one line and exit 2. Anything else is a bug and
     keeps its traceback."""
-    from unirl.distributed import LaunchError
+    from unirl.trainer.distributed import LaunchError
 
     return ValueError, OSError, ImportError, LaunchError
 
@@ -229,12 +229,12 @@ def _leave_now(code: int) -> int:
 
 
 def _dispatch(args) -> int:
-    from unirl.preemption import Preempted
+    from unirl.trainer.preemption import Preempted
 
     if args.command == "train":
         import signal
 
-        from unirl.preemption import stop_during_startup
+        from unirl.trainer.preemption import stop_during_startup
 
         # SIGTERM before the loop takes over (checks, loading, vLLM start-up) stops with one line, not silently.
         previous = signal.signal(signal.SIGTERM, stop_during_startup)

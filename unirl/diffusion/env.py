@@ -9,7 +9,7 @@ What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the mod
 (``families/``: prompt encoding, latent layout, sigma schedule, transformer forward, decoding):
 
 * the sampler's log-probs are the policy's own (the trainer samples), so
-  ``recompute_old_logprobs = False`` and ``rollout.tensors["old_logp"]`` is the PPO "old" log-prob;
+  ``recompute_old_logprobs = False`` and ``rollout.old_logp`` is the PPO "old" log-prob;
 * the reference is the same transformer with its LoRA adapter disabled (or a frozen copy);
 * an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
 * chunks of samples are scored in the reward pool while the next chunk samples (the last chunk, with
@@ -36,7 +36,6 @@ import contextlib
 import copy
 import functools
 import json
-import textwrap
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -322,14 +321,14 @@ class DiffusionEnvironment(Environment):
         tensors = {
             "latents": joined([o.latents for o in outs]),  # [N, T, *latent]
             "next_latents": joined([o.next_latents for o in outs]),  # [N, T, *latent]
-            "old_logp": joined([o.logp for o in outs]),  # [N, T]
             "step_index": steps,  # [N, T]
             "sigma": sig[steps],  # [N, T]
             "sigma_next": sig[steps + 1],  # [N, T]
             "timestep": timesteps.cpu()[steps],  # [N, T]
             **{k: v.cpu() for k, v in encoded.items()},  # the family's conditioning, each [N, ...]
         }
-        rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns)
+        rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns,
+                          old_logp=joined([o.logp for o in outs]))  # [N, T]
         self._pending = (id(rollout), futures)
         return rollout
 
@@ -390,7 +389,7 @@ class DiffusionEnvironment(Environment):
         return torch.cat(parts)
 
     # ------------------------------------------------------------- log-probs
-    def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
+    def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Re-score the trained steps ``columns`` with the stored next latent as the action (gradients flow)."""
         s = self.cfg.sampling
         stored = batch.cache.get("stored_steps")
@@ -425,7 +424,7 @@ class DiffusionEnvironment(Environment):
         sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
         [n, *latent], timesteps [n] and the steps' offsets that ``step_log_prob`` takes; ``narrow``: sigmas
         and stds [n, 1]), its conditioning (``cond``) and the columns' constants (``coef``): what each piece
-        of ``evaluate`` takes instead of slicing, moving and recomputing them (one operation per tensor for
+        of ``score_actions`` takes instead of slicing, moving and recomputing them (one operation per tensor for
         the whole batch, not one per piece)."""
         device = self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
@@ -458,12 +457,12 @@ class DiffusionEnvironment(Environment):
         return self._train_constants.take(index, latent_ndim)
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        return torch.ones_like(batch.tensors["old_logp"], dtype=torch.bool)  # [n, T]: every stored step is trained
+        return torch.ones_like(batch.old_logp, dtype=torch.bool)  # [n, T]: every stored step is trained
 
     def column_slices(self, batch: Rollout) -> list[slice]:
         # One trained step at a time, backward after each (FlowGRPO's order): peak memory holds the
         # graph of one transformer forward, whatever the number of trained steps.
-        return [slice(j, j + 1) for j in range(batch.tensors["old_logp"].shape[1])]
+        return [slice(j, j + 1) for j in range(batch.old_logp.shape[1])]
 
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
         """[n, T] KL penalty between the policy's and the reference's Gaussian steps (``kl_form``)."""
@@ -586,21 +585,3 @@ class DiffusionEnvironment(Environment):
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
 
-
-def image_grid(images: list, captions: list[str], cell: int = 160, columns: int = 4):
-    """A PNG-ready grid: each image scaled to ``cell`` px with its caption (prompt, rewards) below."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font = ImageFont.load_default()
-    text_h = 5 * 12 + 4
-    rows = max(1, -(-len(images) // columns))
-    grid = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, (image, caption) in enumerate(zip(images, captions)):
-        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
-        resample = Image.NEAREST if image.width < cell else Image.BICUBIC
-        grid.paste(image.convert("RGB").resize((cell, cell), resample), (x, y))
-        prompt, _, scores = caption.partition("\n")
-        lines = textwrap.wrap(prompt, width=cell // 6)[:4] + [scores]
-        draw.multiline_text((x + 2, y + cell + 2), "\n".join(lines), fill="black", font=font, spacing=1)
-    return grid

@@ -6,7 +6,6 @@ Shapes: N = B*G samples, P prompt tokens (left-padded), R response tokens (right
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from pathlib import Path
 
@@ -219,8 +218,8 @@ class TextEnvironment(Environment):
         columns = {k: [rows[i].get(k) for i, _ in flat] for k in rows[0] if k != "prompt"}
         return Rollout(
             tensors={"prompt_ids": prompt, "prompt_mask": prompt_mask, "response_ids": response,
-                     "response_mask": response_mask, "engine_logp": engine_logp,
-                     "finished": torch.tensor([g.finished for _, g in flat])},
+                     "response_mask": response_mask, "finished": torch.tensor([g.finished for _, g in flat])},
+            engine_logp=engine_logp,
             group_ids=torch.tensor([i for i, _ in flat]),
             prompts=[rows[i]["prompt"] for i, _ in flat],
             samples=[g.text for _, g in flat],
@@ -240,13 +239,13 @@ class TextEnvironment(Environment):
         return rewards, metrics
 
     # ------------------------------------------------------------- log-probs
-    def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
+    def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling), and
         their entropies in the update's forward (grad enabled; logged as ``actor/entropy``, trained only
         when ``algo.entropy_coef > 0``); ``model.logprob_chunk_size`` tokens at a time, so the
         full-vocabulary logits never exist (``unirl.text.logprobs``)."""
         if columns != slice(None):
-            raise ValueError("the text environment evaluates whole responses (column_slices is one piece)")
+            raise ValueError("the text environment scores whole responses (column_slices is one piece)")
         device = self.accelerator.device
         t = {k: v.to(device) for k, v in batch.tensors.items()}
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
@@ -331,14 +330,13 @@ class TextEnvironment(Environment):
         t = batch.tensors
         P = max(1, int(t["prompt_mask"].sum(-1).max()))
         R = max(1, int(response_tokens(t).sum(-1).max()))
-        trimmed = {}
-        for k, v in t.items():
-            if k in ("prompt_ids", "prompt_mask"):
-                v = v[:, v.shape[1] - P:]  # [n, P']
-            elif v.ndim >= 2:
-                v = v[:, :R]  # [n, R']
-            trimmed[k] = v
-        return dataclasses.replace(batch, tensors=trimmed)
+
+        def trimmed(name: str, v: torch.Tensor) -> torch.Tensor:
+            if name in ("prompt_ids", "prompt_mask"):
+                return v[:, v.shape[1] - P:]  # [n, P']
+            return v[:, :R] if v.ndim >= 2 else v  # [n, R']
+
+        return batch.map_tensors(trimmed)
 
     def sample_tokens(self, batch: Rollout) -> torch.Tensor:
         return batch.tensors["prompt_mask"].sum(-1) + response_tokens(batch.tensors).sum(-1).long()  # [n]
@@ -361,15 +359,15 @@ class TextEnvironment(Environment):
 
     def rollout_metrics(self, rollout: Rollout, old: dict[str, torch.Tensor]) -> dict[str, float]:
         mask = rollout.tensors["response_mask"].bool()
-        diff = (rollout.tensors["engine_logp"] - old["logp"].cpu()).abs()[mask]
+        diff = (rollout.engine_logp - old["logp"].cpu()).abs()[mask]
         lengths = rollout.tensors["response_mask"].sum(-1)
         if "turns" in rollout.tensors:  # a multi-turn rollout
-            return {**self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
+            return {**self._mismatch_metrics(rollout.engine_logp, old["logp"].cpu(), mask),
                     "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
                     "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
                     "rollout/response_length_mean": lengths.mean().item(), **multi_turn_metrics(rollout.tensors)}
         return {
-            **self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
+            **self._mismatch_metrics(rollout.engine_logp, old["logp"].cpu(), mask),
             "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
             "rollout/response_length_mean": lengths.mean().item(),

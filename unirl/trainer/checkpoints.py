@@ -12,7 +12,7 @@ A checkpoint holds the policy as its library saves it (``env.save_pretrained``: 
     rng_<process>.{...}           each process's python, numpy, torch (and CUDA) RNG states
 
 Only tensors (safetensors) and plain data (JSON) are written, and nothing is unpickled when a run
-resumes (``unirl.state_files``): Accelerate's ``save_state`` pickles the optimizer, the RNG states
+resumes (``unirl.trainer.state_files``): Accelerate's ``save_state`` pickles the optimizer, the RNG states
 and registered objects and loads them with ``torch.load(weights_only=False)``, which runs whatever
 code a crafted file holds. Everything is written under a temporary name and renamed, so a crash
 never leaves a half checkpoint that resume would pick; a resume that finds the latest checkpoint
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.state_files import StateFileError, load_state, save_state
+from unirl.trainer.state_files import StateFileError, load_state, save_state
 
 
 class CheckpointError(OSError):

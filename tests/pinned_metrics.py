@@ -1,0 +1,89 @@
+"""The first steps of every shipped tiny config, pinned: a restructuring must not change a number a run
+produces (issue 31). ``tests/fixtures/pinned_metrics.json`` holds each config's per-step metrics for
+``STEPS`` steps, written once from the code before a change:
+
+    python tests/pinned_metrics.py --write            # every tiny config, one subprocess each
+    python tests/pinned_metrics.py text tiny          # print one config's figures
+
+``tests/test_pinned_metrics.py`` runs each config again and compares every figure exactly (``time/*``
+and ``perf/*`` are wall-clock or machine figures and are left out). Runs are forced onto the CPU with a
+fixed thread count, so they repeat bit for bit on one machine; the fixture records the machine's
+fingerprint (torch version, CPU model, threads) and on another machine the comparison is to 1e-5
+relative, since another CPU's kernels may round differently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "pinned_metrics.json"
+STEPS = 3
+THREADS = 2
+CONFIGS = [("text", "tiny"), ("text", "tiny_dapo"), ("text", "tiny_ppo"), ("text", "tiny_search"),
+           ("diffusion", "tiny"), ("diffusion", "tiny_colour"), ("diffusion", "tiny_colour_nft"),
+           ("diffusion", "tiny_flux"), ("diffusion", "tiny_kontext"), ("diffusion", "tiny_qwenimage"),
+           ("diffusion", "tiny_wan")]
+#: Machine figures, not a function of the code's math.
+SKIPPED_PREFIXES = ("time/", "perf/")
+
+
+def fingerprint() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"torch": torch.__version__, "cpu": cpu, "threads": THREADS}
+
+
+def run_config(env: str, name: str) -> list[dict[str, float]]:
+    """``STEPS`` training steps of the shipped config, on the CPU, without evaluation or checkpoints."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    import unirl
+
+    with tempfile.TemporaryDirectory(prefix="unirl-pinned-") as tmp:
+        result = unirl.train(env, name, {"trainer.total_steps": STEPS, "trainer.eval_every": 0,
+                                         "trainer.save_every": 0, "trainer.progress": False},
+                             output_dir=Path(tmp) / "run", progress=False)
+    return [{k: v for k, v in m.items() if not k.startswith(SKIPPED_PREFIXES)} for m in result.metrics]
+
+
+def run_in_subprocess(env: str, name: str) -> list[dict[str, float]]:
+    """``run_config`` in a fresh process (each run starts its own accelerator and engine), CPU only."""
+    environ = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(THREADS),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    repo = Path(__file__).resolve().parents[1]
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, __file__, env, name, "--json"], env=environ, capture_output=True, text=True,
+                          timeout=1200, cwd=repo)
+    if done.returncode != 0:
+        raise RuntimeError(f"{env} {name} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--write":
+        pinned = {"fingerprint": fingerprint(), "steps": STEPS, "configs": {}}
+        for env, name in CONFIGS:
+            pinned["configs"][f"{env}/{name}"] = run_in_subprocess(env, name)
+            print(f"{env}/{name}: {len(pinned['configs'][f'{env}/{name}'])} steps", flush=True)
+        FIXTURE.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+        return
+    env, name = argv[:2]
+    metrics = run_config(env, name)
+    print(json.dumps(metrics) if "--json" in argv else json.dumps(metrics, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
