@@ -52,14 +52,19 @@ __all__ = ["Preempted", "Trainer"]
 
 class Trainer:
     def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
-                 run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None):
+                 run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None,
+                 policy_loss: str | None = None):
+        """``policy_loss``: a registered policy loss (``unirl.core.policy_losses``) by name, instead of the
+        environment's rollout mode's or the ratio loss at ``algo.level`` (``env_policy_loss``)."""
         self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
         self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
         self.critic: Critic | None = None  # built at setup when the advantage estimator reads values
         k = algo.kl_ctrl  # the coefficient of the KL in the reward, when it is there
         self.kl_ctrl = build_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl,
                                            horizon=k.horizon) if algo.use_kl_in_reward else None
-        self.policy_loss = POLICY_LOSSES.get(env_policy_loss(env, algo)) if env is not None else None
+        if policy_loss is None and env is not None:
+            policy_loss = env_policy_loss(env, algo)
+        self.policy_loss = None if policy_loss is None else POLICY_LOSSES.get(policy_loss)
         self.loss_settings = loss_settings(env, algo)
         self.run_dir = Path(run_dir)
         self.config_dict = config_dict or {}

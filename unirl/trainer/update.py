@@ -42,7 +42,7 @@ def update(trainer, rollout: Rollout) -> dict[str, float]:
     # The first forward's log-probs are the old ones on-policy (a loss that reads no log-probs has none).
     first_forward = trainer.policy_loss.reads_logprobs and rollout.old_logp is None
     if first_forward and not trainer.on_policy():
-        raise RuntimeError("update: the rollout has no old_logp; compute the old log-probs first (the update's first "
+        raise RuntimeError("update: the rollout has no old_logp; call Trainer.old_and_reference first (the update's first "
                            "forward gives them only on-policy: one mini-batch, trainer.ppo_epochs=1)")
     recorded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rollout rows, their first-forward log-probs)
     # As many mini-batches as B*G / mini_batch_size (fewer samples when zero advantages were dropped).
