@@ -10,7 +10,8 @@ import torch
 
 from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
+from unirl.diffusion.ema import ParamEMA
+from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.sampling import sigma_schedule, trained_steps
 from unirl.diffusion.window import window_bounds, window_mask
 from unirl.diffusion.tiny.sd3 import build_tiny_sd3

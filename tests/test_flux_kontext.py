@@ -186,7 +186,7 @@ def test_evaluation_samples_each_rows_input(tiny_dir, tmp_path):
 def test_the_tiny_config_names_an_image_per_row():
     cfg = load_config(DiffusionConfig, CONFIGS / "tiny_kontext.yaml")
     assert cfg.model.family == "flux_kontext" and cfg.sampling.guidance_scale == 1.0
-    from unirl.diffusion.env import load_prompt_rows
+    from unirl.diffusion.prompts import load_prompt_rows
 
     rows = load_prompt_rows(str(CONFIGS / "tiny_kontext_test.jsonl"), "test", image=True)
     assert len(rows) == 8 and all(Path(r["image"]).is_file() for r in rows)

@@ -25,7 +25,7 @@ from unirl.cli import load_run_config
 from unirl.config import ConfigError, config_to_dict, load_config
 from unirl.core import aggregate, clipped_policy_loss, compute_advantages, group_advantages
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.env import ParamEMA
+from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.sampling import trained_steps
 from unirl.diffusion.sde import sde_step_with_logprob, step_kl
 from unirl.trainer.loop import Trainer

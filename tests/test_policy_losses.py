@@ -56,6 +56,7 @@ def test_a_new_loss_and_a_new_estimator_train_a_step(tmp_path, tiny_lm_dir):
     # Advantages: the reward minus the batch mean (no groups).
     @ADVANTAGE_ESTIMATORS.register("test_batch_mean")
     def batch_mean(rewards, group_ids, **_):
+        calls.append("estimator")
         return rewards - rewards.mean(), None
 
     try:
@@ -71,7 +72,7 @@ def test_a_new_loss_and_a_new_estimator_train_a_step(tmp_path, tiny_lm_dir):
         metrics = trainer.train_step()
         after = [p.detach() for p in env.model.parameters() if p.requires_grad]
         env.close()
-        assert calls and "loss/policy" in metrics and metrics["adv/mean"] == pytest.approx(0.0, abs=1e-6)
+        assert "estimator" in calls and len(calls) > 1 and "loss/policy" in metrics
         assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the step trained
     finally:
         POLICY_LOSSES.remove("test_vanilla_pg")

@@ -31,7 +31,8 @@ import copy
 
 import torch
 
-from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
+from unirl.diffusion.ema import ParamEMA
+from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.sampling import guided_velocity, sample_with_logprob
 from unirl.env import Rollout
 

@@ -18,6 +18,7 @@ from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
+from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
@@ -25,41 +26,11 @@ from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_a
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` (``tiny_search``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
-    prepared directory (prepared now if needed); anything else is passed through."""
-    from unirl.models import MODELS, resolve
-
-    if name_or_path == "tiny":
-        from unirl.text.tiny import build_tiny_lm
-
-        return str(build_tiny_lm(seed=seed))
-    if name_or_path == "tiny_search":  # the tiny model warm-started on Search-R1's tags (unirl/text/tiny_search.py)
-        from unirl.text.tiny_search import build_tiny_search_lm
-
-        return str(build_tiny_search_lm(seed=seed))
-    if name_or_path in MODELS:
-        return resolve(name_or_path)
-    return name_or_path
-
-
 def response_tokens(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """[N, R] every real response token (attention, lengths, padding). A multi-turn rollout stores it
     as ``response_attention_mask`` beside ``response_mask``, the loss mask, which is 0 at tool
     observations; a single-turn rollout's two masks are the same tensor."""
     return tensors.get("response_attention_mask", tensors["response_mask"])
-
-
-def _check_lora_targets(targets: list[str], config) -> None:
-    """A LoRA on the output head or the embedding of a model whose two are tied (SmolLM2, Qwen2.5-0.5B)
-    would untie them when merged, while vLLM keeps one tensor for both: the engine could not hold the
-    trainer's policy, and its samples would drift off it unseen. (The transformers engine samples from
-    the trained model itself, so it is not refused there.)"""
-    tied = [t for t in targets if t in ("lm_head", "embed_tokens")]
-    if tied and getattr(config, "tie_word_embeddings", False):
-        raise ValueError(f"model.lora.target_modules: {tied} on a model with tied input and output embeddings "
-                         f"(tie_word_embeddings) cannot be merged into the rollout engine; train the attention and "
-                         f"MLP projections only")
 
 
 class TextEnvironment(Environment):
@@ -96,7 +67,7 @@ class TextEnvironment(Environment):
 
             lora = cfg.model.lora
             if cfg.rollout.engine == "vllm":  # the transformers engine samples from this very model
-                _check_lora_targets(lora.target_modules, model.config)
+                check_lora_targets(lora.target_modules, model.config)
             model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
         elif cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
