@@ -166,6 +166,10 @@ class Environment(ABC):
     #: which reads the velocities ``score_actions`` returns.
     policy_loss: str | None = None
 
+    #: What the last ``evaluation`` showed, for the trackers: ``{"images": {key: PIL image}, "tables":
+    #: {key: (columns, rows)}}`` (main process); an environment assigns a new dict, never edits this one.
+    evaluation_media: dict = {}
+
     @abstractmethod
     def setup(self, accelerator) -> None:
         """Load models, tokenizers/pipelines, data and the reward. Called once."""
@@ -252,18 +256,14 @@ class Environment(ABC):
         """Called after every optimizer step with the number of optimizer steps done so far (1, 2,
         ...), e.g. to update an EMA of the weights on FlowGRPO's schedule."""
 
-    def rollout_metrics(self, rollout: Rollout, evaluated_old: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Extra per-step metrics about the rollout (lengths, engine-vs-trainer log-prob gap ...)."""
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """Extra per-step metrics about the rollout (lengths, engine-vs-trainer log-prob gap ...), once
+        ``rollout.old_logp`` holds the trainer's log-probs."""
         return {}
 
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
         """Held-out evaluation (greedy for text, deterministic ODE for diffusion); ``eval/*`` metrics."""
         return {}
-
-    def evaluation_media(self) -> dict:
-        """What the last ``evaluation`` showed, for the trackers: ``{"images": {key: PIL image},
-        "tables": {key: (columns, rows)}}`` (main process)."""
-        return getattr(self, "_evaluation_media", {})
 
     @abstractmethod
     def save_pretrained(self, directory: Path) -> None:

@@ -76,5 +76,5 @@ def held_out_evaluation(env, step: int, run_dir: Path) -> dict[str, float]:
             with open(path.with_suffix(".jsonl"), "w") as f:
                 for i, scores, _, judge in results:
                     f.write(json.dumps({"prompt": env.test_rows[i]["prompt"], **scores, "judge": judge}) + "\n")
-        env._evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
+        env.evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
     return out

@@ -328,7 +328,8 @@ class TextEnvironment(Environment):
         if isinstance(self.engine, VLLMEngine):
             self.engine.load_weights(hf_checkpoint_weights(self.accelerator.unwrap_model(self._model)))
 
-    def rollout_metrics(self, rollout: Rollout, old: dict[str, torch.Tensor]) -> dict[str, float]:
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        old = {"logp": rollout.old_logp}
         mask = rollout.tensors["response_mask"].bool()
         diff = (rollout.engine_logp - old["logp"].cpu()).abs()[mask]
         lengths = rollout.tensors["response_mask"].sum(-1)
@@ -399,7 +400,7 @@ class TextEnvironment(Environment):
                 for i, text, s, judge in results[:16]:
                     f.write(json.dumps({"step": step, "prompt": self.test_rows[i]["prompt"], "response": text,
                                         "score": s[names[0]], **({"judge": judge} if judge else {})}) + "\n")
-        self._evaluation_media = {"tables": {"eval/samples": (
+        self.evaluation_media = {"tables": {"eval/samples": (
             ["prompt", "response", names[0]], [[self.test_rows[i]["prompt"], text, s[names[0]]] for i, text, s, _ in results[:16]])}}
         out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
         out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in scores.items()})

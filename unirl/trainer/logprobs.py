@@ -53,7 +53,7 @@ def rollout_metrics(trainer, rollout: Rollout) -> dict[str, float]:
     if acc.num_processes > 1:
         rollout = rollout.map_tensors(lambda name, v: gather_rows(acc, v),
                                       group_ids=gather_rows(acc, rollout.group_ids), prompts=[], samples=[], columns={})
-    return trainer.env.rollout_metrics(rollout, {"logp": rollout.old_logp})
+    return trainer.env.rollout_metrics(rollout)
 
 
 def score_all(trainer, model, rollout: Rollout) -> dict[str, torch.Tensor]:

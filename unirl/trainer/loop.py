@@ -293,7 +293,7 @@ class Trainer:
         out = self.env.evaluation(self.step, self.run_dir)
         if out:
             out["time/eval"] = time.perf_counter() - start
-        self.run_log.log_media(self.env.evaluation_media(), self.step)
+        self.run_log.log_media(self.env.evaluation_media, self.step)
         return out
 
     # ======================================================= several processes
