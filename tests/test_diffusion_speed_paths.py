@@ -189,7 +189,7 @@ def test_rescoring_with_given_constants_equals_computing_them(env):
 
 
 def test_evaluate_column_by_column_equals_the_whole_and_caches_per_batch(env):
-    """The loop scores a micro-batch one trained step at a time; ``evaluate`` moves the batch to the
+    """The loop scores a micro-batch one trained step at a time; ``score_actions`` moves the batch to the
     device and computes its steps' constants once (in ``batch.cache``), and each column equals what
     scoring all columns at once gives. A selection of the batch starts with an empty cache."""
     env._step = 3

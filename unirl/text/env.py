@@ -277,7 +277,7 @@ class TextEnvironment(Environment):
 
     def values(self, model, batch: Rollout) -> torch.Tensor:
         """[n, R] the value head's output at the positions whose hidden states predict the response
-        tokens (where ``evaluate`` reads the log-probs), float32; packed as ``evaluate`` packs."""
+        tokens (where ``score_actions`` reads the log-probs), float32; packed as ``score_actions`` packs."""
         device = self.accelerator.device
         t = {k: batch.tensors[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         R = t["response_ids"].shape[1]
