@@ -2,7 +2,7 @@
 produces (issue 31). ``tests/fixtures/pinned_metrics.json`` holds each config's per-step metrics for
 ``STEPS`` steps, written once from the code before a change:
 
-    python tests/pinned_metrics.py --write            # every tiny config, one subprocess each
+    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=2 python tests/pinned_metrics.py --write   # every tiny config
     python tests/pinned_metrics.py text tiny          # print one config's figures
 
 ``tests/test_pinned_metrics.py`` runs each config again and compares every figure exactly (``time/*``
@@ -59,26 +59,54 @@ def run_config(env: str, name: str) -> list[dict[str, float]]:
     return [{k: v for k, v in m.items() if not k.startswith(SKIPPED_PREFIXES)} for m in result.metrics]
 
 
+def run_all(configs) -> dict[str, list[dict[str, float]] | str]:
+    """Each config's ``run_config`` in this process, one after another (``unirl.train`` runs repeat in
+    one process: each closes its engine and process group); a config that fails gives its error."""
+    out: dict[str, list[dict[str, float]] | str] = {}
+    for env, name in configs:
+        try:
+            out[f"{env}/{name}"] = run_config(env, name)
+        except Exception as e:  # reported per config by the test
+            out[f"{env}/{name}"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def run_in_subprocess(env: str, name: str) -> list[dict[str, float]]:
     """``run_config`` in a fresh process (each run starts its own accelerator and engine), CPU only."""
+    return _subprocess([env, name, "--json"])
+
+
+def run_all_in_subprocess() -> dict[str, list[dict[str, float]] | str]:
+    """Every config of ``CONFIGS`` in one fresh CPU-only process (one Python and torch start-up, not eleven)."""
+    return _subprocess(["--all", "--json"])
+
+
+def _subprocess(args: list[str]):
     environ = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(THREADS),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     repo = Path(__file__).resolve().parents[1]
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, __file__, env, name, "--json"], env=environ, capture_output=True, text=True,
-                          timeout=1200, cwd=repo)
+    done = subprocess.run([sys.executable, __file__, *args], env=environ, capture_output=True, text=True,
+                          timeout=3000, cwd=repo)
     if done.returncode != 0:
-        raise RuntimeError(f"{env} {name} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str]) -> None:
-    if argv and argv[0] == "--write":
+    if argv and argv[0] == "--write":  # in this process, one config after another, as the test runs them
         pinned = {"fingerprint": fingerprint(), "steps": STEPS, "configs": {}}
+        if FIXTURE.exists() and "--resume" in argv:  # a long write cut short keeps what it finished
+            pinned["configs"] = json.loads(FIXTURE.read_text())["configs"]
         for env, name in CONFIGS:
-            pinned["configs"][f"{env}/{name}"] = run_in_subprocess(env, name)
-            print(f"{env}/{name}: {len(pinned['configs'][f'{env}/{name}'])} steps", flush=True)
-        FIXTURE.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+            if f"{env}/{name}" in pinned["configs"]:
+                continue
+            pinned["configs"][f"{env}/{name}"] = run_config(env, name)
+            FIXTURE.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+            print(f"{env}/{name}: {STEPS} steps", flush=True)
+        return
+    if argv and argv[0] == "--all":
+        print(json.dumps(run_all(CONFIGS)))
         return
     env, name = argv[:2]
     metrics = run_config(env, name)
