@@ -93,7 +93,7 @@ def build_toy_inputs(root: Path) -> tuple[Path, Path]:
 def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, extra: list[str], prompts: int) -> dict:
     from unirl.cli import load_run_config
     from unirl.config import config_to_dict
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
     from unirl.text.env import TextEnvironment
 
     out = Path(tempfile.mkdtemp(prefix="unirl-vs-trl-")) / "run"

@@ -77,7 +77,8 @@ def child(resolution: int, steps: int, mode: str) -> dict:
     from unirl.cli import load_run_config
     from unirl.config import config_to_dict
     from unirl.diffusion.env import DiffusionEnvironment
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
+    from unirl.trainer.update import micro_backward, mini_denominator
 
     torch.set_num_threads(1)
     cfg = load_run_config("diffusion", "tiny", [
@@ -93,12 +94,12 @@ def child(resolution: int, steps: int, mode: str) -> dict:
     trainer.old_and_reference(rollout)
     if mode == "whole":
         trainer.env.column_slices = lambda batch: [slice(None)]
-    denominator = trainer._mini_denominator(rollout)
+    denominator = mini_denominator(trainer, rollout)
     # The first update of the process: memory the allocator freed earlier would hide a later peak.
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set (VmHWM)
     before = _status_kib("VmRSS")
     with _MallocPeak() as heap:
-        trainer._micro_backward(trainer.env.model, rollout, denominator, sync=True)
+        micro_backward(trainer, trainer.env.model, rollout, denominator, sync=True)
     peak = _status_kib("VmHWM")  # both include the LoRA gradients (small next to the graph)
     trainer.env.close()
     return {"resolution": resolution, "steps": steps, "mode": mode, "heap_mib": heap.added_mib,

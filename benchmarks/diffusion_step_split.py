@@ -7,7 +7,7 @@
 
 Runs ``configs/diffusion/<config>.yaml`` (default ``tiny``: 8 prompts x 4 = 32 images, 8 SDE steps
 all trained, CFG off, LoRA r8, one mini-batch, so one optimizer step) in this process with
-``unirl.loop.Trainer`` and ``DiffusionEnvironment``, times each ``trainer.train_step()`` by wall clock
+``unirl.trainer.loop.Trainer`` and ``DiffusionEnvironment``, times each ``trainer.train_step()`` by wall clock
 and splits it with instrumentation installed here (nothing in ``unirl/`` is changed):
 
 =============  ==========================================================================================
@@ -221,7 +221,7 @@ def build_trainer(config: str, overrides: list[str], run_dir: Path):
     from unirl.cli import load_run_config
     from unirl.config import config_to_dict
     from unirl.diffusion.env import DiffusionEnvironment
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
 
     cfg = load_run_config("diffusion", config, ["trainer.eval_every=0", "trainer.progress=false",
                                                 "trainer.save_every=0", *overrides], output_dir=str(run_dir))

@@ -8,7 +8,7 @@ The model is Qwen2.5-0.5B-shaped but random and 2 layers deep (hidden 896, 14 he
 heads, MLP 4864, vocabulary 151936, tied embeddings, float32), built from ``Qwen2Config``: nothing is
 downloaded. For each (N, R) and mode a fresh process builds it, makes N sequences of 64 prompt and R
 response tokens, and runs what the trainer runs for one micro-batch, ``unirl.text.logprobs.
-response_logprobs`` (the text environment's ``evaluate``) and the backward of the masked log-prob
+response_logprobs`` (the text environment's ``score_actions``) and the backward of the masked log-prob
 sum, once with ``chunk_size=None`` (full ``[N, P+R, V]`` logits, the path before issue 9) and once
 per chunk size. It prints the memory that call adds on top of the model and inputs: weight
 gradients (0.66 GB here: the 545 MB embedding/head and the two layers) plus activations and logits.

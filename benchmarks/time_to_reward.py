@@ -101,7 +101,7 @@ def train_one(task: str, method: str, seed: int, steps: int, eval_every: int, wo
     from unirl.config.environments import ENVIRONMENTS
     from unirl.config.environments import import_object as _import
     from unirl.config import config_to_dict
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
 
     config, overrides = METHODS[method]
     path = REPO / "configs" / "diffusion" / config.format(task=task)

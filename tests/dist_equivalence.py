@@ -34,7 +34,7 @@ def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path, 
     from unirl.config.environments import ENVIRONMENTS
     from unirl.config.environments import import_object as _import
     from unirl.config import config_to_dict
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
 
     common = [f"trainer.prompts_per_step={PROMPTS // world}", f"trainer.group_size={GROUP}",
               f"trainer.mini_batch_size={PROMPTS * GROUP // world}", f"trainer.micro_batch_size={MICRO}",
@@ -79,7 +79,7 @@ def local_share(rollout, rewards, rank: int, world: int):
 def run(batch_path: Path, work: Path, out_path: Path) -> None:
     from accelerate import PartialState
 
-    from unirl.distributed import cpu_processes
+    from unirl.trainer.distributed import cpu_processes
 
     state = PartialState(cpu=cpu_processes())  # as the Trainer's Accelerator will
     batches = torch.load(batch_path, weights_only=False)

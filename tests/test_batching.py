@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.batching import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
+from unirl.trainer.micro_batches import num_mini_batches, plan_micro_batches, scatter_rows, split_to_count
 
 
 def test_fixed_size_micro_batches_in_order():

@@ -86,10 +86,10 @@ def test_guidance_doubles_the_rows_and_the_first_update_has_ratio_one(tiny_sd3_d
     with torch.no_grad():
         for lo in range(0, n, 3):
             chunk = torch.arange(lo, min(lo + 3, n))
-            cur = env.evaluate(env.model, rollout.select(chunk))
-            assert torch.equal(cur["logp"], rollout.tensors["old_logp"][chunk])
-        whole = env.evaluate(env.model, rollout)
-    torch.testing.assert_close(whole["logp"], rollout.tensors["old_logp"], rtol=0, atol=1e-5)
+            cur = env.score_actions(env.model, rollout.select(chunk))
+            assert torch.equal(cur["logp"], rollout.old_logp[chunk])
+        whole = env.score_actions(env.model, rollout)
+    torch.testing.assert_close(whole["logp"], rollout.old_logp, rtol=0, atol=1e-5)
     env.close()
 
 

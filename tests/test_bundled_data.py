@@ -106,7 +106,7 @@ def test_generated_prompts_are_seeded_and_parameterised():
 
 
 def test_loaders_read_bundled_and_generated_sources():
-    from unirl.diffusion.env import load_prompt_rows
+    from unirl.diffusion.prompts import load_prompt_rows
     from unirl.text.data import load_rows
 
     rows = load_prompt_rows("unirl://ocr/test.txt", "test")

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from unirl import checkpoints
-from unirl.checkpoints import CheckpointError
-from unirl.state_files import load_state, save_state
+from unirl.trainer import checkpoints
+from unirl.trainer.checkpoints import CheckpointError
+from unirl.trainer.state_files import load_state, save_state
 
 
 class _Shadow:
@@ -52,7 +52,7 @@ class _Env:
 def _setup(lr: float = 1e-2, width: int = 4):
     from accelerate import Accelerator
 
-    from unirl.optim import build_optimizer, build_scheduler
+    from unirl.trainer.optim import build_optimizer, build_scheduler
     from unirl.config.schema import OptimConfig
 
     acc = Accelerator(cpu=True)

@@ -15,6 +15,8 @@ from collections import defaultdict
 import pytest
 import torch
 
+from unirl.config.schema import AlgoConfig
+
 from unirl.core import (
     ADVANTAGE_ESTIMATORS,
     AGG_MODES,
@@ -521,8 +523,8 @@ def test_dual_clip_by_hand():
     # Without dual clip t0 contributes 5: (5 + 2 - 1.2) / 3.
     loss, _ = clipped_policy_loss(logp, old, adv, mask)
     close(loss, (5.0 + 2.0 - 1.2) / 3)
-    with pytest.raises(ValueError, match="dual_clip must be None or > 1"):
-        clipped_policy_loss(logp, old, adv, mask, dual_clip=1.0)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):  # checked once, where the config loads
+        AlgoConfig(dual_clip=1.0)
 
 
 def test_policy_loss_metrics_by_hand():
@@ -791,10 +793,10 @@ def test_policy_loss_bad_inputs():
         clipped_policy_loss(logp, old, torch.zeros(3), mask)
     with pytest.raises(ValueError, match=r"weights \(1, 2\)"):
         clipped_policy_loss(logp, old, adv, mask, weights=torch.ones(1, 2))
-    with pytest.raises(ValueError, match="clip_low"):
-        clipped_policy_loss(logp, old, adv, mask, clip_low=1.0)
+    with pytest.raises(ValueError, match="clip_low"):  # the ranges are checked once, where the config loads
+        AlgoConfig(clip_low=1.0)
     with pytest.raises(ValueError, match="clip_high"):
-        clipped_policy_loss(logp, old, adv, mask, clip_high=-0.1)
+        AlgoConfig(clip_high=-0.1)
     with pytest.raises(ValueError, match="level.*'token'.*'sequence'.*'seq'"):
         clipped_policy_loss(logp, old, adv, mask, level="seq")
     with pytest.raises(ValueError, match="agg.*'token-mean'.*'seq-mean-token-sum-norm'"):

@@ -10,7 +10,8 @@ import torch
 
 from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
+from unirl.diffusion.ema import ParamEMA
+from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.sampling import sigma_schedule, trained_steps
 from unirl.diffusion.window import window_bounds, window_mask
 from unirl.diffusion.tiny.sd3 import build_tiny_sd3
@@ -57,9 +58,9 @@ def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_di
     env = make_env(tiny_sd3_dir, *overrides)
     perturb_lora(env)  # a non-trivial policy, as after some training
     rollout = env.rollout(env.next_prompts(0), group_size=4)
-    old = rollout.tensors["old_logp"]  # [N, T]
+    old = rollout.old_logp  # [N, T]
     with torch.no_grad():
-        cur = env.evaluate(env.model, rollout)
+        cur = env.score_actions(env.model, rollout)
     assert cur["logp"].shape == old.shape == env.loss_mask(rollout).shape
     assert torch.equal(cur["logp"], old)  # ratio exactly 1 for every trained step
     assert torch.equal(torch.exp(cur["logp"] - old), torch.ones_like(old))
@@ -69,15 +70,15 @@ def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_di
     computed = rollout.select(whole)
     del computed.tensors["step_index"]
     with torch.no_grad():
-        assert torch.equal(env.evaluate(env.model, computed)["logp"], old)
+        assert torch.equal(env.score_actions(env.model, computed)["logp"], old)
     edited = rollout.select(whole)
     edited.tensors["sigma"] = edited.tensors["sigma"] * 0.99
     with pytest.raises(ValueError, match="not the training schedule's sigmas at its step_index"):
-        env.evaluate(env.model, edited)
+        env.score_actions(env.model, edited)
     # A shuffled sub-batch (the loop's micro-batches) re-scores the same steps to float precision.
     idx = torch.tensor([5, 0, 3])
     with torch.no_grad():
-        sub = env.evaluate(env.model, rollout.select(idx))
+        sub = env.score_actions(env.model, rollout.select(idx))
     torch.testing.assert_close(sub["logp"], old[idx], rtol=0, atol=1e-5)
     env.close()
 
@@ -149,13 +150,13 @@ def test_kl_is_zero_for_the_reference_and_matches_the_closed_form(tiny_sd3_dir):
     rollout = env.rollout(env.next_prompts(0), group_size=4)
     with torch.no_grad():
         with env.reference_model() as ref:
-            ref_out = env.evaluate(ref, rollout)
-        cur = env.evaluate(env.model, rollout)  # LoRA B starts at 0: the policy is the reference
+            ref_out = env.score_actions(ref, rollout)
+        cur = env.score_actions(env.model, rollout)  # LoRA B starts at 0: the policy is the reference
         assert torch.equal(env.kl(cur, ref_out), torch.zeros_like(cur["logp"]))
         perturb_lora(env)
-        cur = env.evaluate(env.model, rollout)
+        cur = env.score_actions(env.model, rollout)
         with env.reference_model() as ref:  # the adapter is disabled inside, so ref is unchanged
-            torch.testing.assert_close(env.evaluate(ref, rollout)["mean"], ref_out["mean"], rtol=0, atol=0)
+            torch.testing.assert_close(env.score_actions(ref, rollout)["mean"], ref_out["mean"], rtol=0, atol=0)
     kl = env.kl(cur, ref_out)  # [N, T], kl_form flowgrpo (the default)
     # FlowGRPO: ((mean - ref_mean)^2).mean(dims) / (2 std_dev_t^2), std_dev_t = 0.7 sqrt(sigma / (1 - sigma))
     # (the next sigma in the denominator at sigma 1), one step and one sample at a time.
@@ -177,7 +178,7 @@ def test_gradient_of_the_rescored_log_prob_reaches_only_the_lora_weights(tiny_sd
     env = make_env(tiny_sd3_dir)
     perturb_lora(env)
     rollout = env.rollout(env.next_prompts(0), group_size=4)
-    env.evaluate(env.model, rollout)["logp"].sum().backward()
+    env.score_actions(env.model, rollout)["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     # The last block is context_pre_only (SD3): its text-stream output is discarded, so the text

@@ -21,9 +21,9 @@ import torch
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.core import nonconstant_groups
-from unirl.dynamic_sampling import SamplingExhausted
+from unirl.trainer.dynamic_sampling import SamplingExhausted
 from unirl.env import Rollout, concat_rollouts
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.config.schema import FilterGroupsConfig
 from unirl.text.env import TextEnvironment
 
@@ -195,7 +195,7 @@ def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny
     during it stops the run after the batch in progress, saving the state, as after a finished step."""
     import signal
 
-    from unirl.preemption import Preempted
+    from unirl.trainer.preemption import Preempted
 
     cfg = load_run_config("text", "tiny", [*CONSTANT_ARGS, _constant_reward(tmp_path), "trainer.total_steps=3",
                                            "algo.filter_groups.max_num_gen_batches=0"], output_dir=str(tmp_path / "run"))

@@ -10,7 +10,7 @@ import torch
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.core import aggregate, entropy_from_logits
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 from unirl.text.logprobs import token_logprobs
 
@@ -62,11 +62,11 @@ def test_update_logs_entropy_with_entropy_coef_zero(tmp_path, tiny_lm_dir):
         trainer.advantages(rollout, rewards)
         trainer.old_and_reference(rollout)  # no-grad pass: no entropy computed there
         with torch.no_grad():
-            assert "entropy" not in env.evaluate(env.model, rollout)  # no-grad passes and entropy_coef 0: not computed
+            assert "entropy" not in env.score_actions(env.model, rollout)  # no-grad passes and entropy_coef 0: not computed
         # The expected value from the full logits, before the update changes the weights.
         env.cfg.model.logprob_chunk_size, env.cfg.algo.entropy_coef = None, 1.0  # only to have the full path's entropy
         with torch.no_grad():
-            full = env.evaluate(env.model, rollout)
+            full = env.score_actions(env.model, rollout)
         env.cfg.model.logprob_chunk_size, env.cfg.algo.entropy_coef = 5, 0.0
         expected = aggregate(full["entropy"], full["mask"], "token-mean")
         metrics = trainer.update(rollout)

@@ -17,7 +17,7 @@ import torch
 from unirl.config import ConfigError, load_config
 from unirl.diffusion import families
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.env import load_prompt_rows
+from unirl.diffusion.prompts import load_prompt_rows
 from unirl.diffusion.families import FAMILIES, ModelFamily
 from unirl.diffusion.sampling import guided_velocity
 from unirl.diffusion.tiny import build_toy

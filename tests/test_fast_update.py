@@ -16,7 +16,8 @@ import torch
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.env import Rollout
-from unirl.loop import Trainer
+from unirl.trainer.logprobs import rollout_metrics, score_all
+from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 
 
@@ -35,13 +36,13 @@ def _trainer(tmp_path, name: str, *overrides: str) -> Trainer:
 def _update_with_grads(trainer: Trainer, rollout: Rollout) -> tuple[dict, list[torch.Tensor]]:
     """``update``, keeping a copy of the accumulated gradient at its (single) optimizer step."""
     grads: list[list[torch.Tensor]] = []
-    step = trainer._optimizer_step
+    step = trainer.optimizer_step
 
     def recording_step():
         grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
         return step()
 
-    trainer._optimizer_step = recording_step
+    trainer.optimizer_step = recording_step
     metrics = trainer.update(rollout)
     assert len(grads) == 1
     return metrics, grads[0]
@@ -70,27 +71,27 @@ def test_on_policy_update_takes_old_logprobs_from_its_first_forward(tmp_path, ti
         rollout = _scored_rollout(skipped)
         # An engine that disagrees with the trainer, so the TIS weights min(exp(old - engine), 1.5)
         # vary per token and depend on the old log-probs.
-        noise = 0.5 * torch.randn(rollout.tensors["engine_logp"].shape, generator=torch.Generator().manual_seed(0))
-        rollout.tensors["engine_logp"] = (rollout.tensors["engine_logp"] + noise) * rollout.tensors["response_mask"]
+        noise = 0.5 * torch.randn(rollout.engine_logp.shape, generator=torch.Generator().manual_seed(0))
+        rollout.engine_logp = (rollout.engine_logp + noise) * rollout.tensors["response_mask"]
         by_hand = copy.deepcopy(rollout)
 
         # The skipped path: old_and_reference leaves the old log-probs to the update.
         assert skipped.old_and_reference(rollout) == {}
-        assert "old_logp" not in rollout.tensors
-        assert ("ref/logp" in rollout.tensors) == (kl > 0)  # the reference still has its own pass
+        assert rollout.old_logp is None
+        assert ("logp" in rollout.ref) == (kl > 0)  # the reference still has its own pass
         m_skip, g_skip = _update_with_grads(skipped, rollout)
 
         # The separate pass, by hand, on the same weights and batch.
         with torch.no_grad():
-            by_hand.tensors["old_logp"] = separate._evaluate_all(separate.env.model, by_hand)["logp"]
-        m_rollout = separate._rollout_metrics(by_hand)
+            by_hand.old_logp = score_all(separate, separate.env.model, by_hand)["logp"]
+        m_rollout = rollout_metrics(separate, by_hand)
         if kl > 0:
             with separate.env.reference_model() as ref, torch.no_grad():
-                by_hand.tensors["ref/logp"] = separate._evaluate_all(ref, by_hand)["logp"]
+                by_hand.ref["logp"] = score_all(separate, ref, by_hand)["logp"]
         m_sep, g_sep = _update_with_grads(separate, by_hand)
 
         mask = rollout.tensors["response_mask"].bool()
-        torch.testing.assert_close(rollout.tensors["old_logp"][mask], by_hand.tensors["old_logp"][mask],
+        torch.testing.assert_close(rollout.old_logp[mask], by_hand.old_logp[mask],
                                    rtol=1e-5, atol=1e-5)
         assert max(g.abs().max().item() for g in g_sep) > 1e-4
         for a, b in zip(g_skip, g_sep):
@@ -111,11 +112,11 @@ def test_off_policy_update_keeps_the_separate_pass(tmp_path, tiny_lm_dir):
     try:
         rollout = _scored_rollout(trainer)
         metrics = trainer.old_and_reference(rollout)
-        assert "old_logp" in rollout.tensors and "rollout/logprob_diff_max" in metrics
-        old = rollout.tensors.pop("old_logp")
+        assert rollout.old_logp is not None and "rollout/logprob_diff_max" in metrics
+        old, rollout.old_logp = rollout.old_logp, None
         with pytest.raises(RuntimeError, match="old_and_reference"):
             trainer.update(rollout)  # two epochs: the first forward of the second is not on-policy
-        rollout.tensors["old_logp"] = old
+        rollout.old_logp = old
         assert "rollout/logprob_diff_max" not in trainer.update(rollout)
     finally:
         trainer.env.close()
@@ -131,7 +132,7 @@ def test_token_budget_micro_batches_give_the_padded_update(tmp_path, tiny_lm_dir
         rollout = _scored_rollout(padded)
         lengths = rollout.tensors["response_mask"].sum(-1)
         assert lengths.min() < lengths.max(), "need responses of different lengths"
-        chunks = packed._micro_batches(rollout)
+        chunks = packed.micro_batches(rollout)
         widths = {int(packed.env.trim_padding(rollout.select(c)).tensors["response_ids"].shape[1]) for c in chunks}
         assert len(chunks) > 1 and len(widths) > 1  # several micro-batches, padded to different widths
         tokens = packed.env.sample_tokens(rollout)
@@ -143,7 +144,7 @@ def test_token_budget_micro_batches_give_the_padded_update(tmp_path, tiny_lm_dir
         packed.old_and_reference(other)
         if kl:  # the reference pass by token budget too, padded back to the full width
             mask = rollout.tensors["response_mask"].bool()  # (beyond it: zeros here, pad-token values there)
-            torch.testing.assert_close(other.tensors["ref/logp"][mask], rollout.tensors["ref/logp"][mask],
+            torch.testing.assert_close(other.ref["logp"][mask], rollout.ref["logp"][mask],
                                        rtol=1e-5, atol=1e-5)
         m_pad, g_pad = _update_with_grads(padded, rollout)
         m_pack, g_pack = _update_with_grads(packed, other)
@@ -167,6 +168,6 @@ def test_token_budget_packs_longest_first(tmp_path, tiny_lm_dir):
                         group_ids=torch.zeros(6, dtype=torch.long), prompts=[""] * 6, samples=[""] * 6)
         # Sorted: 9 (1), 9 (3), 5 (0), 4 (5), 3 (2), 2 (4). [1, 3]: 2 x 9 = 18; + 0 would be 27.
         # [0, 5, 2]: 3 x 5 = 15; + 4 would be 20. [4] alone.
-        assert [c.tolist() for c in trainer._micro_batches(batch)] == [[1, 3], [0, 5, 2], [4]]
+        assert [c.tolist() for c in trainer.micro_batches(batch)] == [[1, 3], [0, 5, 2], [4]]
     finally:
         trainer.env.close()

@@ -135,17 +135,17 @@ def test_first_update_is_exactly_on_policy(tiny_flux_dir, overrides):
     env = make_env(*overrides)
     perturb_lora(env)
     rollout = env.rollout(env.next_prompts(0), group_size=4)
-    old = rollout.tensors["old_logp"]  # [N, T]
+    old = rollout.old_logp  # [N, T]
     assert rollout.tensors["latents"].shape[2:] == (64, 16)  # packed tokens
     with torch.no_grad():
-        cur = env.evaluate(env.model, rollout)
+        cur = env.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
     # One trained step at a time (the loop's column slices) gives the same log-probs.
     with torch.no_grad():
-        pieces = [env.evaluate(env.model, rollout, cols)["logp"] for cols in env.column_slices(rollout)]
+        pieces = [env.score_actions(env.model, rollout, cols)["logp"] for cols in env.column_slices(rollout)]
     torch.testing.assert_close(torch.cat(pieces, 1), old, rtol=0, atol=1e-6)
     # The gradient reaches only the LoRA weights, and some of them.
-    env.evaluate(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0
@@ -157,10 +157,10 @@ def test_reference_is_the_adapter_disabled_and_kl_is_zero_before_training(tiny_f
     rollout = env.rollout(env.next_prompts(0), group_size=4)
     with torch.no_grad():
         with env.reference_model() as ref:
-            ref_out = env.evaluate(ref, rollout)
-        assert torch.equal(env.kl(env.evaluate(env.model, rollout), ref_out), torch.zeros_like(ref_out["logp"]))
+            ref_out = env.score_actions(ref, rollout)
+        assert torch.equal(env.kl(env.score_actions(env.model, rollout), ref_out), torch.zeros_like(ref_out["logp"]))
         perturb_lora(env)
-        assert bool((env.kl(env.evaluate(env.model, rollout), ref_out) > 0).all())
+        assert bool((env.kl(env.score_actions(env.model, rollout), ref_out) > 0).all())
     env.close()
 
 

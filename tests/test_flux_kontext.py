@@ -133,11 +133,11 @@ def test_first_update_is_exactly_on_policy(tiny_dir, overrides):
     assert rollout.tensors["image_latents"].shape == (8, 64, 16)  # each row's input, repeated for its group
     assert rollout.columns["image"] == [row["image"] for row in rows for _ in range(4)]  # the reward's input paths
     assert all(Path(p).is_absolute() and Path(p).is_file() for p in rollout.columns["image"])
-    old = rollout.tensors["old_logp"]
+    old = rollout.old_logp
     with torch.no_grad():
-        cur = env.evaluate(env.model, rollout)
+        cur = env.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
-    env.evaluate(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0
@@ -186,7 +186,7 @@ def test_evaluation_samples_each_rows_input(tiny_dir, tmp_path):
 def test_the_tiny_config_names_an_image_per_row():
     cfg = load_config(DiffusionConfig, CONFIGS / "tiny_kontext.yaml")
     assert cfg.model.family == "flux_kontext" and cfg.sampling.guidance_scale == 1.0
-    from unirl.diffusion.env import load_prompt_rows
+    from unirl.diffusion.prompts import load_prompt_rows
 
     rows = load_prompt_rows(str(CONFIGS / "tiny_kontext_test.jsonl"), "test", image=True)
     assert len(rows) == 8 and all(Path(r["image"]).is_file() for r in rows)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from unirl.rewards.geneval import GenEval, Detection, Rules, check, iou, kept_detections, relations
-from unirl.diffusion.env import load_prompt_rows
+from unirl.diffusion.prompts import load_prompt_rows
 
 
 class Scene:

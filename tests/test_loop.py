@@ -13,7 +13,7 @@ import torch
 
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 
 
@@ -21,13 +21,13 @@ def _record_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
     """Keep a copy of the accumulated gradients at every optimizer step (Adam's update would hide
     a wrong overall scale, the gradient does not)."""
     grads: list[list[torch.Tensor]] = []
-    step = trainer._optimizer_step
+    step = trainer.optimizer_step
 
     def recording_step():
         grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
         return step()
 
-    trainer._optimizer_step = recording_step
+    trainer.optimizer_step = recording_step
     return grads
 
 
@@ -138,13 +138,14 @@ def test_old_logprobs_keep_the_rollout_width_when_the_widest_response_ends_maske
         for name, value in list(t.items()):  # two masked columns past every response: R grows, nothing real does
             if value.ndim == 2 and value.shape[1] == width:
                 t[name] = torch.nn.functional.pad(value, (0, 2))
+        rollout.engine_logp = torch.nn.functional.pad(rollout.engine_logp, (0, 2))  # the sampler's, a typed field
         rewards, _ = trainer.env.score(rollout)
         metrics = {}
         trainer.advantages(rollout, rewards)
         metrics.update(trainer.old_and_reference(rollout))
         metrics.update(trainer.update(rollout))
-        assert rollout.tensors["old_logp"].shape == rollout.tensors["engine_logp"].shape == (len(rollout), width + 2)
+        assert rollout.old_logp.shape == rollout.engine_logp.shape == (len(rollout), width + 2)
         assert metrics["rollout/logprob_diff_max"] < 1e-3  # the figures the crash was in, computed
-        assert rollout.tensors["old_logp"][:, width:].abs().sum() == 0
+        assert rollout.old_logp[:, width:].abs().sum() == 0
     finally:
         trainer.env.close()

@@ -1,4 +1,4 @@
-"""LR schedules (unirl/optim.py): values by hand, verl's cosine re-typed, the config checks, and the
+"""LR schedules (unirl/trainer/optim.py): values by hand, verl's cosine re-typed, the config checks, and the
 schedule continuing where it stopped after a resume (a real CLI run on the tiny model)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.optim import build_scheduler, lr_factor
+from unirl.trainer.optim import build_scheduler, lr_factor
 from unirl.config.schema import OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]

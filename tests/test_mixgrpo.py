@@ -234,6 +234,6 @@ def test_a_compressed_rollout_runs_fewer_steps_and_stays_on_policy(tiny_sd3_dir)
     assert kept_steps(6, 3, 0.5) == [0, 1, 2, 3, 6]
     assert metrics["rollout/transformer_calls"] == 2 * 1 + 8 * (2 + 1)
     with torch.no_grad():
-        cur = env.evaluate(env.model, rollout)
-    assert torch.equal(cur["logp"], rollout.tensors["old_logp"])
+        cur = env.score_actions(env.model, rollout)
+    assert torch.equal(cur["logp"], rollout.old_logp)
     env.close()

@@ -106,7 +106,7 @@ def test_packed_and_padded_agree_on_rows_with_holes_and_holes_are_attended(tmp_p
         results = []
         for share in (True, False):
             env.cfg.model.share_prompt = share
-            out = env.evaluate(model, rollout)
+            out = env.score_actions(model, rollout)
             ((w * out["logp"] - out["entropy"]) * mask).sum().backward()
             results.append((out, _grads(model)))
         (packed, g_packed), (padded, g_padded) = results
@@ -126,8 +126,8 @@ def test_packed_and_padded_agree_on_rows_with_holes_and_holes_are_attended(tmp_p
         for share in (True, False):
             env.cfg.model.share_prompt = share
             with torch.no_grad():
-                before = env.evaluate(model, rollout)["logp"][row, hole + 1]
-                after = env.evaluate(model, dataclasses.replace(rollout, tensors=changed))["logp"][row, hole + 1]
+                before = env.score_actions(model, rollout)["logp"][row, hole + 1]
+                after = env.score_actions(model, dataclasses.replace(rollout, tensors=changed))["logp"][row, hole + 1]
             assert not torch.equal(before, after)
     finally:
         env.close()

@@ -10,7 +10,8 @@ import torch
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.core import overlong_penalty
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
+from unirl.trainer.update import micro_loss, mini_denominator
 from unirl.text.env import TextEnvironment
 
 
@@ -52,7 +53,7 @@ def _trainer(tmp_path, *overrides) -> Trainer:
 
 def _loss_and_grads(trainer: Trainer, batch):
     model = trainer.env.model
-    loss, _, _ = trainer._micro_loss(model, trainer.env.trim_padding(batch), trainer._mini_denominator(batch))
+    loss, _, _ = micro_loss(trainer, model, trainer.env.trim_padding(batch), mini_denominator(trainer, batch))
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)

@@ -196,7 +196,7 @@ def test_text_env_packs_its_own_rollout_as_the_padded_rows(tmp_path, tiny_lm_dir
         results = []
         for share in (True, False):
             env.cfg.model.share_prompt = share
-            out = env.evaluate(model, rollout)
+            out = env.score_actions(model, rollout)
             ((w * out["logp"] - out["entropy"]) * mask).sum().backward()
             results.append((out, _grads(model)))
         (packed, g_packed), (padded, g_padded) = results
@@ -215,7 +215,7 @@ def test_text_env_packs_its_own_rollout_as_the_padded_rows(tmp_path, tiny_lm_dir
 def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
     """Through the loop: the same rollout, advantages and weights give the same update either way."""
     from unirl.config import config_to_dict
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
     from unirl.text.env import TextEnvironment
     from unirl.cli import load_run_config
 
@@ -240,13 +240,13 @@ def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
         metrics, grads = [], []
         for trainer, batch in ((packed, rollout), (padded, other)):
             trainer.old_and_reference(batch)
-            step = trainer._optimizer_step
+            step = trainer.optimizer_step
 
             def recording_step(trainer=trainer, step=step):  # the summed gradient at the optimizer step
                 grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
                 return step()
 
-            trainer._optimizer_step = recording_step
+            trainer.optimizer_step = recording_step
             metrics.append(trainer.update(batch))
         for key in ("loss/policy", "loss/kl", "loss/total", "actor/grad_norm"):
             assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-6), key

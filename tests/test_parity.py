@@ -25,10 +25,10 @@ from unirl.cli import load_run_config
 from unirl.config import ConfigError, config_to_dict, load_config
 from unirl.core import aggregate, clipped_policy_loss, compute_advantages, group_advantages
 from unirl.diffusion.config import DiffusionConfig
-from unirl.diffusion.env import ParamEMA
+from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.sampling import trained_steps
 from unirl.diffusion.sde import sde_step_with_logprob, step_kl
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.config.schema import AlgoConfig, TrainerConfig
 from unirl.text.config import TextConfig
 from unirl.text.env import TextEnvironment
@@ -195,7 +195,7 @@ def test_loop_gives_reinforce_pp_baseline_the_response_mask(text_trainer):
         trainer.algo.adv_estimator = "grpo"
     mask = rollout.tensors["response_mask"].numpy()
     expected = _verl_rf_pp_baseline(rewards.double().numpy(), rollout.group_ids.tolist(), mask)
-    np.testing.assert_allclose(rollout.tensors["advantages"].double().numpy(), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(rollout.advantages.double().numpy(), expected, rtol=0, atol=1e-5)
 
 
 def _flowgrpo_ema(params_per_step: list[float], decay: float, interval: int) -> float:
@@ -287,7 +287,7 @@ def test_drop_zero_adv_keeps_what_flowgrpo_keeps(tmp_path, seed):
     assert metrics["adv/dropped_frac"] == pytest.approx(1 - flow_count / n)
     # Under token-mean the policy term is then the mean over the kept samples only, as FlowGRPO's.
     logp = torch.zeros(len(kept), 5, dtype=torch.float64)
-    loss, _ = clipped_policy_loss(logp, logp, kept.tensors["advantages"], torch.ones(len(kept), 5, dtype=torch.bool))
+    loss, _ = clipped_policy_loss(logp, logp, kept.advantages, torch.ones(len(kept), 5, dtype=torch.bool))
     torch.testing.assert_close(loss, -adv[kept.tensors["row"]].mean())
 
 

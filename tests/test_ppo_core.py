@@ -1,4 +1,4 @@
-"""PPO's math in unirl.core and unirl.kl_control: rewards on tokens, the KL penalty in the reward and
+"""PPO's math in unirl.core and unirl.trainer.kl_control: rewards on tokens, the KL penalty in the reward and
 its controllers, GAE, REINFORCE++'s returns and the clipped value loss.
 
 Each is checked against the reference's formula re-typed here as plain Python loops over floats
@@ -17,7 +17,7 @@ import torch
 
 from unirl.core import (compute_advantages, discounted_returns, estimate_advantages, explained_variance,
                         gae_advantages, kl_penalized_rewards, token_scores, value_loss)
-from unirl.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
+from unirl.trainer.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
 
 F64 = torch.float64
 SEEDS = range(5)

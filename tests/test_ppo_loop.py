@@ -11,7 +11,7 @@ import torch
 
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 
 SMALL = ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.prompts_per_step=8", "trainer.mini_batch_size=4",

@@ -40,7 +40,7 @@ def model_dir() -> Path:
 def run(model_dir, tmp_path_factory):
     """Two GRPO steps of the shipped config on the real model, through the CLI's own pieces."""
     from unirl.cli import load_run_config
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
     from unirl.text.env import TextEnvironment
 
     out = tmp_path_factory.mktemp("smollm2") / "run"

@@ -16,7 +16,7 @@ import torch
 
 from unirl.config import CONFIGS_ROOT, load_config
 from unirl.core import clipped_policy_loss, compute_advantages
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.config.schema import AlgoConfig, RewardConfig, TrainerConfig
 from unirl.reward_set import RewardSet
 from unirl.text.config import TextConfig

@@ -15,7 +15,7 @@ import pytest
 from unirl.rewards.registry import RewardError
 from unirl.cli import load_run_config
 from unirl.config import config_to_dict
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 
 SMALL = ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.prompts_per_step=2", "trainer.group_size=4",
@@ -57,7 +57,7 @@ def test_non_finite_values_stop_the_run_with_one_line_and_keep_the_last_good_che
     ~1e30, and from step 2 the values, the advantages and the losses are NaN or inf. Two such steps
     (trainer.max_nonfinite_steps=2) stop the run naming the figure; no checkpoint is written from the
     first non-finite step on."""
-    from unirl.nonfinite import NonFiniteError
+    from unirl.trainer.nonfinite import NonFiniteError
 
     cfg = load_run_config("text", "tiny_ppo", [*PPO_SMALL, "critic.optim.lr=1e30", "trainer.total_steps=6",
                                                "trainer.save_every=1", "trainer.keep_checkpoints=null",

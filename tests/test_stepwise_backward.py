@@ -15,7 +15,8 @@ from unirl.cli import load_run_config
 from unirl.config import config_to_dict
 from unirl.core import AGG_MODES
 from unirl.diffusion.env import DiffusionEnvironment
-from unirl.loop import Trainer
+from unirl.trainer.loop import Trainer
+from unirl.trainer.update import micro_backward, mini_denominator
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def _grads(trainer, rollout, agg: str, whole: bool):
         env.column_slices = lambda batch: [slice(None)]
     try:
         trainer.optimizer.zero_grad(set_to_none=True)
-        denominator = trainer._mini_denominator(rollout)
-        metrics = trainer._micro_backward(env.model, rollout, denominator, sync=True)
+        denominator = mini_denominator(trainer, rollout)
+        metrics = micro_backward(trainer, env.model, rollout, denominator, sync=True)
         grads = [p.grad.detach().clone() for p in env.model.parameters() if p.requires_grad]
     finally:
         env.__dict__.pop("column_slices", None)
@@ -56,7 +57,7 @@ def _grads(trainer, rollout, agg: str, whole: bool):
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_stepwise_backward_gives_the_whole_gradient(trainer_and_batch, agg):
     trainer, rollout = trainer_and_batch
-    assert len(trainer.env.column_slices(rollout)) == rollout.tensors["old_logp"].shape[1] == 8
+    assert len(trainer.env.column_slices(rollout)) == rollout.old_logp.shape[1] == 8
     stepwise, m_steps = _grads(trainer, rollout, agg, whole=False)
     whole, m_whole = _grads(trainer, rollout, agg, whole=True)
     assert m_whole["loss/kl"] > 0 and abs(m_whole["actor/ratio_max"] - 1) > 1e-6  # off-policy, off-reference

@@ -28,9 +28,9 @@ def env(tiny_lm_dir):
 
 def _max_gap(env, rollout, model) -> float:
     with torch.no_grad():
-        trainer = env.evaluate(model, rollout)
+        trainer = env.score_actions(model, rollout)
     mask = rollout.tensors["response_mask"].bool()
-    return (trainer["logp"] - rollout.tensors["engine_logp"]).abs()[mask].max().item()
+    return (trainer["logp"] - rollout.engine_logp).abs()[mask].max().item()
 
 
 def test_generation_logprobs_match_trainer(env):

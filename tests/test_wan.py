@@ -139,13 +139,13 @@ def test_first_update_is_exactly_on_policy(tiny_wan_dir, overrides):
     env = make_env(*overrides)
     perturb_lora(env)
     rollout = env.rollout(env.next_prompts(0), group_size=4)
-    old = rollout.tensors["old_logp"]  # [N, T]
+    old = rollout.old_logp  # [N, T]
     assert rollout.tensors["latents"].shape[2:] == (16, 2, 4, 4)  # a frame axis in the latent
     assert len(rollout.samples[0]) == 5 and rollout.samples[0][0].size == (32, 32)  # 5 frames per video
     with torch.no_grad():
-        cur = env.evaluate(env.model, rollout)
+        cur = env.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
-    env.evaluate(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0

@@ -5,7 +5,7 @@ N = B*G samples, T tokens (text) or trained denoising steps (diffusion).
 
 The loop owns the algorithm (advantages, old/reference log-probs, clipped update, KL penalty,
 optimizer, logging, checkpoints); the environment owns everything modality-specific: how to
-sample, how to score, and how to evaluate the log-probability of stored actions under a model.
+sample, how to reward, and how to compute the log-probability of stored actions under a model.
 """
 
 from __future__ import annotations
@@ -14,42 +14,94 @@ import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 
+#: The loop's own per-sample tensors on ``Rollout`` (each None until its stage writes it).
+LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp")
+
+
 @dataclass
 class Rollout:
-    """N sampled trajectories and everything needed to re-evaluate them.
+    """N sampled trajectories: what the loop's stages write (typed fields) and what the environment
+    needs to score them again (``tensors``, its extras). torchtune's ``Trajectory``
+    (``torchtune/rlhf/_types.py``) is the model.
 
-    ``tensors`` hold per-sample data with leading dimension N (token ids, masks, latents,
-    log-probs ...); ``samples`` are what the reward sees (strings or PIL images); ``columns``
-    carry the dataset's fields, one entry per sample, passed to rewards as keyword arguments.
+    Written by the environment at rollout:
+
+    * ``group_ids`` [N] long: samples with the same id answer the same prompt;
+    * ``prompts`` [N], ``samples`` [N] (what the reward sees: strings or PIL images), ``columns``
+      (the dataset's fields, name -> [N], passed to rewards as keyword arguments);
+    * ``tensors``: the environment's extras, name -> [N, ...] (text: token ids and masks; diffusion:
+      latents, sigmas, conditioning; ``score/<name>`` [N]: each reward's scores, for global figures);
+    * ``engine_logp`` [N, T]: the sampler's log-probs when it is not the trainer (text's engine);
+    * ``old_logp`` [N, T]: the old policy's log-probs, when the sampler's are the policy's own
+      (diffusion); otherwise the loop's ``old_logprobs`` stage writes them.
+
+    Written by the loop (``unirl.trainer``):
+
+    * ``rewards`` [N]; ``advantages`` [N] (one per sample) or [N, T] (per token);
+    * ``values`` [N, T] (the critic's) and ``returns`` [N, T] (its target), with a critic;
+    * ``old`` and ``ref``: the old policy's and the reference's ``Environment.score_actions`` outputs,
+      name -> [N, T] (``logp``, diffusion's ``mean`` ...), for the KL in the reward and in the loss.
+
+    ``cache`` holds what an environment derives from this batch and reuses between its pieces (e.g.
+    device copies scored one column at a time); never selected or copied: ``select`` and
+    ``map_tensors`` start an empty one (not an __init__ argument).
     """
 
     tensors: dict[str, torch.Tensor]
-    group_ids: torch.Tensor  # [N] long: samples with the same id answer the same prompt
+    group_ids: torch.Tensor  # [N] long
     prompts: list[str]  # [N]
     samples: list[Any]  # [N]
     columns: dict[str, list] = field(default_factory=dict)  # name -> [N]
-    # What an environment derives from this batch and reuses between its pieces (e.g. device copies
-    # scored one column at a time); never selected or copied: ``select`` and ``dataclasses.replace``
-    # start an empty one (not an __init__ argument).
+    rewards: torch.Tensor | None = None  # [N]
+    advantages: torch.Tensor | None = None  # [N] or [N, T]
+    returns: torch.Tensor | None = None  # [N, T]
+    values: torch.Tensor | None = None  # [N, T]
+    old_logp: torch.Tensor | None = None  # [N, T]
+    engine_logp: torch.Tensor | None = None  # [N, T]
+    old: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]
     cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every per-sample tensor with its name: the extras by theirs, the loop's fields by the field's,
+        ``old`` and ``ref`` outputs as ``old/<name>`` and ``ref/<name>``."""
+        yield from self.tensors.items()
+        for name in LOOP_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                yield name, value
+        for prefix in ("old", "ref"):
+            for name, value in getattr(self, prefix).items():
+                yield f"{prefix}/{name}", value
+
+    def map_tensors(self, fn: Callable[[str, torch.Tensor], torch.Tensor], **lists) -> "Rollout":
+        """A rollout with ``fn(name, tensor)`` for every per-sample tensor (names as ``named_tensors``);
+        ``lists`` replace ``group_ids``, ``prompts``, ``samples`` or ``columns``."""
+        fields = {name: fn(name, value) for name, value in self.named_tensors()}
+        old = {k[len("old/"):]: v for k, v in fields.items() if k.startswith("old/")}
+        ref = {k[len("ref/"):]: v for k, v in fields.items() if k.startswith("ref/")}
+        kwargs = dict(tensors={k: fields[k] for k in self.tensors}, group_ids=self.group_ids, prompts=self.prompts,
+                      samples=self.samples, columns=self.columns, old=old, ref=ref,
+                      **{name: fields.get(name) for name in LOOP_FIELDS})
+        return Rollout(**{**kwargs, **lists})
 
     def select(self, index: torch.Tensor | Sequence[int]) -> "Rollout":
         """Sub-batch by sample indices (used for mini- and micro-batches)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         ids = idx.tolist()
         if ids == list(range(len(self))):  # all of it, in order (one micro-batch): the same tensors, no copy
-            return Rollout(tensors=dict(self.tensors), group_ids=self.group_ids, prompts=list(self.prompts),
-                           samples=list(self.samples), columns={k: list(v) for k, v in self.columns.items()})
-        return Rollout(
-            tensors={k: v[idx.to(v.device)] for k, v in self.tensors.items()},
+            return self.map_tensors(lambda name, v: v, prompts=list(self.prompts), samples=list(self.samples),
+                                    columns={k: list(v) for k, v in self.columns.items()})
+        return self.map_tensors(
+            lambda name, v: v[idx.to(v.device)],
             group_ids=self.group_ids[idx.to(self.group_ids.device)],
             prompts=[self.prompts[i] for i in ids],
             samples=[self.samples[i] for i in ids],
@@ -66,34 +118,36 @@ def concat_rollouts(parts: Sequence[Rollout], left_padded: Sequence[str] = ()) -
     are offset so the parts' groups stay apart."""
     if not parts:
         raise ValueError("concat_rollouts: no rollouts to join")
-    tensors = {}
-    for name in parts[0].tensors:
-        values = [p.tensors[name] for p in parts]
+    named = [dict(p.named_tensors()) for p in parts]
+
+    def joined(name: str, _) -> torch.Tensor:
+        values = [n[name] for n in named]
         if values[0].ndim >= 2:
             width = max(v.shape[1] for v in values)
             left = name in left_padded
             values = [torch.nn.functional.pad(v.movedim(1, -1), (width - v.shape[1], 0) if left else (0, width - v.shape[1]))
                       .movedim(-1, 1) for v in values]
-        tensors[name] = torch.cat(values)
+        return torch.cat(values)
+
     ids, offset = [], 0
     for p in parts:
         local = torch.unique(p.group_ids, return_inverse=True)[1]  # [n] 0..k-1
         ids.append(local + offset)
         offset += int(local.max()) + 1 if len(local) else 0
-    return Rollout(tensors=tensors, group_ids=torch.cat(ids), prompts=[x for p in parts for x in p.prompts],
-                   samples=[x for p in parts for x in p.samples],
-                   columns={k: [x for p in parts for x in p.columns[k]] for k in parts[0].columns})
+    return parts[0].map_tensors(joined, group_ids=torch.cat(ids), prompts=[x for p in parts for x in p.prompts],
+                                samples=[x for p in parts for x in p.samples],
+                                columns={k: [x for p in parts for x in p.columns[k]] for k in parts[0].columns})
 
 
 class Environment(ABC):
     """What the loop needs from a modality. See ``unirl/text/env.py`` and ``unirl/diffusion/env.py``.
 
-    ``evaluate`` returns a dict with at least ``logp`` [N, T] and ``mask`` [N, T] (1 where the
+    ``score_actions`` returns a dict with at least ``logp`` [N, T] and ``mask`` [N, T] (1 where the
     step is trained); anything else it returns (e.g. the Gaussian mean for diffusion) is what
-    ``kl`` needs to compare a model with the reference.
+    ``kl`` needs to compare a model with the reference, or what the environment's policy loss reads.
     """
 
-    #: If False the log-probs recorded at sampling time (``rollout.tensors["old_logp"]``) are the
+    #: If False the log-probs recorded at sampling time (``rollout.old_logp``) are the
     #: policy's own and are used as the PPO "old" log-probs; if True the loop recomputes them with
     #: the trainer (text: the engine's log-probs differ numerically from the trainer's).
     recompute_old_logprobs: bool = True
@@ -106,11 +160,15 @@ class Environment(ABC):
     #: The tensors padded on the left (text: the prompts), for ``concat_rollouts``.
     left_padded: tuple[str, ...] = ()
 
-    #: True: the environment trains with its own per-position loss instead of the clipped ratio of
-    #: log-probs (DiffusionNFT's flow-matching objective has no log-probs): ``evaluate`` then returns
-    #: ``loss`` [n, T'] (with gradients), ``figures`` {``loss/<name>``: [n, T'] detached} and ``mask``,
-    #: which the loop aggregates with ``algo.loss_agg`` as it would the clipped loss.
-    own_loss: bool = False
+    #: The registered policy loss (``unirl.core.policy_losses``) this environment's rollout mode trains
+    #: with, or None for the algorithm's ratio loss (``clipped``, or ``gspo`` with ``algo.level:
+    #: sequence``). DiffusionNFT's rollout keeps clean samples and no log-probs: its loss is ``nft``,
+    #: which reads the velocities ``score_actions`` returns.
+    policy_loss: str | None = None
+
+    #: What the last ``evaluation`` showed, for the trackers: ``{"images": {key: PIL image}, "tables":
+    #: {key: (columns, rows)}}`` (main process); an environment assigns a new dict, never edits this one.
+    evaluation_media: dict = {}
 
     @abstractmethod
     def setup(self, accelerator) -> None:
@@ -139,14 +197,16 @@ class Environment(ABC):
         """Rewards [N] (float32) and per-component metrics (``reward/<name>``)."""
 
     @abstractmethod
-    def evaluate(self, model: torch.nn.Module, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """Re-evaluate the stored actions under ``model``: ``logp`` [n, T], ``mask`` [n, T] (or None when
-        every position is trained: the losses then skip the masking), extras.
+    def score_actions(self, model: torch.nn.Module, batch: Rollout, columns: slice = slice(None)
+                      ) -> dict[str, torch.Tensor]:
+        """The forward of the stored actions under ``model`` (not held-out evaluation: that is
+        ``evaluation``): ``logp`` [n, T], ``mask`` [n, T] (or None when every position is trained: the
+        losses then skip the masking), extras (what ``kl`` and the policy loss read).
 
         ``columns``: only these of the T columns (one of ``column_slices``); outputs are [n, T'] then."""
 
     def column_slices(self, batch: Rollout) -> list[slice]:
-        """The pieces of the T columns the update may evaluate and backpropagate one after another,
+        """The pieces of the T columns the update may score and backpropagate one after another,
         so that only one piece's autograd graph is alive at a time. Default: all T at once (text: a
         sequence is one forward). Diffusion: one denoising step a piece, FlowGRPO's order, so memory
         does not grow with the number of trained steps."""
@@ -154,7 +214,7 @@ class Environment(ABC):
 
     def trim_padding(self, batch: Rollout) -> Rollout:
         """``batch`` without the padding none of its samples needs (text: prompts and responses cut to
-        the batch's longest), so a micro-batch is padded only to its own longest sample; ``evaluate``
+        the batch's longest), so a micro-batch is padded only to its own longest sample; ``score_actions``
         then returns [n, T'] with T' <= T and the loop pads back. Default: the batch as is."""
         return batch
 
@@ -166,12 +226,12 @@ class Environment(ABC):
 
     @abstractmethod
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        """[n, T] mask of the trained tokens / steps, without running a model (``evaluate``'s, or all True
-        where ``evaluate`` returns None)."""
+        """[n, T] mask of the trained tokens / steps, without running a model (``score_actions``'s, or all True
+        where ``score_actions`` returns None)."""
 
     @abstractmethod
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-step KL penalty [n, T] between the policy's and the reference's ``evaluate`` outputs."""
+        """Per-step KL penalty [n, T] between the policy's and the reference's ``score_actions`` outputs."""
 
     def value_model(self, cfg: Any) -> torch.nn.Module:
         """A new value model (PPO's critic) for this environment's samples, from its config block
@@ -180,7 +240,7 @@ class Environment(ABC):
                          "that reads no values (algo.adv_estimator)")
 
     def values(self, model: torch.nn.Module, batch: Rollout) -> torch.Tensor:
-        """The value model's values [n, T] at the positions ``evaluate``'s log-probs have."""
+        """The value model's values [n, T] at the positions ``score_actions``'s log-probs have."""
         raise NotImplementedError(f"{type(self).__name__} has no value model (critic)")
 
     @contextlib.contextmanager
@@ -196,18 +256,14 @@ class Environment(ABC):
         """Called after every optimizer step with the number of optimizer steps done so far (1, 2,
         ...), e.g. to update an EMA of the weights on FlowGRPO's schedule."""
 
-    def rollout_metrics(self, rollout: Rollout, evaluated_old: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Extra per-step metrics about the rollout (lengths, engine-vs-trainer log-prob gap ...)."""
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """Extra per-step metrics about the rollout (lengths, engine-vs-trainer log-prob gap ...), once
+        ``rollout.old_logp`` holds the trainer's log-probs."""
         return {}
 
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
         """Held-out evaluation (greedy for text, deterministic ODE for diffusion); ``eval/*`` metrics."""
         return {}
-
-    def evaluation_media(self) -> dict:
-        """What the last ``evaluation`` showed, for the trackers: ``{"images": {key: PIL image},
-        "tables": {key: (columns, rows)}}`` (main process)."""
-        return getattr(self, "_evaluation_media", {})
 
     @abstractmethod
     def save_pretrained(self, directory: Path) -> None:

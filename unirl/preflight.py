@@ -120,7 +120,7 @@ def _diffusion_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
 
 def _diffusion_rows(split: str, image: bool) -> Callable[[str], list[dict]]:
     def load(path: str) -> list[dict]:
-        from unirl.diffusion.env import load_prompt_rows
+        from unirl.diffusion.prompts import load_prompt_rows
 
         return load_prompt_rows(path, split, image=image)
 

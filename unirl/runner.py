@@ -83,7 +83,7 @@ def train_config(env_name: str, cfg: Any, *, config_file: str | Path | None = No
 def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
     from unirl import logs
     from unirl.config import config_to_dict
-    from unirl.loop import Trainer
+    from unirl.trainer.loop import Trainer
 
     logs.configure(verbose=verbose)  # the CLI did at its start; a Python caller has not
     run_dir = Path(cfg.output_dir)
@@ -111,7 +111,7 @@ def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
 
 
 def collect_result(run_dir: Path, history: list[dict], cfg: Any) -> TrainResult:
-    from unirl.checkpoints import checkpoint_dirs
+    from unirl.trainer.checkpoints import checkpoint_dirs
 
     rows = []
     if (run_dir / "metrics.jsonl").exists():

@@ -94,7 +94,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     """Errors a user causes (a config, a data file, a reward, a model that cannot be found, a missing
     package, a wrong launch): the CLI ends them with one line and exit 2. Anything else is a bug and
     keeps its traceback."""
-    from unirl.distributed import LaunchError
+    from unirl.trainer.distributed import LaunchError
 
     return ValueError, OSError, ImportError, LaunchError
 

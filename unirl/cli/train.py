@@ -34,7 +34,7 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
 def train_command(args: argparse.Namespace) -> int:
     import signal
 
-    from unirl.preemption import Preempted, stop_during_startup
+    from unirl.trainer.preemption import Preempted, stop_during_startup
 
     # SIGTERM before the loop takes over (checks, loading, vLLM start-up) stops with one line, not silently.
     previous = signal.signal(signal.SIGTERM, stop_during_startup)

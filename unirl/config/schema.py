@@ -60,7 +60,7 @@ def check_groups(algo: "AlgoConfig", trainer: "TrainerConfig") -> None:
 
 @dataclass
 class FilterGroupsConfig:
-    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``; ``unirl/dynamic_sampling.py``)."""
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``; ``unirl/trainer/dynamic_sampling.py``)."""
 
     #: Drop the groups whose ``metric`` is the same for every sample, and generate more batches of
     #: ``trainer.prompts_per_step`` prompts until that many groups are kept (the surplus is dropped).
@@ -86,7 +86,7 @@ class FilterGroupsConfig:
 class KLControlConfig:
     """The coefficient of the KL in the reward (``algo.use_kl_in_reward``), verl's ``algorithm.kl_ctrl``."""
 
-    #: ``fixed`` (beta stays ``kl_coef``) or ``adaptive`` (Ziegler et al. 2019; ``unirl/kl_control.py``).
+    #: ``fixed`` (beta stays ``kl_coef``) or ``adaptive`` (Ziegler et al. 2019; ``unirl/trainer/kl_control.py``).
     type: Literal["fixed", "adaptive"] = "fixed"
     #: The initial beta (verl's default 0.001).
     kl_coef: float = 0.001
@@ -219,7 +219,7 @@ class OptimConfig:
     max_grad_norm: Optional[float] = 1.0
     #: After the warm-up: ``constant`` (verl's default), ``linear`` decay to ``min_lr_ratio * lr`` (TRL's
     #: default, to 0), ``cosine`` half-wave to ``min_lr_ratio * lr`` (verl's cosine). Over the run's
-    #: optimizer steps: total_steps x ppo_epochs x mini-batches per step (unirl/optim.py). Steps count
+    #: optimizer steps: total_steps x ppo_epochs x mini-batches per step (unirl/trainer/optim.py). Steps count
     #: optimizer steps, as TRL's; verl steps its schedule once per training step, so its
     #: ``lr_warmup_steps`` is ``warmup_steps`` / (optimizer steps per training step) here.
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"

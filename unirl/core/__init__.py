@@ -1,7 +1,8 @@
 """The pure policy-gradient core shared by the text (GRPO) and diffusion (FlowGRPO) environments.
 
 Functions over tensors only: advantages from group rewards, rewards on tokens and PPO's
-critic-based advantages (GAE), KL penalties, clipped policy and value losses and their aggregation.
+critic-based advantages (GAE), KL penalties, the registered policy losses (``policy_losses``: clipped
+ratio, GSPO, DiffusionNFT's), the value loss and their aggregation.
 No config objects, no ``.item()``, no distributed calls, no I/O.
 """
 
@@ -29,6 +30,7 @@ from unirl.core.losses import (
     policy_loss_metrics,
     truncated_importance_weights,
 )
+from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, PolicyLoss, register_policy_loss
 from unirl.core.returns import (
     discounted_returns,
     gae_advantages,
@@ -43,6 +45,10 @@ __all__ = [
     "AGG_MODES",
     "IS_MODES",
     "KL_ESTIMATORS",
+    "LossInputs",
+    "LossSettings",
+    "POLICY_LOSSES",
+    "PolicyLoss",
     "aggregate",
     "aggregate_denominator",
     "clipped_policy_loss",
@@ -62,6 +68,7 @@ __all__ = [
     "nonconstant_groups",
     "overlong_penalty",
     "policy_loss_metrics",
+    "register_policy_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",

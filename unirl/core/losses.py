@@ -249,12 +249,7 @@ def clipped_policy_loss(
         )
     if weights is not None:
         _check_same_shape(logp=logp, weights=weights)
-    if not 0 <= clip_low < 1:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
-    if not clip_high >= 0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip!r}")
+    # clip_low in [0, 1), clip_high >= 0 and dual_clip > 1 are checked where the config loads (AlgoConfig).
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
     if agg not in AGG_MODES:

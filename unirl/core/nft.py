@@ -77,8 +77,7 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, clean: torch.Te
         ``old_deviation``, ``mean((v_theta - v_old)^2)`` over the latent (how far the policy moved
         from the old one on this input).
     """
-    if beta <= 0 or adv_clip <= 0:
-        raise ValueError(f"beta and adv_clip must be > 0, got beta={beta}, adv_clip={adv_clip}")
+    # beta > 0 and adv_clip > 0 are checked where the config loads (the diffusion config's ``nft`` block).
     v, v_old = velocity.float(), old_velocity.detach().float()
     clean, noisy = clean.float(), noisy.float()
     t = sigma.float().reshape(-1, *([1] * (clean.ndim - 1)))  # [n, 1, ...]

@@ -44,7 +44,7 @@ def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Ten
         scores: [N, T] token scores (``token_scores``).
         kl: [N, T] per-token KL estimates between the sampling (old) policy and the reference.
         mask: [N, T] boolean or 0/1; masked-out positions get no penalty.
-        beta: the KL coefficient (from a controller, ``unirl.kl_control``).
+        beta: the KL coefficient (from a controller, ``unirl.trainer.kl_control``).
 
     Returns:
         ``(rewards [N, T], sequence_kl [N])``: the penalised rewards and each sequence's masked mean

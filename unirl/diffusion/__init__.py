@@ -5,7 +5,7 @@
 * :mod:`unirl.diffusion.families`: one adapter per model family (encode, velocity, latent layout, schedule, decode).
 * :mod:`unirl.diffusion.config`: ``DiffusionConfig``, the typed config of ``unirl train diffusion``.
 * :mod:`unirl.diffusion.env`: ``DiffusionEnvironment``, what the shared training loop drives (FlowGRPO).
-* :mod:`unirl.diffusion.nft`: ``NFTEnvironment``, DiffusionNFT's rollout and loss (``algorithm: nft``).
+* :mod:`unirl.diffusion.nft`: ``NFTEnvironment``, DiffusionNFT's rollout (``algorithm: nft``; its loss is the registered ``nft`` policy loss).
 * :mod:`unirl.diffusion.pipeline`: loading a family's pipeline (a toy, a directory or a hub name), frozen but the transformer.
 * :mod:`unirl.diffusion.tiny`: one toy-size pipeline per family, built from a fixed seed for tests and demos,
   and the colour demo's warm start (toys depend on the adapters, never the reverse).

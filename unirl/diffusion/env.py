@@ -9,7 +9,7 @@ What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the mod
 (``families/``: prompt encoding, latent layout, sigma schedule, transformer forward, decoding):
 
 * the sampler's log-probs are the policy's own (the trainer samples), so
-  ``recompute_old_logprobs = False`` and ``rollout.tensors["old_logp"]`` is the PPO "old" log-prob;
+  ``recompute_old_logprobs = False`` and ``rollout.old_logp`` is the PPO "old" log-prob;
 * the reference is the same transformer with its LoRA adapter disabled (or a frozen copy);
 * an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
 * chunks of samples are scored in the reward pool while the next chunk samples (the last chunk, with
@@ -35,124 +35,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
-import textwrap
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from unirl.diffusion.config import DiffusionConfig
+from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.families import family_for
-from unirl.diffusion.frames import FrameRewards, write_grid
+from unirl.diffusion.frames import FrameRewards
 from unirl.diffusion.pipeline import load_pipeline
+from unirl.diffusion.prompts import load_prompt_rows
 from unirl.diffusion.sampling import (ForwardCounter, rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients,
                                      to_pil, trained_steps)
 from unirl.diffusion.window import kept_steps, window_bounds, window_mask
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.reward_set import RewardSet, concat_components
-
-def load_prompt_rows(source: str, split: str, image: bool = False) -> list[dict]:
-    """Rows ``{"prompt": ..., <columns>}`` from ``tiny``, a ``.txt`` (one prompt a line), a ``.jsonl``,
-    a bundled ``unirl://NAME`` file or generated ``unirl://ocr/generated?n=...`` (``unirl/data/paths.py``).
-
-    ``image``: the family takes a conditioning image per prompt (``ModelFamily.conditioning_image``), so
-    every row must be a ``.jsonl`` row naming an existing file in its ``image`` field (relative paths
-    are read from the prompt file's folder); the first row without one is named."""
-    rows = _prompt_rows(source, split)
-    if image:
-        _check_images(rows, source, split)
-    return rows
-
-
-def _check_images(rows: list[dict], source: str, split: str) -> None:
-    from unirl.data.paths import local_path
-
-    for i, row in enumerate(rows):
-        name = row.get("image")  # only .jsonl rows have one, so only then is the source a file
-        path = local_path(source).parent / name if isinstance(name, str) else None
-        if path is None or not path.is_file():
-            raise ValueError(f"prompt file ({split}) {source}, row {i + 1}: model.family takes a conditioning image "
-                             f"per prompt, so each row needs an 'image' naming an existing file; got {name!r}")
-        row["image"] = str(path)
-
-
-def _prompt_rows(source: str, split: str) -> list[dict]:
-    from unirl.data.paths import DataFileNotFoundError, generated_prompts, is_generated, local_path, locate
-
-    if source == "tiny":
-        from unirl.diffusion.tiny.prompts import tiny_prompts
-
-        return [{"prompt": p} for p in tiny_prompts(split)]
-    if is_generated(source):
-        return [{"prompt": p} for p in generated_prompts(source)]
-    path = local_path(source)
-    if not path.exists():
-        raise DataFileNotFoundError(locate(source).message(f"prompt file ({split})"))
-    if path.suffix == ".jsonl":
-        from unirl.text.data import load_rows
-
-        rows = load_rows(str(path))  # the text runs' loader: a bad line is named with its number
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{i + 1}: each line must be a JSON object with a string 'prompt'")
-        return rows
-    if path.suffix == ".txt":
-        return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
-    raise ValueError(f"prompt file {str(path)!r}: expected .txt (one prompt a line) or .jsonl")
-
-
-class ParamEMA:
-    """Exponential moving average of a list of parameters on FlowGRPO's schedule
-    (``flow_grpo/ema.py``, ``EMAModuleWrapper.step``).
-
-    ``step(k)`` is called after optimizer step k (k = 1, 2, ... over the whole run). When
-    ``(k + 1) % update_every == 0`` the averages move towards the parameters with decay
-    ``d_k = min((1 + k) / (10 + k), decay)``: ``shadow <- shadow + (1 - d_k) (param - shadow)``. The
-    warm-up follows the optimizer-step count, not the number of updates, so with ``update_every=8``
-    the first update (k = 7) already has decay 8/17 and 0.9 is reached at k = 81, the tenth update.
-    ``swapped()`` puts the averages into the parameters for a while.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], decay: float, update_every: int = 1):
-        self.params, self.decay, self.update_every = list(params), decay, update_every
-        self.shadow = [p.detach().clone().float() for p in self.params]
-        self._upcast = any(p.dtype != torch.float32 for p in self.params)  # bf16 parameters, float32 averages
-
-    def decay_at(self, optimizer_step: int) -> float:
-        return min((1 + optimizer_step) / (10 + optimizer_step), self.decay)
-
-    @torch.no_grad()
-    def step(self, optimizer_step: int) -> None:
-        if (optimizer_step + 1) % self.update_every or not self.shadow:
-            return
-        d = self.decay_at(optimizer_step)
-        # shadow <- shadow + (1 - d) (param - shadow), each operation over all tensors at once.
-        delta = torch._foreach_sub([p.float() for p in self.params] if self._upcast else self.params, self.shadow)
-        torch._foreach_mul_(delta, 1 - d)
-        torch._foreach_add_(self.shadow, delta)
-
-    @contextlib.contextmanager
-    def swapped(self):
-        backup = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(self.params, backup):
-                    p.copy_(b)
-
-    def state_dict(self) -> dict:
-        return {"shadow": [s.cpu() for s in self.shadow]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for s, v in zip(self.shadow, state["shadow"], strict=True):
-            s.copy_(v)
-
 
 class DiffusionEnvironment(Environment):
     recompute_old_logprobs = False  # the trainer samples: the sampler's log-probs are the policy's
@@ -322,14 +221,14 @@ class DiffusionEnvironment(Environment):
         tensors = {
             "latents": joined([o.latents for o in outs]),  # [N, T, *latent]
             "next_latents": joined([o.next_latents for o in outs]),  # [N, T, *latent]
-            "old_logp": joined([o.logp for o in outs]),  # [N, T]
             "step_index": steps,  # [N, T]
             "sigma": sig[steps],  # [N, T]
             "sigma_next": sig[steps + 1],  # [N, T]
             "timestep": timesteps.cpu()[steps],  # [N, T]
             **{k: v.cpu() for k, v in encoded.items()},  # the family's conditioning, each [N, ...]
         }
-        rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns)
+        rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns,
+                          old_logp=joined([o.logp for o in outs]))  # [N, T]
         self._pending = (id(rollout), futures)
         return rollout
 
@@ -390,7 +289,7 @@ class DiffusionEnvironment(Environment):
         return torch.cat(parts)
 
     # ------------------------------------------------------------- log-probs
-    def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
+    def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Re-score the trained steps ``columns`` with the stored next latent as the action (gradients flow)."""
         s = self.cfg.sampling
         stored = batch.cache.get("stored_steps")
@@ -425,7 +324,7 @@ class DiffusionEnvironment(Environment):
         sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
         [n, *latent], timesteps [n] and the steps' offsets that ``step_log_prob`` takes; ``narrow``: sigmas
         and stds [n, 1]), its conditioning (``cond``) and the columns' constants (``coef``): what each piece
-        of ``evaluate`` takes instead of slicing, moving and recomputing them (one operation per tensor for
+        of ``score_actions`` takes instead of slicing, moving and recomputing them (one operation per tensor for
         the whole batch, not one per piece)."""
         device = self.accelerator.device
         steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
@@ -458,12 +357,12 @@ class DiffusionEnvironment(Environment):
         return self._train_constants.take(index, latent_ndim)
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        return torch.ones_like(batch.tensors["old_logp"], dtype=torch.bool)  # [n, T]: every stored step is trained
+        return torch.ones_like(batch.old_logp, dtype=torch.bool)  # [n, T]: every stored step is trained
 
     def column_slices(self, batch: Rollout) -> list[slice]:
         # One trained step at a time, backward after each (FlowGRPO's order): peak memory holds the
         # graph of one transformer forward, whatever the number of trained steps.
-        return [slice(j, j + 1) for j in range(batch.tensors["old_logp"].shape[1])]
+        return [slice(j, j + 1) for j in range(batch.old_logp.shape[1])]
 
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
         """[n, T] KL penalty between the policy's and the reference's Gaussian steps (``kl_form``)."""
@@ -487,70 +386,18 @@ class DiffusionEnvironment(Environment):
         with self.ema.swapped():
             yield
 
-    @torch.no_grad()
     def sample_deterministic(self, rows: list[dict], positions: list[int] | None = None) -> list:
-        """Images from the ODE sampler (noise 0, ``eval_num_steps``, ``guidance_scale``) with fixed seeds, for
-        prompt rows (``{"prompt": ...}``, with an ``image`` for a family that takes one).
+        """Images from the ODE sampler with fixed seeds (``unirl.diffusion.held_out.sample_deterministic``)."""
+        from unirl.diffusion.held_out import sample_deterministic
 
-        ``positions`` [n]: where each row sits in the whole evaluation set (default 0..n-1); the
-        initial noise depends on the position only, so a process sampling a share of the prompts
-        draws the same images as one process sampling them all."""
-        s, device = self.cfg.sampling, self.accelerator.device
-        positions = list(range(len(rows))) if positions is None else positions
-        if not rows:
-            return []
-        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 12_345)
-        noise = self.family.noise(max(positions) + 1, self.latent_shape, generator)[positions]
-        stochastic = torch.zeros(s.eval_num_steps, dtype=torch.bool)
-        images = []
-        for lo in range(0, len(rows), s.chunk_size):
-            chunk = rows[lo:lo + s.chunk_size]
-            encoded = self._encode(chunk)
-            out = sample_with_logprob(self.family, self._model, noise[lo:lo + len(chunk)].to(device),
-                                      self.eval_sigmas.to(device), self.eval_timesteps.to(device),
-                                      self._cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
-                                      noise_level=0.0, stochastic=stochastic)
-            images += to_pil(self.family.decode(self.pipe, out.final))
-        return images
+        return sample_deterministic(self, rows, positions)
 
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
-        """Deterministic (ODE) images of the held-out prompts with the EMA weights, scored by the
-        config's rewards. With several processes each samples every world-th prompt and the scores
-        (and the grid's images) are gathered; the main process writes ``eval/step_N.png`` (videos: their
-        first frames, and ``eval/step_N.gif`` playing them), and
-        ``eval/step_N.jsonl`` with a judge reward's answers when one is configured."""
-        if not self.test_rows:
-            return {}
-        from accelerate.utils import gather_object
+        """Held-out evaluation: the ODE's images of the test prompts with the EMA weights, scored and drawn
+        on a grid (``unirl.diffusion.held_out``)."""
+        from unirl.diffusion.held_out import held_out_evaluation
 
-        acc, k = self.accelerator, self.cfg.data.grid_size
-        mine = list(range(acc.process_index, len(self.test_rows), acc.num_processes))
-        rows = [self.test_rows[i] for i in mine]
-        with self._ema_weights():
-            images = self.sample_deterministic(rows, mine)
-        comps, judged = {}, {}  # judged: a judge reward's answers, by reward
-        if rows:
-            columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}
-            comps = self.rewards.components(images, prompts=[row["prompt"] for row in rows], columns=columns, texts=judged)
-        local = [(i, {name: float(v[j]) for name, v in comps.items()}, images[j] if i < k else None,
-                  {name: v[j] for name, v in judged.items()}) for j, i in enumerate(mine)]
-        results = sorted(gather_object(local) if acc.num_processes > 1 else local, key=lambda res: res[0])
-        comps = {name: torch.tensor([res[1][name] for res in results]) for name in self.rewards.names}
-        total, _ = self.rewards.combine(comps, torch.arange(len(results)))
-        out = {f"eval/reward/{name}": v.nanmean().item() for name, v in comps.items()}
-        out["eval/reward"] = total.mean().item()
-        if acc.is_main_process:
-            shown = results[:k]
-            captions = [f"{self.test_rows[i]['prompt']}\n" + " ".join(f"{name}={v:.3f}" for name, v in scores.items())
-                        for i, scores, _, _ in shown]
-            path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
-            grid = write_grid([image for _, _, image, _ in shown], captions, path, fps=self.cfg.video.fps)
-            if any(judge for *_, judge in results):  # a judge's reasons beside its scores
-                with open(path.with_suffix(".jsonl"), "w") as f:
-                    for i, scores, _, judge in results:
-                        f.write(json.dumps({"prompt": self.test_rows[i]["prompt"], **scores, "judge": judge}) + "\n")
-            self._evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
-        return out
+        return held_out_evaluation(self, step, run_dir)
 
     # ----------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: Path) -> None:
@@ -586,21 +433,3 @@ class DiffusionEnvironment(Environment):
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
 
-
-def image_grid(images: list, captions: list[str], cell: int = 160, columns: int = 4):
-    """A PNG-ready grid: each image scaled to ``cell`` px with its caption (prompt, rewards) below."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font = ImageFont.load_default()
-    text_h = 5 * 12 + 4
-    rows = max(1, -(-len(images) // columns))
-    grid = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, (image, caption) in enumerate(zip(images, captions)):
-        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
-        resample = Image.NEAREST if image.width < cell else Image.BICUBIC
-        grid.paste(image.convert("RGB").resize((cell, cell), resample), (x, y))
-        prompt, _, scores = caption.partition("\n")
-        lines = textwrap.wrap(prompt, width=cell // 6)[:4] + [scores]
-        draw.multiline_text((x + 2, y + cell + 2), "\n".join(lines), fill="black", font=font, spacing=1)
-    return grid

@@ -14,6 +14,7 @@ Shapes: N videos, F frames each, K = ceil(F / stride) scored frames per video.
 from __future__ import annotations
 
 import math
+import textwrap
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -92,8 +93,6 @@ def write_grid(samples: list, captions: list[str], path: Path, *, fps: int = 8):
     """Write the evaluation grid of ``samples`` (images, or videos as lists of frames) to ``path`` (a
     ``.png``) and return the PNG's image. Videos: the PNG shows their first frames, and an animated
     ``.gif`` beside it plays the grid frame by frame at ``fps``."""
-    from unirl.diffusion.env import image_grid
-
     path.parent.mkdir(parents=True, exist_ok=True)
     if not samples or not isinstance(samples[0], list):
         grid = image_grid(samples, captions)
@@ -103,3 +102,22 @@ def write_grid(samples: list, captions: list[str], path: Path, *, fps: int = 8):
     grids[0].save(path)
     grids[0].save(path.with_suffix(".gif"), save_all=True, append_images=grids[1:], duration=round(1000 / fps), loop=0)
     return grids[0]
+
+
+def image_grid(images: list, captions: list[str], cell: int = 160, columns: int = 4):
+    """A PNG-ready grid: each image scaled to ``cell`` px with its caption (prompt, rewards) below."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    text_h = 5 * 12 + 4
+    rows = max(1, -(-len(images) // columns))
+    grid = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (image, caption) in enumerate(zip(images, captions)):
+        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
+        resample = Image.NEAREST if image.width < cell else Image.BICUBIC
+        grid.paste(image.convert("RGB").resize((cell, cell), resample), (x, y))
+        prompt, _, scores = caption.partition("\n")
+        lines = textwrap.wrap(prompt, width=cell // 6)[:4] + [scores]
+        draw.multiline_text((x + 2, y + cell + 2), "\n".join(lines), fill="black", font=font, spacing=1)
+    return grid

@@ -9,8 +9,9 @@ DiffusionNFT (Zheng et al., 2025, https://arxiv.org/abs/2509.16117; code github.
    their fresh Gaussian noise;
 2. score and advantages: the loop's, as for FlowGRPO (group-relative advantages);
 3. update: at each kept noise level the clean latent is noised afresh, ``x_t = (1 - t) x0 + t eps``, and
-   the current and old policies' velocities at ``x_t`` enter ``unirl.core.nft.nft_loss`` (plus
-   ``nft.kl_coef`` times the velocity gap to the reference), one noise level a piece;
+   the current and old policies' velocities at ``x_t`` (``score_actions``) enter the registered ``nft``
+   policy loss (``unirl.core.policy_losses``: ``unirl.core.nft.nft_loss`` plus ``nft.kl_coef`` times the
+   velocity gap to the reference), one noise level a piece;
 4. the old policy follows the trained weights once per training step, ``old <- d old + (1 - d) new``
    with NVlabs' rising decay ``d`` (``OldPolicy``), before the next rollout.
 
@@ -30,8 +31,8 @@ import copy
 
 import torch
 
-from unirl.core.nft import nft_loss, velocity_kl
-from unirl.diffusion.env import DiffusionEnvironment, ParamEMA
+from unirl.diffusion.ema import ParamEMA
+from unirl.diffusion.env import DiffusionEnvironment
 from unirl.diffusion.sampling import guided_velocity, sample_with_logprob
 from unirl.env import Rollout
 
@@ -75,7 +76,7 @@ class NFTEnvironment(DiffusionEnvironment):
     """``DiffusionEnvironment`` with DiffusionNFT's rollout and loss (module docstring); setup, prompts,
     rewards, the EMA, evaluation and saving are FlowGRPO's."""
 
-    own_loss = True  # evaluate returns the NFT loss per noise level; the loop aggregates it
+    policy_loss = "nft"  # score_actions returns the velocities the registered ``nft`` loss reads
 
     def setup(self, accelerator) -> None:
         super().setup(accelerator)
@@ -146,39 +147,34 @@ class NFTEnvironment(DiffusionEnvironment):
         self._pending = (id(rollout), futures)
         return rollout
 
-    # ------------------------------------------------------------------ loss
-    def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """The NFT loss at the noise levels ``columns``: ``loss`` [n, T'] (gradients flow into ``model``),
-        ``figures`` (``loss/policy``, ``loss/kl`` with a KL, ``loss/old_deviation``: the mean squared
-        velocity gap to the old policy) [n, T'] detached, ``mask`` None (every noise level is trained)."""
-        device, n = self.accelerator.device, self.cfg.nft
+    # ------------------------------------------------------------ the forward
+    def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """What the ``nft`` policy loss (``unirl.core.policy_losses``) reads at the noise levels ``columns``:
+        ``velocity`` [n, T', *latent] (gradients flow into ``model``), the old policy's ``old_velocity``
+        (and the reference's ``ref_velocity`` with ``nft.kl_coef``) at the same noised inputs, detached;
+        ``clean`` [n, *latent], ``noisy`` [n, T', *latent], ``sigma`` [n, T']; ``mask`` None (every noise
+        level is trained)."""
+        device = self.accelerator.device
         cond = {k: batch.tensors[k].to(device) for k in self.family.cond_keys}
         clean = batch.tensors["clean"].to(device).float()  # [n, *latent]
-        advantages = batch.tensors["advantages"].to(device)  # [n]
-        losses, figures = [], {"loss/policy": [], "loss/old_deviation": []}
-        if n.kl_coef > 0:
-            figures["loss/kl"] = []
+        out = {"velocity": [], "old_velocity": [], "noisy": [], "sigma": []}
+        if self.cfg.nft.kl_coef > 0:
+            out["ref_velocity"] = []
         for j in range(*columns.indices(batch.tensors["sigma"].shape[1])):
             sigma = batch.tensors["sigma"][:, j].to(device)  # [n]
             t = sigma.view(-1, *([1] * (clean.ndim - 1)))
             noisy = (1 - t) * clean + t * batch.tensors["noise"][:, j].to(device).float()  # [n, *latent]
             timestep = batch.tensors["timestep"][:, j].to(device)  # [n]
             with torch.no_grad(), self.old.swapped():
-                v_old = guided_velocity(self.family, self.accelerator.unwrap_model(model), noisy, timestep, cond, 1.0)
-            v = guided_velocity(self.family, model, noisy, timestep, cond, 1.0)
-            policy, figs = nft_loss(v, v_old, clean, noisy, sigma, advantages, beta=n.beta, adv_clip=n.adv_clip)
-            loss = policy
-            figures["loss/policy"].append(policy.detach())
-            figures["loss/old_deviation"].append(figs["old_deviation"])
-            if n.kl_coef > 0:
+                out["old_velocity"].append(guided_velocity(self.family, self.accelerator.unwrap_model(model), noisy,
+                                                           timestep, cond, 1.0))
+            out["velocity"].append(guided_velocity(self.family, model, noisy, timestep, cond, 1.0))
+            if "ref_velocity" in out:
                 with torch.no_grad(), self.reference_model() as ref:
-                    v_ref = guided_velocity(self.family, ref, noisy, timestep, cond, 1.0)
-                kl = velocity_kl(v, v_ref)
-                loss = loss + n.kl_coef * kl
-                figures["loss/kl"].append(kl.detach())
-            losses.append(loss)
-        return {"loss": torch.stack(losses, dim=1), "mask": None,  # [n, T']
-                "figures": {k: torch.stack(v, dim=1) for k, v in figures.items()}}
+                    out["ref_velocity"].append(guided_velocity(self.family, ref, noisy, timestep, cond, 1.0))
+            out["noisy"].append(noisy)
+            out["sigma"].append(sigma)
+        return {**{k: torch.stack(v, dim=1) for k, v in out.items()}, "clean": clean, "mask": None}
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.tensors["sigma"], dtype=torch.bool)  # [n, T]: every noise level is trained

@@ -6,7 +6,6 @@ Shapes: N = B*G samples, P prompt tokens (left-padded), R response tokens (right
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
+from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
@@ -27,41 +27,11 @@ from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_a
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` (``tiny_search``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
-    prepared directory (prepared now if needed); anything else is passed through."""
-    from unirl.models.named import MODELS, resolve
-
-    if name_or_path == "tiny":
-        from unirl.text.tiny import build_tiny_lm
-
-        return str(build_tiny_lm(seed=seed))
-    if name_or_path == "tiny_search":  # the tiny model warm-started on Search-R1's tags (unirl/text/tiny_search.py)
-        from unirl.text.tiny_search import build_tiny_search_lm
-
-        return str(build_tiny_search_lm(seed=seed))
-    if name_or_path in MODELS:
-        return resolve(name_or_path)
-    return name_or_path
-
-
 def response_tokens(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """[N, R] every real response token (attention, lengths, padding). A multi-turn rollout stores it
     as ``response_attention_mask`` beside ``response_mask``, the loss mask, which is 0 at tool
     observations; a single-turn rollout's two masks are the same tensor."""
     return tensors.get("response_attention_mask", tensors["response_mask"])
-
-
-def _check_lora_targets(targets: list[str], config) -> None:
-    """A LoRA on the output head or the embedding of a model whose two are tied (SmolLM2, Qwen2.5-0.5B)
-    would untie them when merged, while vLLM keeps one tensor for both: the engine could not hold the
-    trainer's policy, and its samples would drift off it unseen. (The transformers engine samples from
-    the trained model itself, so it is not refused there.)"""
-    tied = [t for t in targets if t in ("lm_head", "embed_tokens")]
-    if tied and getattr(config, "tie_word_embeddings", False):
-        raise ValueError(f"model.lora.target_modules: {tied} on a model with tied input and output embeddings "
-                         f"(tie_word_embeddings) cannot be merged into the rollout engine; train the attention and "
-                         f"MLP projections only")
 
 
 class TextEnvironment(Environment):
@@ -98,7 +68,7 @@ class TextEnvironment(Environment):
 
             lora = cfg.model.lora
             if cfg.rollout.engine == "vllm":  # the transformers engine samples from this very model
-                _check_lora_targets(lora.target_modules, model.config)
+                check_lora_targets(lora.target_modules, model.config)
             model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
         elif cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
@@ -220,8 +190,8 @@ class TextEnvironment(Environment):
         columns = {k: [rows[i].get(k) for i, _ in flat] for k in rows[0] if k != "prompt"}
         return Rollout(
             tensors={"prompt_ids": prompt, "prompt_mask": prompt_mask, "response_ids": response,
-                     "response_mask": response_mask, "engine_logp": engine_logp,
-                     "finished": torch.tensor([g.finished for _, g in flat])},
+                     "response_mask": response_mask, "finished": torch.tensor([g.finished for _, g in flat])},
+            engine_logp=engine_logp,
             group_ids=torch.tensor([i for i, _ in flat]),
             prompts=[rows[i]["prompt"] for i, _ in flat],
             samples=[g.text for _, g in flat],
@@ -241,13 +211,13 @@ class TextEnvironment(Environment):
         return rewards, metrics
 
     # ------------------------------------------------------------- log-probs
-    def evaluate(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
+    def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Token log-probs of the stored responses under ``model`` (temperature-scaled like sampling), and
         their entropies in the update's forward (grad enabled; logged as ``actor/entropy``, trained only
         when ``algo.entropy_coef > 0``); ``model.logprob_chunk_size`` tokens at a time, so the
         full-vocabulary logits never exist (``unirl.text.logprobs``)."""
         if columns != slice(None):
-            raise ValueError("the text environment evaluates whole responses (column_slices is one piece)")
+            raise ValueError("the text environment scores whole responses (column_slices is one piece)")
         device = self.accelerator.device
         t = {k: v.to(device) for k, v in batch.tensors.items()}
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
@@ -310,7 +280,7 @@ class TextEnvironment(Environment):
 
     def values(self, model, batch: Rollout) -> torch.Tensor:
         """[n, R] the value head's output at the positions whose hidden states predict the response
-        tokens (where ``evaluate`` reads the log-probs), float32; packed as ``evaluate`` packs."""
+        tokens (where ``score_actions`` reads the log-probs), float32; packed as ``score_actions`` packs."""
         device = self.accelerator.device
         t = {k: batch.tensors[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         R = t["response_ids"].shape[1]
@@ -334,14 +304,13 @@ class TextEnvironment(Environment):
         t = batch.tensors
         P = max(1, int(t["prompt_mask"].sum(-1).max()))
         R = max(1, int(response_tokens(t).sum(-1).max()))
-        trimmed = {}
-        for k, v in t.items():
-            if k in ("prompt_ids", "prompt_mask"):
-                v = v[:, v.shape[1] - P:]  # [n, P']
-            elif v.ndim >= 2:
-                v = v[:, :R]  # [n, R']
-            trimmed[k] = v
-        return dataclasses.replace(batch, tensors=trimmed)
+
+        def trimmed(name: str, v: torch.Tensor) -> torch.Tensor:
+            if name in ("prompt_ids", "prompt_mask"):
+                return v[:, v.shape[1] - P:]  # [n, P']
+            return v[:, :R] if v.ndim >= 2 else v  # [n, R']
+
+        return batch.map_tensors(trimmed)
 
     def sample_tokens(self, batch: Rollout) -> torch.Tensor:
         return batch.tensors["prompt_mask"].sum(-1) + response_tokens(batch.tensors).sum(-1).long()  # [n]
@@ -362,17 +331,18 @@ class TextEnvironment(Environment):
         if isinstance(self.engine, VLLMEngine):
             self.engine.load_weights(hf_checkpoint_weights(self.accelerator.unwrap_model(self._model)))
 
-    def rollout_metrics(self, rollout: Rollout, old: dict[str, torch.Tensor]) -> dict[str, float]:
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
+        old = {"logp": rollout.old_logp}
         mask = rollout.tensors["response_mask"].bool()
-        diff = (rollout.tensors["engine_logp"] - old["logp"].cpu()).abs()[mask]
+        diff = (rollout.engine_logp - old["logp"].cpu()).abs()[mask]
         lengths = rollout.tensors["response_mask"].sum(-1)
         if "turns" in rollout.tensors:  # a multi-turn rollout
-            return {**self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
+            return {**self._mismatch_metrics(rollout.engine_logp, old["logp"].cpu(), mask),
                     "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
                     "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
                     "rollout/response_length_mean": lengths.mean().item(), **multi_turn_metrics(rollout.tensors)}
         return {
-            **self._mismatch_metrics(rollout.tensors["engine_logp"], old["logp"].cpu(), mask),
+            **self._mismatch_metrics(rollout.engine_logp, old["logp"].cpu(), mask),
             "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
             "rollout/response_length_mean": lengths.mean().item(),
@@ -433,7 +403,7 @@ class TextEnvironment(Environment):
                 for i, text, s, judge in results[:16]:
                     f.write(json.dumps({"step": step, "prompt": self.test_rows[i]["prompt"], "response": text,
                                         "score": s[names[0]], **({"judge": judge} if judge else {})}) + "\n")
-        self._evaluation_media = {"tables": {"eval/samples": (
+        self.evaluation_media = {"tables": {"eval/samples": (
             ["prompt", "response", names[0]], [[self.test_rows[i]["prompt"], text, s[names[0]]] for i, text, s, _ in results[:16]])}}
         out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
         out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in scores.items()})

@@ -59,12 +59,13 @@ def trajectories_to_rollout(rows: list[dict], groups: list[list[Trajectory]], to
                    tool_calls=[t.tool_calls for _, t in flat])
     return Rollout(
         tensors={"prompt_ids": prompt, "prompt_mask": prompt_mask, "response_ids": response, "response_mask": loss,
-                 "response_attention_mask": tokens, "engine_logp": engine_logp,
+                 "response_attention_mask": tokens,
                  "finished": per_sample(lambda t: not t.truncated, torch.bool),
                  "turns": per_sample(lambda t: t.turns), "tool_calls": per_sample(lambda t: len(t.tool_calls)),
                  "tool_errors": per_sample(lambda t: t.tool_errors), "tool_latency_s": per_sample(lambda t: t.tool_latency_s),
                  "observation_tokens": per_sample(lambda t: t.observation_tokens),
                  "observations_truncated": per_sample(lambda t: t.observations_truncated)},
+        engine_logp=engine_logp,
         group_ids=torch.tensor([i for i, _ in flat]),
         prompts=[rows[i]["prompt"] for i, _ in flat],
         samples=[tokenizer.decode(t.ids, skip_special_tokens=True) for _, t in flat],

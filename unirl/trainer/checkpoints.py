@@ -12,7 +12,7 @@ A checkpoint holds the policy as its library saves it (``env.save_pretrained``: 
     rng_<process>.{...}           each process's python, numpy, torch (and CUDA) RNG states
 
 Only tensors (safetensors) and plain data (JSON) are written, and nothing is unpickled when a run
-resumes (``unirl.state_files``): Accelerate's ``save_state`` pickles the optimizer, the RNG states
+resumes (``unirl.trainer.state_files``): Accelerate's ``save_state`` pickles the optimizer, the RNG states
 and registered objects and loads them with ``torch.load(weights_only=False)``, which runs whatever
 code a crafted file holds. Everything is written under a temporary name and renamed, so a crash
 never leaves a half checkpoint that resume would pick; a resume that finds the latest checkpoint
@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from unirl.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
+from unirl.trainer.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
                                  link_out_of, links_out, trains_a_critic)
-from unirl.state_files import StateFileError, load_state, read_json, save_state
+from unirl.trainer.state_files import StateFileError, load_state, read_json, save_state
 
 
 class CheckpointError(OSError):
@@ -194,7 +194,7 @@ def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> 
     without a checkpoint) are dropped, so every step appears once.
 
     A checkpoint with an unreadable file (truncated, corrupt), a field out of type or range, or a link
-    out of the run directory (``unirl.resume_checks``) is skipped with one line naming the file and
+    out of the run directory (``unirl.trainer.resume_checks``) is skipped with one line naming the file and
     field, and the one before it is tried; every process takes the same one. A ``checkpoints`` folder
     that is itself a link out of the run is refused. A run whose config
     changes a setting the state carries (``optim.*``, ``model.lora.*``) is refused, naming it."""
@@ -285,7 +285,7 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, Any]:
     """Load what ``save_trainer_state`` wrote into the prepared objects; returns ``loop.json``, every
-    field checked (``unirl.resume_checks``; ``step``: the checkpoint's, which loop.json must hold).
+    field checked (``unirl.trainer.resume_checks``; ``step``: the checkpoint's, which loop.json must hold).
 
     Raises ``StateFileError`` naming an unreadable file, ``CheckpointError`` for a checkpoint that does
     not fit this run (another model shape, a different number of models)."""

@@ -21,18 +21,18 @@ from typing import Any, Callable
 
 import torch
 
-from unirl.batching import scatter_rows
+from unirl.trainer.micro_batches import scatter_rows
 from unirl.core import aggregate_denominator, explained_variance, value_loss
-from unirl.distributed import gather_rows
+from unirl.trainer.distributed import gather_rows
 from unirl.env import Environment, Rollout
-from unirl.metrics import MetricLog, reduce_over_processes
-from unirl.optim import build_optimizer, build_scheduler
+from unirl.trainer.metrics import MetricLog, reduce_over_processes
+from unirl.trainer.optim import build_optimizer, build_scheduler
 
 
 class Critic:
     """The value model with its optimizer and schedule, prepared with ``accelerator``.
 
-    ``micro_batches`` cuts a batch into micro-batches as the actor's update does (``Trainer._micro_batches``);
+    ``micro_batches`` cuts a batch into micro-batches as the actor's update does (``Trainer.micro_batches``);
     ``num_mini_batches`` is the actor's number of optimizer steps per pass; ``seed`` seeds the
     mini-batch shuffle (with the step)."""
 
@@ -53,17 +53,17 @@ class Critic:
     @torch.no_grad()
     def compute_values(self, rollout: Rollout) -> None:
         """The values [N, T] of the rollout's positions before any update (PPO's old values: GAE's
-        baseline and the value clip's centre), stored as ``rollout.tensors["values"]``."""
+        baseline and the value clip's centre), stored as ``rollout.values``."""
         if len(rollout) == 0:
             return
         parts = []
         for idx in self.micro_batches(rollout):
             parts.append((idx, self.env.values(self.model, self.env.trim_padding(rollout.select(idx))).cpu()))
-        rollout.tensors["values"] = scatter_rows(parts, len(rollout), self.env.loss_mask(rollout).shape[1])  # [N, T]
+        rollout.values = scatter_rows(parts, len(rollout), self.env.loss_mask(rollout).shape[1])  # [N, T]
 
     def update(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch AdamW steps on the clipped value loss against
-        ``rollout.tensors["returns"]``, each micro-batch's loss its share of the global mini-batch's
+        ``rollout.returns``, each micro-batch's loss its share of the global mini-batch's
         (as the actor's update). Logged: ``critic/vf_loss`` (global mini-batch value, mean over
         mini-batches), ``critic/vf_clipfrac`` and ``critic/vpred_mean`` (means over micro-batches and
         processes), ``critic/grad_norm``, ``critic/lr`` and ``critic/explained_var`` (of the rollout's
@@ -100,7 +100,7 @@ class Critic:
         with acc.no_sync(self.model) if hold_back else contextlib.nullcontext():
             values = self.env.values(self.model, micro)  # [n, T']
             mask = self.env.loss_mask(micro).to(device).bool()  # [n, T']
-            old, returns = (micro.tensors[k][:, : values.shape[1]].to(device) for k in ("values", "returns"))
+            old, returns = (getattr(micro, k)[:, : values.shape[1]].to(device) for k in ("values", "returns"))
             loss, metrics = value_loss(values, old, returns, mask, clip=self.cfg.cliprange_value,
                                        agg=self.cfg.loss_agg, denominator=denominator)
             # DDP's gradient average divides by the number of processes again (as the actor's update).
@@ -132,5 +132,5 @@ class Critic:
     def _explained_variance(self, rollout: Rollout) -> float:
         acc = self.accelerator
         mask = gather_rows(acc, self.env.loss_mask(rollout).bool())  # [N_all, T]
-        values, returns = (gather_rows(acc, rollout.tensors[k].float()) for k in ("values", "returns"))
+        values, returns = (gather_rows(acc, getattr(rollout, k).float()) for k in ("values", "returns"))
         return float(explained_variance(values, returns, mask))

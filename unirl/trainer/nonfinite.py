@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.checkpoints import last_checkpoint_hint
+from unirl.trainer.checkpoints import last_checkpoint_hint
 
 #: The figures watched: the losses (``loss/*``), the critic's loss and values, and the advantages
 #: (where the critic's values end up). Rewards are not: NaN there means "does not apply".

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from unirl.core import nonconstant_groups
-from unirl.distributed import gather_rows, sum_over_processes
+from unirl.trainer.distributed import gather_rows, sum_over_processes
 from unirl.env import Environment, Rollout, concat_rollouts
 from unirl.config.schema import FilterGroupsConfig
 

@@ -1,4 +1,4 @@
-"""What a resume checks before it trusts a checkpoint (``unirl.checkpoints.resume``): where its files
+"""What a resume checks before it trusts a checkpoint (``unirl.trainer.checkpoints.resume``): where its files
 are, the loop's counters, the restored optimizer and schedule, and which config changes it refuses.
 
 A checkpoint is data that may have been damaged or edited by hand. Each check raises
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from unirl.state_files import StateFileError
+from unirl.trainer.state_files import StateFileError
 
 #: The largest counter a checkpoint may hold: integers up to 2**53 are exact in JSON readers that
 #: parse numbers as doubles, and no run takes that many steps.

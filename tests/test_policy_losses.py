@@ -1,0 +1,79 @@
+"""Registered policy losses (``unirl/core/policy_losses.py``): the shipped ones are the formulas they
+name, a duplicate name is refused, and a loss added in one function trains a step of the tiny text model
+(what ``docs/architecture.md`` tells a reader to do), as does a new advantage estimator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unirl.core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, LossInputs, LossSettings, clipped_policy_loss, register_policy_loss
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(3, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    old = logp.detach() + 0.3 * torch.randn(3, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name,level", [("clipped", "token"), ("gspo", "sequence")])
+def test_ratio_losses_are_clipped_policy_loss(seed, name, level):
+    logp, old, adv, mask = _inputs(seed)
+    settings = LossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0 if level == "token" else None,
+                            loss_agg="seq-mean-token-mean")
+    got, figures = POLICY_LOSSES.get(name).fn(LossInputs({"logp": logp, "mask": mask}, adv, old_logp=old), settings)
+    want, _ = clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=settings.dual_clip,
+                                  level=level, agg="seq-mean-token-mean")
+    assert torch.equal(got, want) and torch.equal(figures["loss/policy"], want.detach())
+    assert POLICY_LOSSES.get(name).whole_sequences == (level == "sequence")
+
+
+def test_a_duplicate_loss_name_is_refused():
+    with pytest.raises(ValueError, match="policy loss 'clipped' is already registered"):
+        register_policy_loss("clipped")(lambda inputs, settings: None)
+
+
+def test_a_new_loss_and_a_new_estimator_train_a_step(tmp_path, tiny_lm_dir):
+    from unirl.cli import load_run_config
+    from unirl.config import config_to_dict
+    from unirl.text.env import TextEnvironment
+    from unirl.trainer.loop import Trainer
+
+    calls = []
+
+    # A vanilla policy gradient, -A * logp averaged over trained tokens: one function, one decorator.
+    @register_policy_loss("test_vanilla_pg")
+    def vanilla_pg(inputs: LossInputs, settings: LossSettings):
+        calls.append(inputs.forward["logp"].shape)
+        mask = inputs.mask.bool()
+        loss = torch.where(mask, -inputs.advantages * inputs.forward["logp"], 0.0).sum() / mask.sum().clamp_min(1)
+        return loss, {"loss/policy": loss.detach()}
+
+    # Advantages: the reward minus the batch mean (no groups).
+    @ADVANTAGE_ESTIMATORS.register("test_batch_mean")
+    def batch_mean(rewards, group_ids, **_):
+        calls.append("estimator")
+        return rewards - rewards.mean(), None
+
+    try:
+        cfg = load_run_config("text", "tiny", [
+            "rollout.engine=hf", "trainer.total_steps=1", "trainer.eval_every=0", "trainer.save_every=0",
+            "trainer.progress=false", "algo.adv_estimator=test_batch_mean", "optim.lr=1e-2",
+        ], output_dir=str(tmp_path / "run"))
+        env = TextEnvironment(cfg)
+        trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
+                          config_dict=config_to_dict(cfg), policy_loss="test_vanilla_pg")
+        trainer.setup()
+        before = [p.detach().clone() for p in env.model.parameters() if p.requires_grad]
+        metrics = trainer.train_step()
+        after = [p.detach() for p in env.model.parameters() if p.requires_grad]
+        env.close()
+        assert "estimator" in calls and len(calls) > 1 and "loss/policy" in metrics
+        assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the step trained
+    finally:
+        POLICY_LOSSES.remove("test_vanilla_pg")
+        ADVANTAGE_ESTIMATORS.remove("test_batch_mean")

@@ -1,0 +1,83 @@
+"""The advantages stage: rewards on tokens (with the KL in the reward), the configured estimator over
+the global batch, and its figures (``adv/*``).
+
+Shapes: N samples of this process, N_all of all processes, T tokens or trained steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unirl.core import estimate_advantages, group_stats, kl_penalized_rewards, token_scores
+from unirl.env import Rollout
+from unirl.trainer.distributed import gather_rows
+
+
+def compute_advantages(trainer, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
+    """Advantages from rewards [N]: [N] (the same for every token / step of a sample) or [N, T] for
+    estimators that work per token (``reinforce++-baseline`` whitens over tokens), stored in
+    ``rollout.advantages`` (and ``rollout.rewards``; ``gae``'s returns, the critic's target, in
+    ``rollout.returns``).
+
+    With several processes the rewards, group ids and masks of all of them are gathered and the
+    advantages (and their statistics: FlowGRPO's batch std, REINFORCE++'s whitening) computed over
+    the global batch; each process keeps its own rows.
+
+    The estimators see the rewards on tokens (``token_rewards``: each score on its sample's last
+    trained token, minus the KL penalty when it is in the reward) and, as ``rewards``, their row sums
+    (the scores themselves without the KL penalty); ``gae`` also the critic's values."""
+    algo, acc = trainer.algo, trainer.accelerator
+    mask = trainer.env.loss_mask(rollout).bool()  # [N, T]
+    # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank (one
+    # process: its ids as they are, the estimators take any integers).
+    rank, n = acc.process_index, len(rollout)
+    token_rewards, kl_metrics = _token_rewards(trainer, rollout, rewards, mask)  # [N, T]
+    all_token_rewards = gather_rows(acc, token_rewards)  # [N_all, T_max]
+    all_rewards = all_token_rewards.sum(-1)  # [N_all]: the scores exactly, without a KL penalty
+    all_values = None if rollout.values is None else gather_rows(acc, rollout.values)  # [N_all, T_max]
+    if acc.num_processes > 1:
+        local_ids = torch.unique(rollout.group_ids, return_inverse=True)[1]  # [N]
+        all_ids = gather_rows(acc, local_ids + rank * n)  # [N_all]
+    else:
+        all_ids = rollout.group_ids  # [N]
+    all_mask = gather_rows(acc, mask)  # [N_all, T_max]
+    adv, returns = estimate_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, scale=algo.adv_scale,
+                                       eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased",
+                                       token_rewards=all_token_rewards, values=all_values, gamma=algo.gamma,
+                                       lam=algo.lam)
+    if algo.adv_clip is not None:
+        adv = adv.clamp(-algo.adv_clip, algo.adv_clip)
+    stats = group_stats(all_rewards, all_ids)
+    per_token = adv if adv.ndim == 2 else adv.unsqueeze(-1).expand(all_mask.shape)  # [N_all, T_max]
+    local = adv[rank * n:(rank + 1) * n]  # every process has N samples here (before any drop)
+    rollout.advantages = local[:, : mask.shape[1]] if local.ndim == 2 else local
+    rollout.rewards = rewards
+    if returns is not None:
+        rollout.returns = returns[rank * n:(rank + 1) * n, : mask.shape[1]]
+    # Every figure in one host transfer: the masked means as sums over the mask, no boolean indexing.
+    masked = torch.where(all_mask, per_token, 0.0)  # [N_all, T_max]
+    count = all_mask.sum().clamp_min(1)
+    names = ["adv/mean", "adv/abs_mean", *(f"adv/{k}" for k in stats)]
+    figures = torch.stack([masked.sum() / count, masked.abs().sum() / count, *(v.float() for v in stats.values())])
+    return {**dict(zip(names, figures.tolist())), **kl_metrics}
+
+
+def _token_rewards(trainer, rollout: Rollout, rewards: torch.Tensor, mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards on tokens [N, T]: each score on its sample's last trained token (verl's
+    ``token_level_scores``), and with ``algo.use_kl_in_reward`` minus ``beta * KL`` on every trained
+    token (verl's ``apply_kl_penalty``: KL between the old policy and the reference, by ``env.kl``).
+    Beta comes from the controller (``unirl.trainer.kl_control``), which then updates on the global
+    batch's mean per-sequence KL; logged ``actor/reward_kl_penalty`` (that KL) and
+    ``actor/reward_kl_penalty_coeff`` (the beta used)."""
+    scores = token_scores(rewards.float(), mask)  # [N, T]
+    kl_ctrl = trainer.kl_ctrl
+    if kl_ctrl is None:
+        return scores, {}
+    kl = trainer.env.kl(rollout.old, rollout.ref).float()  # [N, T]
+    beta = kl_ctrl.value
+    penalised, sequence_kl = kl_penalized_rewards(scores, kl[:, : mask.shape[1]], mask, beta)  # [N, T], [N]
+    everyone = gather_rows(trainer.accelerator, sequence_kl)  # [N_all]
+    current_kl = everyone.mean().item()
+    kl_ctrl.update(current_kl, n=len(everyone))
+    return penalised, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}

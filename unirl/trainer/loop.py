@@ -1,0 +1,368 @@
+"""The one training loop, for every environment, on Accelerate: the stage order, and nothing else.
+
+Each step is a short sequence of named stages, each timed as ``time/<stage>``, each in its own module
+of ``unirl.trainer``:
+
+    rollout -> score -> advantages -> old_logprobs (+ reference) -> update -> sync -> log
+    (+ evaluate and checkpoint every N steps)
+
+PPO with a critic (``algo.adv_estimator: gae``) and the KL in the reward run verl's order, where the
+rewards on tokens read the old and reference log-probs and the advantages read the critic's values:
+
+    rollout -> score -> old_logprobs (+ reference) -> values -> advantages (token rewards with the KL
+    penalty, GAE) -> update_critic -> update (from step ``trainer.critic_warmup`` on) -> sync -> log
+
+The algorithm lives in ``unirl/core`` (advantages, the registered policy losses, KL, aggregation); the
+environment (``unirl/env.py``) supplies samples, rewards and the forward of stored actions
+(``score_actions``). What flows between the stages is a ``Rollout`` (its typed fields: rewards,
+advantages, old/reference log-probs ...). Shapes: N = B*G samples, T tokens or trained denoising steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unirl.core import ADVANTAGE_ESTIMATORS
+from unirl.core.policy_losses import POLICY_LOSSES, LossSettings
+from unirl.env import Environment, Rollout
+from unirl.rewards.registry import RewardError
+from unirl.config.schema import AlgoConfig, OptimConfig, TrainerConfig
+from unirl.trainer import checkpoints
+from unirl.trainer import advantages as advantages_stage
+from unirl.trainer import logprobs as logprobs_stage
+from unirl.trainer import update as update_stage
+from unirl.trainer import zero_advantage
+from unirl.trainer.critic import Critic
+from unirl.trainer.distributed import cpu_processes, gather_rows, sum_over_processes
+from unirl.trainer.dynamic_sampling import FilteredBatch, SamplingStopped, sample_filtered
+from unirl.trainer.kl_control import build_kl_controller
+from unirl.trainer.nonfinite import NonFiniteWatch, skip_save_line
+from unirl.trainer.micro_batches import num_mini_batches, plan_micro_batches, split_to_count
+from unirl.trainer.optim import build_optimizer, build_scheduler
+from unirl.trainer.preemption import Preempted, StopSignals
+from unirl.trainer.run_log import Progress, RunLog
+
+__all__ = ["Preempted", "Trainer"]
+
+
+class Trainer:
+    def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
+                 run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None,
+                 policy_loss: str | None = None):
+        """``policy_loss``: a registered policy loss (``unirl.core.policy_losses``) by name, instead of the
+        environment's rollout mode's or the ratio loss at ``algo.level`` (``env_policy_loss``)."""
+        self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
+        self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
+        self.critic: Critic | None = None  # built at setup when the advantage estimator reads values
+        k = algo.kl_ctrl  # the coefficient of the KL in the reward, when it is there
+        self.kl_ctrl = build_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl,
+                                           horizon=k.horizon) if algo.use_kl_in_reward else None
+        if policy_loss is None and env is not None:
+            policy_loss = env_policy_loss(env, algo)
+        self.policy_loss = None if policy_loss is None else POLICY_LOSSES.get(policy_loss)
+        self.loss_settings = loss_settings(env, algo)
+        self.run_dir = Path(run_dir)
+        self.config_dict = config_dict or {}
+        self.step = 0
+        self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
+        self.prompt_batches = 0  # prompt batches drawn by dynamic sampling (without it, batch k is step k's)
+        self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
+        self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
+
+    # ================================================================ setup
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=cfg.log_with or None,
+                                       project_dir=str(self.run_dir), cpu=cpu_processes())
+        set_seed(cfg.seed)
+        self._guard_run_dir()
+        self.env.setup(self.accelerator)
+        model = self.env.model
+        optimizer = build_optimizer(model, self.optim_cfg, what="environment's model")
+        scheduler = build_scheduler(optimizer, self.optim_cfg,
+                                    total_steps=cfg.total_steps * cfg.ppo_epochs * self.num_mini_batches())
+        # The scheduler is not prepared: Accelerate's wrapper steps it once per process at every call
+        # (it assumes a dataloader split over processes), so 2 processes would warm up twice as fast.
+        model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.scheduler = scheduler
+        self.env.model = model
+        checkpoints.check_supported(self.accelerator)
+        self.critic = self._build_critic()  # prepared after the policy: its state follows the policy's in checkpoints
+        for obj in self.env.checkpoint_objects():
+            self.accelerator.register_for_checkpointing(obj)
+        self.accelerator.register_for_checkpointing(scheduler)  # after the environment's: their files keep their numbers
+        if self.critic is not None:
+            self.accelerator.register_for_checkpointing(self.critic.scheduler)
+        self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
+        if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
+            self._resume()
+        self.run_log.start(self.config_dict)
+        self.env.sync_weights()
+
+    def _build_critic(self) -> Critic | None:
+        """A critic when the advantage estimator reads values (``reads_values``: ``gae``), else None."""
+        if not getattr(ADVANTAGE_ESTIMATORS.get(self.algo.adv_estimator), "reads_values", False):
+            return None
+        if self.critic_cfg is None:
+            raise ValueError(f"algo.adv_estimator={self.algo.adv_estimator} trains a critic, and "
+                             f"{type(self.env).__name__} has no critic config")
+        return Critic(self.critic_cfg, env=self.env, accelerator=self.accelerator, micro_batches=self.micro_batches,
+                      num_mini_batches=self.num_mini_batches(), ppo_epochs=self.cfg.ppo_epochs, seed=self.cfg.seed,
+                      total_steps=self.cfg.total_steps)
+
+    def _guard_run_dir(self) -> None:
+        if (self.run_dir / "metrics.jsonl").exists() and not self.cfg.resume:
+            raise FileExistsError(
+                f"run directory {str(self.run_dir)!r} already holds a run (metrics.jsonl); pass trainer.resume=true "
+                f"to continue it or choose another --output-dir"
+            )
+
+    # ================================================================ train
+    def train(self) -> list[dict[str, float]]:
+        """Run ``trainer.total_steps`` steps; returns the per-step metrics.
+
+        SIGTERM (what SLURM and spot instances send) or SIGINT lets the current step finish, saves a
+        checkpoint, closes the engines and raises ``Preempted`` (exit status 143 / 130 from the CLI).
+        A second signal interrupts at once."""
+        self.signals.install(starting=True)  # a signal during start-up (a slow vLLM start) stops it with one line
+        try:
+            self.setup()
+        except BaseException:
+            self.signals.restore()
+            self.env.close()  # what started (an engine, reward threads) is released on the way out
+            raise
+        self.signals.starting = False
+        history = []
+        progress = Progress(self.cfg, self.step, self.accelerator.is_main_process)
+        try:
+            if self.cfg.eval_every and self.step == 0:
+                self._evaluate_and_log()
+            while self.step < self.cfg.total_steps:
+                try:
+                    metrics = self.train_step()
+                except RewardError as e:  # say what a crash leaves behind, with the reward's message
+                    raise RewardError(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
+                except SamplingStopped:  # a signal while DAPO drew batches: the step is given up, the state saved
+                    raise self.signals.preempted(self.step, self.save_checkpoint(), self.run_dir) from None
+                history.append(metrics)
+                self.run_log.log(metrics)
+                progress.update(metrics)
+                self.nonfinite.observe(metrics, self.step, self.run_dir)
+                last = self.step == self.cfg.total_steps
+                # The finished run is saved before its last evaluation, so a failing evaluation loses no
+                # step; a periodic checkpoint comes after its evaluation (the state a resumed run goes on from).
+                saved = self.save_checkpoint() if last else None
+                if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or last):
+                    self._evaluate_and_log()
+                if self.cfg.save_every and self.step % self.cfg.save_every == 0 and not last:
+                    saved = self.save_checkpoint()
+                if not last and self.signals.requested(self.accelerator):
+                    raise self.signals.preempted(self.step, saved or self.save_checkpoint(), self.run_dir)
+        finally:
+            self.signals.restore()
+            progress.close()
+            self.run_log.finish()
+            self.env.close()
+        return history
+
+    def train_step(self) -> dict[str, float]:
+        start = time.perf_counter()
+        times: dict[str, float] = {}
+        filtered = None
+        with _timer(times, "rollout"):
+            if self.algo.filter_groups.enabled:  # DAPO: generate and score until enough groups vary
+                filtered = self.dynamic_sampling()
+                rollout = filtered.rollout
+            else:
+                rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
+        with _timer(times, "score"):
+            rewards, reward_metrics = (filtered.rewards, filtered.reward_metrics) if filtered else self.env.score(rollout)
+        rollout, learn_metrics = self.learn(rollout, rewards, times)
+        self.step += 1
+        metrics = {"step": self.step, **self._global_reward_metrics(rewards, reward_metrics, rollout), **learn_metrics,
+                   **(filtered.metrics if filtered else {})}
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
+        return metrics
+
+    def learn(self, rollout: Rollout, rewards: torch.Tensor, times: dict[str, float] | None = None
+              ) -> tuple[Rollout, dict[str, float]]:
+        """The stages after scoring: advantages, old/reference log-probs, the updates and the weight sync
+        (and, for PPO, the critic's values and update; see the module docstring for the two orders).
+        Returns the rollout that trained (``algo.drop_zero_adv`` may drop samples) and the figures."""
+        times = {} if times is None else times
+        metrics: dict[str, float] = {}
+        # The KL in the reward reads the old and reference log-probs: they come first (verl's order).
+        logprobs_first = self.kl_ctrl is not None
+        if logprobs_first:
+            with _timer(times, "old_logprobs"):
+                metrics.update(self.old_and_reference(rollout))
+        if self.critic is not None:
+            with _timer(times, "values"):
+                self.critic.compute_values(rollout)
+        with _timer(times, "advantages"):
+            metrics.update(self.advantages(rollout, rewards))
+            if self.algo.drop_zero_adv:
+                rollout, drop_metrics = self.drop_zero_advantage(rollout)
+                metrics.update(drop_metrics)
+        if not logprobs_first:
+            with _timer(times, "old_logprobs"):
+                metrics.update(self.old_and_reference(rollout))
+        if self.critic is not None:
+            with _timer(times, "update_critic"):
+                metrics.update(self.critic.update(rollout, self.step))
+        # verl's critic warm-up, as its code counts: step numbers start at 1 and the actor trains when
+        # critic_warmup <= step, so N holds it back N-1 steps (``TrainerConfig.critic_warmup``).
+        if self.cfg.critic_warmup <= self.step + 1:
+            with _timer(times, "update"):
+                metrics.update(self.update(rollout))
+            with _timer(times, "sync"):
+                self.env.sync_weights()
+        return rollout, metrics
+
+    def dynamic_sampling(self) -> FilteredBatch:
+        """Rollout and score for DAPO's dynamic sampling (``unirl.trainer.dynamic_sampling``): batches of
+        prompts drawn in order (``prompt_batches`` counts them, checkpointed) until the step's groups are kept."""
+
+        def next_rows() -> list[dict]:
+            self.prompt_batches += 1
+            return self.env.next_prompts(self.prompt_batches - 1)
+
+        return sample_filtered(self.env, self.accelerator, self.algo.filter_groups, prompts_per_step=self.cfg.prompts_per_step,
+                               group_size=self.cfg.group_size, next_rows=next_rows,
+                               stop=lambda: self.signals.requested(self.accelerator))
+
+    # ================================================= the stages, each in its own module
+    def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
+        """``rollout.advantages`` (and rewards, returns) over the global batch (``unirl.trainer.advantages``)."""
+        return advantages_stage.compute_advantages(self, rollout, rewards)
+
+    def drop_zero_advantage(self, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """FlowGRPO's zero-advantage drop (``unirl.trainer.zero_advantage``)."""
+        return zero_advantage.drop_zero_advantage(self, rollout)
+
+    def old_and_reference(self, rollout: Rollout) -> dict[str, float]:
+        """``rollout.old_logp``, ``old`` and ``ref`` (``unirl.trainer.logprobs``)."""
+        return logprobs_stage.old_and_reference(self, rollout)
+
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        """The policy's optimizer steps over ``rollout`` (``unirl.trainer.update``)."""
+        return update_stage.update(self, rollout)
+
+    def optimizer_step(self) -> float:
+        """One optimizer step of the policy; returns the gradient norm (``unirl.trainer.update``)."""
+        return update_stage.optimizer_step(self)
+
+    # ============================================================== helpers the stages share
+    def num_mini_batches(self) -> int:
+        return num_mini_batches(self.cfg.prompts_per_step, self.cfg.group_size, self.cfg.mini_batch_size)
+
+    def on_policy(self) -> bool:
+        """Whether every forward of the update sees the weights that the old log-probs belong to: one
+        mini-batch and one epoch, so the only optimizer step comes after all of them. (Not when the KL
+        is in the reward: the rewards need the old log-probs before the update.)"""
+        return self.cfg.ppo_epochs == 1 and self.num_mini_batches() == 1 and self.kl_ctrl is None
+
+    def micro_batches(self, batch: Rollout) -> list[torch.Tensor]:
+        """The micro-batches of ``batch`` as index tensors (``plan_micro_batches``): ``micro_batch_size``
+        samples each, or packed by ``trainer.micro_batch_tokens`` over ``env.sample_tokens`` and then
+        padded only to their own longest (``env.trim_padding``). With several processes every one runs
+        as many micro-batches as the busiest, as FSDP's collective forwards need."""
+        budget = self.cfg.micro_batch_tokens
+        lengths = None if budget is None else self.env.sample_tokens(batch)  # [n]
+        chunks = plan_micro_batches(len(batch), micro_batch_size=self.cfg.micro_batch_size, lengths=lengths,
+                                    token_budget=budget)
+        if budget is not None and self.accelerator.num_processes > 1:
+            count = torch.tensor([len(chunks)], device=self.accelerator.device)
+            chunks = split_to_count(chunks, int(self.accelerator.reduce(count, reduction="max")))
+        return [torch.tensor(c, dtype=torch.long) for c in chunks]
+
+    def _evaluate_and_log(self) -> None:
+        """``evaluate`` and its row in the logs; a failure says where the last checkpoint is."""
+        try:
+            self.run_log.log({"step": self.step, **self.evaluate()})
+        except RewardError as e:
+            raise RewardError(f"evaluation at step {self.step}: {e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
+        except Exception as e:
+            e.add_note(f"unirl: evaluation at step {self.step} failed; {checkpoints.last_checkpoint_hint(self.run_dir)}")
+            raise
+
+    def evaluate(self) -> dict[str, float]:
+        start = time.perf_counter()
+        out = self.env.evaluation(self.step, self.run_dir)
+        if out:
+            out["time/eval"] = time.perf_counter() - start
+        self.run_log.log_media(self.env.evaluation_media, self.step)
+        return out
+
+    # ======================================================= several processes
+    def _global_reward_metrics(self, rewards: torch.Tensor, env_metrics: dict[str, float], rollout: Rollout) -> dict:
+        """``reward/mean``, ``reward/std`` and the per-reward ``reward/<name>`` over the global batch.
+
+        One process: the environment's figures. Several: the rewards are gathered, and each reward's
+        per-sample scores when the environment left them in ``rollout.tensors["score/<name>"]`` (NaN
+        where it does not apply); a figure it did not leave is averaged over processes."""
+        everyone = gather_rows(self.accelerator, rewards.float())
+        out = {"reward/mean": everyone.mean().item(), "reward/std": everyone.std().item()}
+        if self.accelerator.num_processes == 1:
+            return {**out, **env_metrics}
+        for key, value in env_metrics.items():
+            scores = rollout.tensors.get("score/" + key.removeprefix("reward/"))  # the environment's extras
+            if scores is not None:
+                out[key] = gather_rows(self.accelerator, scores.float()).nanmean().item()
+            else:
+                out[key] = sum_over_processes(self.accelerator, value) / self.accelerator.num_processes
+        return out
+
+    # ========================================================= checkpoints
+    def save_checkpoint(self) -> Path | None:
+        """``checkpoints/step_N/``: the policy and ``trainer_state/`` (``unirl.trainer.checkpoints``); a
+        non-finite state is not saved over the last good checkpoint (``unirl.trainer.nonfinite``)."""
+        why = self.nonfinite.unsafe_to_save(self.accelerator._models)
+        if why is not None:
+            self.accelerator.print(skip_save_line(self.step, why, self.run_dir))
+            return (checkpoints.checkpoint_dirs(self.run_dir) or [None])[-1]
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
+        if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
+            state["kl_ctrl"] = self.kl_ctrl.state_dict()
+        return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
+                                           keep=self.cfg.keep_checkpoints, config=self.config_dict)
+
+    def _resume(self) -> None:
+        state = checkpoints.resume(self.accelerator, self.run_dir, self.config_dict)
+        if state is not None:
+            self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
+            self.prompt_batches = state.get("prompt_batches", 0)
+            if self.kl_ctrl is not None and "kl_ctrl" in state:
+                self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+
+# ================================================================ helpers
+def env_policy_loss(env: Environment, algo: AlgoConfig) -> str:
+    """The registered policy loss of a run: the environment's rollout mode's (DiffusionNFT: ``nft``), or
+    the ratio loss at ``algo.level`` (``clipped`` per token, ``gspo`` per sequence)."""
+    return env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
+
+
+def loss_settings(env: Environment | None, algo: AlgoConfig) -> LossSettings:
+    """The numbers the policy losses read, from ``algo`` and the environment's ``nft`` block if any."""
+    nft = getattr(getattr(env, "cfg", None), "nft", None)
+    extra = {} if nft is None else dict(nft_beta=nft.beta, nft_adv_clip=nft.adv_clip, nft_kl_coef=nft.kl_coef)
+    return LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                        loss_agg=algo.loss_agg, **extra)
+
+
+@contextlib.contextmanager
+def _timer(times: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - start
