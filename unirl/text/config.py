@@ -161,10 +161,14 @@ class RolloutConfig:
     tool_error_text: str = "Error: {error}"
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "tensor_parallel_size"):
+        for name in ("max_new_tokens", "tensor_parallel_size", "max_turns", "tool_concurrency"):
             check_range(self, name, low=1)
-        for name in ("max_model_len", "eval_max_new_tokens", "max_observation_tokens"):
+        for name in ("max_model_len", "eval_max_new_tokens", "max_observation_tokens", "max_total_tokens"):
             check_range(self, name, low=1, optional=True)
+        check_range(self, "tool_timeout_s", low=0, low_open=True)
+        from unirl.tools.calling import check_error_text
+
+        check_error_text(self.tool_error_text, key="tool_error_text")
         check_range(self, "top_p", low=0, high=1, low_open=True)
         check_range(self, "gpu_memory_utilization", low=0, high=1, low_open=True)
         if self.top_k != -1 and self.top_k < 1:

@@ -8,7 +8,8 @@ counts it (``rollout/tool_errors``). A synchronous tool runs in a thread of a po
 ``max_concurrency``; a timed-out thread cannot be killed and finishes in the background (its result
 is dropped). Each call runs in a daemon thread of its own, so a tool that hangs for ever keeps neither
 the run nor the process's exit waiting (a pool's threads are joined at exit: the run printed "done" and
-never ended); ``close`` names the tools still running.
+never ended); ``close`` names the tools still running. A result is made valid UTF-8 (a lone surrogate
+becomes U+FFFD) so that tokenizing it cannot fail.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ToolRunner:
                  error_text: str = "Error: {error}"):
         if timeout_s <= 0 or max_concurrency < 1:
             raise ValueError(f"tool timeout_s must be > 0 and max_concurrency >= 1, got {timeout_s}, {max_concurrency}")
+        check_error_text(error_text)
         self.tools = dict(tools)
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
@@ -85,7 +87,7 @@ class ToolRunner:
                 error = f"tool {call.name!r} raised {type(err).__name__}: {err}"
         if error is not None:
             text = self.error_text.format(error=error)
-        return ToolResult(text, error, time.perf_counter() - start)
+        return ToolResult(valid_utf8(text), error, time.perf_counter() - start)
 
     def _unknown(self, call: ToolCall) -> str | None:
         if call.name in self.tools:
@@ -138,3 +140,24 @@ class ToolRunner:
         if hung:
             logger.warning("tool calls still running at the end, not waited for: %s", ", ".join(hung))
 
+
+def check_error_text(error_text: str, key: str = "rollout.tool_error_text") -> None:
+    """Refuse an error text whose placeholders are not exactly ``{error}`` (found at load, not at the
+    first failed call)."""
+    try:
+        error_text.format(error="x")
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"{key} {error_text!r}: only the placeholder {{error}} is filled in "
+                         f"({type(err).__name__}: {err}); write a literal brace as {{{{ or }}}}") from None
+
+
+def valid_utf8(text: str | None) -> str | None:
+    """``text`` with lone surrogates (which no tokenizer or file accepts) replaced by U+FFFD; a pair
+    written as two code points is joined."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
