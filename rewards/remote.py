@@ -19,7 +19,6 @@ backoff). Each request gets what scoring it alone gives (``score_requests``), er
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import socket
 import sys
@@ -32,17 +31,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from unirl.rewards.batching import BatchQueue, QueueFull
+from unirl.rewards.http_guards import TOKEN_ENV, Guards, Refused
 from unirl.rewards.loading import load_reward, reward_info
 from unirl.rewards.models import ModelReward
 from unirl.rewards.registry import RewardError
 from unirl.rewards.remote_client import RemoteReward, decode_sample, encode_sample
 from unirl.rewards.scoring import score_requests
 
-__all__ = ["RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
-
-
-#: The environment variable holding the shared token when ``--token`` / ``token=`` is not given.
-TOKEN_ENV = "UNIRL_REWARD_TOKEN"
+__all__ = ["TOKEN_ENV", "RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
 
 
 def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None, *,
@@ -61,14 +57,12 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: di
     ``Authorization: Bearer <token>`` (401 otherwise). On SIGTERM / SIGINT the requests in flight get
     ``grace_s`` seconds to finish; a reward call still running then is abandoned.
     """
-    import os
-
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
-    if max_body_mb <= 0 or body_timeout_s <= 0 or grace_s < 0:
-        raise ValueError(f"max_body_mb and body_timeout_s must be > 0 and grace_s >= 0, "
-                         f"got {max_body_mb}, {body_timeout_s}, {grace_s}")
-    token = token or os.environ.get(TOKEN_ENV) or None
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    guards = Guards.from_settings("serve-reward", max_body_mb=max_body_mb, body_timeout_s=body_timeout_s, token=token,
+                                  settings=kwargs or {})
     # First, so that bad settings fail before a model loads; ``fn`` is bound below, before any call.
     queue = BatchQueue(lambda requests: score_requests(fn, requests, name=spec), size=lambda request: len(request[0]),
                        max_batch=max_batch, max_wait=max_wait_ms / 1000, max_queue=max_queue)
@@ -80,20 +74,14 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: di
         meta = {"name": info.name, "modality": info.modality, "description": info.description}
     except RewardError:  # a file or module spec: not registered under a name
         meta = {"name": spec, "modality": getattr(fn, "modality", None), "description": ""}
-    app = make_app(spec, meta, queue, settings=set(kwargs or {}), max_body=int(max_body_mb * 2**20),
-                   body_timeout=body_timeout_s, token=token)
-    return RewardServer(app, host, port, grace_s=grace_s)
+    return RewardServer(make_app(spec, meta, queue, guards), host, port, grace_s=grace_s)
 
 
-class BodyTooLarge(ValueError):
-    pass
-
-
-def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = frozenset(), max_body: int = 64 * 2**20,
-             body_timeout: float = 30.0, token: str | None = None) -> FastAPI:
+def make_app(spec: str, meta: dict, queue: BatchQueue, guards: Guards | None = None) -> FastAPI:
     """The ASGI app: ``/info``, ``/health`` and ``/score`` over ``queue``, which it starts and stops.
-    ``settings``: the server's kwargs, which a request may not name; ``max_body`` bytes,
-    ``body_timeout`` seconds and ``token``: see ``make_server``."""
+    ``guards``: the token, body limits and the server's settings (``rewards/http_guards.py``; default:
+    no token, 64 MB, 30 s)."""
+    guards = guards or Guards("serve-reward")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -111,20 +99,14 @@ def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = f
             sys.stderr.write(f"serve-reward {spec}: {client} {request.method} {request.url.path} {status}: {first}\n")
         return JSONResponse(body, status_code=status)
 
-    def refused(request: Request) -> JSONResponse | None:
-        """401 unless the request carries the token (when the server has one)."""
-        if token is None:
-            return None
-        sent = request.headers.get("authorization", "")
-        if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-            return None
-        return answer(request, 401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (the "
-                                              f"client sends kwargs.token or ${TOKEN_ENV})"})
-
     @app.get("/info")
     @app.get("/info/")
     async def info(request: Request):
-        return refused(request) or answer(request, 200, meta)
+        try:
+            guards.check_token(request)
+        except Refused as err:
+            return answer(request, err.status, {"error": str(err)})
+        return answer(request, 200, meta)
 
     @app.get("/health")
     @app.get("/health/")
@@ -135,23 +117,18 @@ def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = f
     @app.post("/score")
     @app.post("/score/")
     async def score(request: Request):
-        denied = refused(request)
-        if denied is not None:
-            return denied
         try:
-            body = await asyncio.wait_for(_read_body(request, max_body), body_timeout)
-        except BodyTooLarge as err:
-            return answer(request, 413, {"error": str(err)})
-        except TimeoutError:
-            return answer(request, 408, {"error": f"the request body did not arrive within {body_timeout:g} s"})
+            body = await guards.read_body(request)
+        except Refused as err:
+            return answer(request, err.status, {"error": str(err)})
         try:
             item = await _parse(body)
         except Exception as err:
             return answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
-        named = sorted(settings & set(item[1]))
-        if named:  # the reward is called with the columns as keyword arguments: they would replace the server's
-            return answer(request, 400, {"error": f"request column(s) {', '.join(map(repr, named))} are settings "
-                                                  f"of this server (serve-reward --kwargs); a request may not change them"})
+        try:  # the reward is called with the columns as keyword arguments: they would replace the server's
+            guards.check_names(item[1], "column")
+        except Refused as err:
+            return answer(request, err.status, {"error": str(err)})
         try:
             scores = await queue.submit(item)
         except QueueFull as err:
@@ -173,21 +150,6 @@ def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = f
         return answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
 
     return app
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (``BodyTooLarge``) as soon as it is known to pass ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body of {int(declared)} bytes is over the server's limit of {limit} "
-                           f"(serve-reward --max-body-mb)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body is over the server's limit of {limit} bytes (serve-reward --max-body-mb)")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _parse(body: bytes) -> tuple[list, dict]:

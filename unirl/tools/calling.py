@@ -4,9 +4,9 @@
 A call that raises, times out, returns something other than a string, names an unknown tool, or could
 not be parsed (``ToolCall.error`` set by the format) never ends the run: its observation is
 ``error_text`` with ``{error}`` filled in, and ``ToolResult.error`` says what happened so the rollout
-counts it (``rollout/tool_errors``). A synchronous tool runs in a thread of a pool of
-``max_concurrency``; a timed-out thread cannot be killed and finishes in the background (its result
-is dropped). Each call runs in a daemon thread of its own, so a tool that hangs for ever keeps neither
+counts it (``rollout/tool_errors``). A synchronous tool runs in a thread, at most ``max_concurrency``
+calls at once; a timed-out thread cannot be killed and finishes in the background (its result is
+dropped). Each call runs in a daemon thread of its own, so a tool that hangs for ever keeps neither
 the run nor the process's exit waiting (a pool's threads are joined at exit: the run printed "done" and
 never ended); ``close`` names the tools still running. A result is made valid UTF-8 (a lone surrogate
 becomes U+FFFD) so that tokenizing it cannot fail.

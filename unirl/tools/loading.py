@@ -38,9 +38,21 @@ def load_tool(spec: str, **kwargs: Any) -> ToolFn:
     if not kwargs:
         return obj
     shared._check_bound_kwargs(spec, obj, kwargs, kind="tool", error=ToolError, skip_first=False)
-    bound = functools.partial(obj, **kwargs)
+    bound = _Bound(obj, **kwargs)
     functools.update_wrapper(bound, obj)
     return bound
+
+
+class _Bound(functools.partial):
+    """A tool function with the config's kwargs bound, which a call may not replace: the model's
+    arguments naming one are refused (a plain partial lets them win over the config)."""
+
+    def __call__(self, /, *args, **arguments):
+        named = sorted(set(self.keywords) & set(arguments))
+        if named:
+            raise ToolError(f"argument(s) {', '.join(map(repr, named))} are settings of tool "
+                            f"{getattr(self.func, '__name__', self.func)!r} from the config; a call may not change them")
+        return super().__call__(*args, **arguments)
 
 
 def resolve_tool(spec: str) -> ToolFn:
