@@ -175,3 +175,32 @@ def test_plot_names_the_file_of_a_list_row_and_of_a_binary_file(tmp_path):
     result = _cli("plot", str(tmp_path / "b"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{tmp_path / 'b' / 'metrics.jsonl'}: not a text file" in result.stderr
+
+
+def test_eval_of_a_runs_checkpoint_scores_with_the_runs_saved_config(tmp_path, tiny_lm_dir):
+    """A run trained on its own reward: ``--config tiny`` (gsm8k) used to score it with gsm8k."""
+    import shutil
+
+    import yaml
+
+    from unirl.api import load_config
+    from unirl.config import config_to_dict
+
+    (tmp_path / "length.py").write_text("def length(samples, **kwargs):\n    return [len(s) / 100 for s in samples]\n")
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000001"
+    shutil.copytree(tiny_lm_dir, ckpt)
+    saved = load_config("text", "tiny", [f"rewards=[{{name: '{tmp_path / 'length.py'}:length'}}]"])
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(saved)))
+    common = ["--checkpoint", str(ckpt), "rollout.engine=hf", "data.eval_size=2", "rollout.max_new_tokens=4"]
+    own = _cli("eval", "text", "--config", "tiny", "--output-dir", str(tmp_path / "own"), *common)
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert f"config: {run / 'config.yaml'} (the run's saved config; not tiny" in own.stderr
+    summary = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert "reward/length" in summary and "reward/gsm8k" not in summary
+    told = _cli("eval", "text", "--config", "tiny", "--no-run-config", "--output-dir", str(tmp_path / "told"), *common)
+    assert told.returncode == 0, told.stderr[-3000:]
+    assert "config: tiny" in told.stderr and "reward/gsm8k" in json.loads((tmp_path / "told" / "summary.json").read_text())
+    plain = _cli("eval", "text", "--output-dir", str(tmp_path / "plain"), *common)  # --config may be left out
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "reward/length" in json.loads((tmp_path / "plain" / "summary.json").read_text())

@@ -65,14 +65,15 @@ def train(env_name: str, config: str, overrides: list[str], output_dir: str | No
     return train_config(env_name, cfg, config_file=config_file, label=config, dry_run=dry_run, verbose=verbose)
 
 
-def evaluate(env_name: str, config: str, overrides: list[str], checkpoint: str, output_dir: str | None, n: int,
-             ks: list[int], verbose: bool = False) -> None:
+def evaluate(env_name: str, config: str | None, overrides: list[str], checkpoint: str, output_dir: str | None, n: int,
+             ks: list[int], verbose: bool = False, run_config: bool = True) -> None:
     from unirl.api import evaluate as evaluate_checkpoint
-    from unirl.evaluation import summary_line
+    from unirl.evaluation import choose_config, summary_line
 
-    cfg = load_run_config(env_name, config, overrides)
-    summary = evaluate_checkpoint(env_name, cfg, checkpoint=checkpoint, output_dir=output_dir, n=n, ks=ks,
-                                  verbose=verbose)
+    config, which = choose_config(checkpoint, config, run_config)  # the run's own config, unless told
+    print(which, file=sys.stderr)
+    summary = evaluate_checkpoint(env_name, config, overrides, checkpoint=checkpoint, output_dir=output_dir, n=n,
+                                  ks=ks, verbose=verbose, run_config=False)
     print(summary_line(summary))
 
 
@@ -173,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.total_steps=10")
     p_eval = sub.add_parser("eval", help="score a checkpoint on the config's held-out prompts", parents=[flags])
     p_eval.add_argument("env", choices=sorted(ENVIRONMENTS))
-    p_eval.add_argument("--config", required=True,
-                        help=f"config name ({_config_names()}), a YAML path or a run's config.yaml (its test split and rewards)")
+    p_eval.add_argument("--config", default=None,
+                        help=f"config name ({_config_names()}) or a YAML path; default and by preference: the "
+                             f"checkpoint's run's saved config.yaml (its test split and rewards)")
+    p_eval.add_argument("--no-run-config", action="store_true",
+                        help="score a run's checkpoint with --config instead of the run's saved config.yaml")
     p_eval.add_argument("--checkpoint", required=True,
                         help="a run's checkpoints/step_N/ (full or LoRA), a model directory, a named model "
                              "(unirl models list) or a hub name")
@@ -250,7 +254,7 @@ def _dispatch(args) -> int:
     if args.command == "eval":
         ks = [int(k) for k in args.k.split(",") if k.strip()]
         evaluate(args.env, args.config, args.overrides, args.checkpoint, args.output_dir, args.n, ks,
-                 verbose=getattr(args, "verbose", False))
+                 verbose=getattr(args, "verbose", False), run_config=not args.no_run_config)
         return 0
     if args.command == "plot":
         plot(args.runs, args.out, args.metrics)

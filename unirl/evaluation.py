@@ -52,6 +52,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def run_config_file(checkpoint: str | Path) -> Path | None:
+    """The saved ``config.yaml`` of the run a checkpoint lies in (``RUN/checkpoints/step_N`` -> ``RUN/config.yaml``)."""
+    path = Path(checkpoint).expanduser()
+    for run in (path.parent.parent, path.parent.parent.parent):  # step_N/, or step_N/adapter/
+        if path.is_dir() and (run / "checkpoints").is_dir() and path.resolve().is_relative_to((run / "checkpoints").resolve()):
+            return run / "config.yaml" if (run / "config.yaml").is_file() else None
+    return None
+
+
+def choose_config(checkpoint: str | Path, config, use_run_config: bool = True, default: str | None = None) -> tuple[object, str]:
+    """``(config, which)``: the config to score with and a line saying which it is. A checkpoint of a
+    run is scored with that run's saved config (its rewards, test split and prompt format) unless
+    ``use_run_config`` is False or ``config`` is a mapping or config object (scoring a run trained on
+    one reward with a config naming another reported that other: ``reward/gsm8k 0.0``); otherwise
+    ``config``, or ``default`` when it is None."""
+    saved = run_config_file(checkpoint)
+    if saved is not None and use_run_config and (config is None or isinstance(config, (str, Path))):
+        instead = "" if config is None else f"; not {config}: --no-run-config (run_config=False) scores with that"
+        return str(saved), f"config: {saved} (the run's saved config{instead})"
+    config = default if config is None else config
+    if config is None:
+        raise ValueError(f"--checkpoint {checkpoint} is not in a run directory with a saved config.yaml: "
+                         f"give --config")
+    return config, f"config: {config}" if isinstance(config, (str, Path)) else "config: the one given"
+
+
 def check_checkpoint_path(checkpoint: str) -> Path | None:
     """The checkpoint's path when it is one on disk; None for a hub name (``org/name`` or ``name``). A
     path that does not exist (absolute, relative with a folder in it, ``~`` or ``.``) is one error, not
