@@ -183,8 +183,10 @@ class OverlongConfig:
     #: than ``rollout.max_new_tokens - buffer`` tokens loses ``(length - that) / buffer * penalty_factor``
     #: reward (``unirl.core.overlong_penalty``), logged as ``reward/overlong_penalty``; the raw
     #: ``reward/<name>`` components (and dynamic sampling's metric) are not changed. null disables.
+    #: With tools, as verl: the whole response (observations included) against ``rollout.max_total_tokens``
+    #: less the prompt (or ``max_turns * max_new_tokens``); the penalty is at most ``penalty_factor``.
     buffer: Optional[int] = None
-    #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``).
+    #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``), >= 0.
     penalty_factor: float = 1.0
     #: TRL's ``mask_truncated_completions``: responses cut at ``rollout.max_new_tokens`` (no EOS) are
     #: left out of the loss (their tokens out of the loss mask, so out of its normaliser too); they

@@ -72,6 +72,18 @@ def trajectories_to_rollout(rows: list[dict], groups: list[list[Trajectory]], to
     )
 
 
+def overlong_lengths(rollout_cfg, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """``(lengths [N], max_length)`` for DAPO's overlong penalty of a multi-turn rollout, as verl measures
+    them: the whole response (observations included: verl's attention mask) against the most the
+    response may hold, ``max_total_tokens`` less its prompt ([N]); with no ``max_total_tokens``, the
+    generated budget ``max_turns * max_new_tokens``. (All turns' tokens against one turn's
+    ``max_new_tokens`` reached -11 for a factor of 1.)"""
+    lengths = tensors["response_attention_mask"].sum(-1)  # [N]
+    if rollout_cfg.max_total_tokens is not None:
+        return lengths, rollout_cfg.max_total_tokens - tensors["prompt_mask"].sum(-1)  # [N]
+    return lengths, rollout_cfg.max_turns * rollout_cfg.max_new_tokens
+
+
 def multi_turn_metrics(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     """The issue's ``rollout/...`` figures: means per sample, errors as a count, latency per call."""
     calls = tensors["tool_calls"].sum()
