@@ -14,7 +14,7 @@ def build_tools(rollout_cfg, tokenizer):
     model calls it)."""
     from unirl.tools import load_tool, tool_name
     from unirl.tools.calling import ToolRunner
-    from unirl.tools.formats import resolve_call_format
+    from unirl.tools.formats import check_callable, resolve_call_format
 
     tools = {}
     for spec in rollout_cfg.tools:
@@ -23,7 +23,9 @@ def build_tools(rollout_cfg, tokenizer):
         if name in tools:
             raise ValueError(f"rollout.tools: two tools are called {name!r}")
         tools[name] = tool
-    fmt = resolve_call_format(rollout_cfg.call_format)(tokenizer)
+    fmt_cls = resolve_call_format(rollout_cfg.call_format)
+    check_callable(fmt_cls, list(tools), rollout_cfg.call_format)
+    fmt = fmt_cls(tokenizer)
     runner = ToolRunner(tools, timeout_s=rollout_cfg.tool_timeout_s, max_concurrency=rollout_cfg.tool_concurrency,
                         error_text=rollout_cfg.tool_error_text)
     return fmt, runner
