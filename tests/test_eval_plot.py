@@ -142,6 +142,7 @@ def test_eval_of_a_missing_checkpoint_says_it_does_not_exist(missing, tmp_path):
         unirl.evaluate("text", "tiny", ["rollout.engine=hf"], checkpoint=missing, output_dir=tmp_path / "e")
     result = _cli("eval", "diffusion", "--config", "tiny", "--checkpoint", missing)
     assert result.returncode == 2 and f"--checkpoint {missing} does not exist" in result.stderr, result.stderr[-2000:]
+    assert not (REPO / "eval" / Path(missing).name).exists()  # nothing written for it
 
 
 def test_eval_leaves_no_temporary_directory_even_for_a_lora_checkpoint(tmp_path, tiny_lm_dir):

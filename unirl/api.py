@@ -111,9 +111,10 @@ def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[st
     A checkpoint of a run is scored with the run's saved ``config.yaml`` unless ``run_config=False``
     (``config`` then, default ``tiny``); the summary's ``config`` says which."""
     from unirl import logs
-    from unirl.evaluation import choose_config, evaluate_diffusion, evaluate_text
+    from unirl.evaluation import check_checkpoint_path, choose_config, evaluate_diffusion, evaluate_text
 
     logs.configure(verbose=verbose)
+    check_checkpoint_path(str(checkpoint))  # before anything is written: a missing one is one line
     config, which = choose_config(checkpoint, config, run_config, default="tiny")
     cfg = load_config(env, config, overrides)
     out = Path(output_dir) if output_dir is not None else _default_eval_dir(checkpoint)
