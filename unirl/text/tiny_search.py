@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -129,7 +128,6 @@ def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
     ``<answer>``) is trained on every answer-at-once example and on a share ``r`` of the searching
     ones, so that the model searches ``search_prior`` of the time."""
     rng = random.Random(seed + 3)
-    tokenizer = _MemoTokenizer(tokenizer)
     task_names = {n for part in task_codes().values() for n in part}
     pool = _names(rng, 2000, exclude=task_names)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["warm_start_lr"])
@@ -156,24 +154,6 @@ def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
         _accumulated_step(model, optimizer, [searches, guesses, drills], tokenizer.pad_token_id)
     model.eval()
     return step
-
-
-class _MemoTokenizer:
-    """The tokenizer with its ids remembered by text: the warm start tokenizes the same strings (2,000
-    names, 8 codes) over and over, about 250 calls a step. The ids are the tokenizer's own, so the
-    built model is the same; each call gets a fresh list (``example`` extends it)."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer, self._ids = tokenizer, {}
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        key = (text, add_special_tokens)
-        if key not in self._ids:
-            self._ids[key] = tuple(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-        return SimpleNamespace(input_ids=list(self._ids[key]))
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
 
 
 def _accumulated_step(model, optimizer, groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -> None:
