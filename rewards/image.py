@@ -126,17 +126,12 @@ def input_images(paths: Sequence[str], size: tuple[int, int] | None = None) -> l
     ...
     ValueError: this reward compares each image with its input image: it needs the 'image' column (a file path per sample), which image-editing families give
     """
-    from PIL import Image
+    from unirl.image_files import load_rgb
 
     if paths is None:
         raise ValueError("this reward compares each image with its input image: it needs the 'image' column "
                          "(a file path per sample), which image-editing families give")
-    out = []
-    for path in paths:
-        with Image.open(path) as image:
-            image = image.convert("RGB")
-            out.append(image.resize(size, Image.BICUBIC) if size is not None and image.size != size else image)
-    return out
+    return [load_rgb(path, size) for path in paths]  # a missing, truncated or oversized file is named
 
 
 @register_reward("input_similarity", modality="image",

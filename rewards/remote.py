@@ -19,13 +19,11 @@ backoff). Each request gets what scoring it alone gives (``score_requests``), er
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import socket
 import sys
 import threading
 from contextlib import asynccontextmanager
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -33,17 +31,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from unirl.rewards.batching import BatchQueue, QueueFull
+from unirl.rewards.http_guards import TOKEN_ENV, Guards, Refused
 from unirl.rewards.loading import load_reward, reward_info
 from unirl.rewards.models import ModelReward
 from unirl.rewards.registry import RewardError
 from unirl.rewards.remote_client import RemoteReward, decode_sample, encode_sample
 from unirl.rewards.scoring import score_requests
 
-__all__ = ["RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
-
-
-#: The environment variable holding the shared token when ``--token`` / ``token=`` is not given.
-TOKEN_ENV = "UNIRL_REWARD_TOKEN"
+__all__ = ["TOKEN_ENV", "RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
 
 
 def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None, *,
@@ -62,14 +57,12 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: di
     ``Authorization: Bearer <token>`` (401 otherwise). On SIGTERM / SIGINT the requests in flight get
     ``grace_s`` seconds to finish; a reward call still running then is abandoned.
     """
-    import os
-
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
-    if max_body_mb <= 0 or body_timeout_s <= 0 or grace_s < 0:
-        raise ValueError(f"max_body_mb and body_timeout_s must be > 0 and grace_s >= 0, "
-                         f"got {max_body_mb}, {body_timeout_s}, {grace_s}")
-    token = token or os.environ.get(TOKEN_ENV) or None
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    guards = Guards.from_settings("serve-reward", max_body_mb=max_body_mb, body_timeout_s=body_timeout_s, token=token,
+                                  settings=kwargs or {})
     # First, so that bad settings fail before a model loads; ``fn`` is bound below, before any call.
     queue = BatchQueue(lambda requests: score_requests(fn, requests, name=spec), size=lambda request: len(request[0]),
                        max_batch=max_batch, max_wait=max_wait_ms / 1000, max_queue=max_queue)
@@ -81,20 +74,14 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: di
         meta = {"name": info.name, "modality": info.modality, "description": info.description}
     except RewardError:  # a file or module spec: not registered under a name
         meta = {"name": spec, "modality": getattr(fn, "modality", None), "description": ""}
-    app = make_app(spec, meta, queue, settings=set(kwargs or {}), max_body=int(max_body_mb * 2**20),
-                   body_timeout=body_timeout_s, token=token)
-    return RewardServer(app, host, port, grace_s=grace_s)
+    return RewardServer(make_app(spec, meta, queue, guards), host, port, grace_s=grace_s)
 
 
-class BodyTooLarge(ValueError):
-    pass
-
-
-def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = frozenset(), max_body: int = 64 * 2**20,
-             body_timeout: float = 30.0, token: str | None = None) -> FastAPI:
+def make_app(spec: str, meta: dict, queue: BatchQueue, guards: Guards | None = None) -> FastAPI:
     """The ASGI app: ``/info``, ``/health`` and ``/score`` over ``queue``, which it starts and stops.
-    ``settings``: the server's kwargs, which a request may not name; ``max_body`` bytes,
-    ``body_timeout`` seconds and ``token``: see ``make_server``."""
+    ``guards``: the token, body limits and the server's settings (``rewards/http_guards.py``; default:
+    no token, 64 MB, 30 s)."""
+    guards = guards or Guards("serve-reward")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -104,113 +91,65 @@ def make_app(spec: str, meta: dict, queue: BatchQueue, *, settings: set[str] = f
 
     app = FastAPI(title=f"serve-reward {spec}", lifespan=lifespan, redirect_slashes=False,
                   docs_url=None, redoc_url=None, openapi_url=None)
-    guard = RequestGuard(f"serve-reward {spec}", max_body=max_body, body_timeout=body_timeout, token=token)
+
+    def answer(request: Request, status: int, body: dict) -> JSONResponse:
+        if status != 200:  # one line on stderr for each request that failed
+            client = request.client.host if request.client else "?"
+            first = body["error"].splitlines()[0][:300] if body.get("error") else ""
+            sys.stderr.write(f"serve-reward {spec}: {client} {request.method} {request.url.path} {status}: {first}\n")
+        return JSONResponse(body, status_code=status)
 
     @app.get("/info")
     @app.get("/info/")
     async def info(request: Request):
-        return guard.refused(request) or guard.answer(request, 200, meta)
+        try:
+            guards.check_token(request)
+        except Refused as err:
+            return answer(request, err.status, {"error": str(err)})
+        return answer(request, 200, meta)
 
     @app.get("/health")
     @app.get("/health/")
     async def health(request: Request):
-        return guard.answer(request, 200, {"status": "ok", **queue.stats(), "max_batch": queue.max_batch,
-                                           "max_wait_ms": queue.max_wait * 1000, "max_queue": queue.max_queue})
+        return answer(request, 200, {"status": "ok", **queue.stats(), "max_batch": queue.max_batch,
+                                     "max_wait_ms": queue.max_wait * 1000, "max_queue": queue.max_queue})
 
     @app.post("/score")
     @app.post("/score/")
     async def score(request: Request):
-        item = await guard.read(request, _parse)
-        if isinstance(item, JSONResponse):  # refused, too large, too slow or malformed
-            return item
-        return await _score(request, item, guard, queue, spec, settings)
+        try:
+            body = await guards.read_body(request)
+        except Refused as err:
+            return answer(request, err.status, {"error": str(err)})
+        try:
+            item = await _parse(body)
+        except Exception as err:
+            return answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
+        try:  # the reward is called with the columns as keyword arguments: they would replace the server's
+            guards.check_names(item[1], "column")
+        except Refused as err:
+            return answer(request, err.status, {"error": str(err)})
+        try:
+            scores = await queue.submit(item)
+        except QueueFull as err:
+            return answer(request, 503, {"error": f"reward server busy: {err}; try again later "
+                                                  f"(or serve with a larger --max-queue)"})
+        except RewardError as err:
+            return answer(request, 500, {"error": str(err)})
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # not a RewardError: a bug of the server, or the reward called sys.exit
+            return answer(request, 500, {"error": f"reward {spec!r}: the server failed: {type(err).__name__}: {err}"})
+        return answer(request, 200, {"scores": scores})
 
     @app.exception_handler(HTTPException)
     async def no_such_path(request: Request, exc: HTTPException):
         if exc.status_code not in (404, 405):
-            return guard.answer(request, exc.status_code, {"error": str(exc.detail)})
+            return answer(request, exc.status_code, {"error": str(exc.detail)})
         use = "POST /score" if request.method == "POST" else "GET /info, GET /health or POST /score"
-        return guard.answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
+        return answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
 
     return app
-
-
-class RequestGuard:
-    """What every request to a server meets before its work: the token (401), the body's size (413) and
-    arrival time (408), its parsing (400); and one line on stderr for each request that failed.
-    ``where`` starts that line (``serve-reward gsm8k``)."""
-
-    def __init__(self, where: str, *, max_body: int, body_timeout: float, token: str | None):
-        self.where, self.max_body, self.body_timeout, self.token = where, max_body, body_timeout, token
-
-    def answer(self, request: Request, status: int, body: dict) -> JSONResponse:
-        if status != 200:  # one line on stderr for each request that failed
-            client = request.client.host if request.client else "?"
-            first = body["error"].splitlines()[0][:300] if body.get("error") else ""
-            sys.stderr.write(f"{self.where}: {client} {request.method} {request.url.path} {status}: {first}\n")
-        return JSONResponse(body, status_code=status)
-
-    def refused(self, request: Request) -> JSONResponse | None:
-        """401 unless the request carries the token (when the server has one)."""
-        if self.token is None:
-            return None
-        sent = request.headers.get("authorization", "")
-        if hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
-            return None
-        return self.answer(request, 401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' "
-                                                   f"(the client sends kwargs.token or ${TOKEN_ENV})"})
-
-    async def read(self, request: Request, parse) -> Any:
-        """``await parse(body)`` of an allowed request, or the error response that refuses it."""
-        denied = self.refused(request)
-        if denied is not None:
-            return denied
-        try:
-            body = await asyncio.wait_for(_read_body(request, self.max_body), self.body_timeout)
-        except BodyTooLarge as err:
-            return self.answer(request, 413, {"error": str(err)})
-        except TimeoutError:
-            return self.answer(request, 408, {"error": f"the request body did not arrive within {self.body_timeout:g} s"})
-        try:
-            return await parse(body)
-        except Exception as err:
-            return self.answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
-
-
-async def _score(request: Request, item: tuple[list, dict], guard: RequestGuard, queue: BatchQueue, spec: str,
-                 settings: set[str]) -> JSONResponse:
-    """A parsed ``/score`` request through the queue: 200 with the scores, or why not."""
-    named = sorted(settings & set(item[1]))
-    if named:  # the reward is called with the columns as keyword arguments: they would replace the server's
-        return guard.answer(request, 400, {"error": f"request column(s) {', '.join(map(repr, named))} are settings "
-                                                    f"of this server (serve-reward --kwargs); a request may not change them"})
-    try:
-        scores = await queue.submit(item)
-    except QueueFull as err:
-        return guard.answer(request, 503, {"error": f"reward server busy: {err}; try again later "
-                                                    f"(or serve with a larger --max-queue)"})
-    except RewardError as err:
-        return guard.answer(request, 500, {"error": str(err)})
-    except asyncio.CancelledError:
-        raise
-    except BaseException as err:  # not a RewardError: a bug of the server, or the reward called sys.exit
-        return guard.answer(request, 500, {"error": f"reward {spec!r}: the server failed: {type(err).__name__}: {err}"})
-    return guard.answer(request, 200, {"scores": scores})
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (``BodyTooLarge``) as soon as it is known to pass ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body of {int(declared)} bytes is over the server's limit of {limit} "
-                           f"(serve-reward --max-body-mb)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body is over the server's limit of {limit} bytes (serve-reward --max-body-mb)")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _parse(body: bytes) -> tuple[list, dict]:

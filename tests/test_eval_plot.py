@@ -114,3 +114,94 @@ def test_plot_overlays_runs_with_a_panel_per_metric(tiny_run, tmp_path):
     assert missing.returncode == 2 and "--metrics: reward/nope not logged by these runs; logged:" in missing.stderr
     not_a_run = _cli("plot", str(tmp_path / "nowhere"))
     assert not_a_run.returncode == 2 and "no metrics.jsonl there" in not_a_run.stderr
+
+
+# ------------------------------------------------------------------ faults (issue 37 item 10)
+def _truncate_safetensors(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    return dst
+
+
+def test_eval_of_a_truncated_safetensors_is_one_line_naming_the_file(tmp_path, tiny_lm_dir):
+    ckpt = _truncate_safetensors(Path(tiny_lm_dir), tmp_path / "cut")
+    result = _cli("eval", "text", "--config", "tiny", "--checkpoint", str(ckpt), "rollout.engine=hf")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"checkpoint file {ckpt / 'model.safetensors'} is truncated" in result.stderr
+
+
+@pytest.mark.parametrize("missing", ["/nowhere/run/checkpoints/step_000003", "run/checkpoints/step_000003", "./step_3"])
+def test_eval_of_a_missing_checkpoint_says_it_does_not_exist(missing, tmp_path):
+    import unirl
+
+    with pytest.raises(FileNotFoundError, match=f"--checkpoint {missing} does not exist"):
+        unirl.evaluate("text", "tiny", ["rollout.engine=hf"], checkpoint=missing, output_dir=tmp_path / "e")
+    result = _cli("eval", "diffusion", "--config", "tiny", "--checkpoint", missing)
+    assert result.returncode == 2 and f"--checkpoint {missing} does not exist" in result.stderr, result.stderr[-2000:]
+    assert not (REPO / "eval" / Path(missing).name).exists()  # nothing written for it
+
+
+def test_eval_leaves_no_temporary_directory_even_for_a_lora_checkpoint(tmp_path, tiny_lm_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "adapter"
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_lm_dir),
+                                LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(adapter)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    for ckpt in (adapter, Path(tiny_lm_dir)):
+        result = subprocess.run([sys.executable, "-m", "unirl.cli", "eval", "text", "--config", "tiny", "--checkpoint",
+                                 str(ckpt), "--output-dir", str(tmp_path / "out"), "rollout.engine=hf", "data.eval_size=2",
+                                 "rollout.max_new_tokens=4"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert not list(temp.glob("unirl-eval-*")), f"left behind by eval of {ckpt}"
+
+
+def test_plot_names_the_file_of_a_list_row_and_of_a_binary_file(tmp_path):
+    from unirl.plot import PlotError, read_rows
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n[1, 2, 3]\n')
+    with pytest.raises(PlotError, match=r"a/metrics\.jsonl:2: not a JSON object \(a list\)"):
+        read_rows(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    result = _cli("plot", str(tmp_path / "b"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{tmp_path / 'b' / 'metrics.jsonl'}: not a text file" in result.stderr
+
+
+def test_eval_of_a_runs_checkpoint_scores_with_the_runs_saved_config(tmp_path, tiny_lm_dir):
+    """A run trained on its own reward: ``--config tiny`` (gsm8k) used to score it with gsm8k."""
+    import shutil
+
+    import yaml
+
+    from unirl.api import load_config
+    from unirl.config import config_to_dict
+
+    (tmp_path / "length.py").write_text("def length(samples, **kwargs):\n    return [len(s) / 100 for s in samples]\n")
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000001"
+    shutil.copytree(tiny_lm_dir, ckpt)
+    saved = load_config("text", "tiny", [f"rewards=[{{name: '{tmp_path / 'length.py'}:length'}}]"])
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(saved)))
+    common = ["--checkpoint", str(ckpt), "rollout.engine=hf", "data.eval_size=2", "rollout.max_new_tokens=4"]
+    own = _cli("eval", "text", "--config", "tiny", "--output-dir", str(tmp_path / "own"), *common)
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert f"config: {run / 'config.yaml'} (the run's saved config; not tiny" in own.stderr
+    summary = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert "reward/length" in summary and "reward/gsm8k" not in summary
+    told = _cli("eval", "text", "--config", "tiny", "--no-run-config", "--output-dir", str(tmp_path / "told"), *common)
+    assert told.returncode == 0, told.stderr[-3000:]
+    assert "config: tiny" in told.stderr and "reward/gsm8k" in json.loads((tmp_path / "told" / "summary.json").read_text())
+    plain = _cli("eval", "text", "--output-dir", str(tmp_path / "plain"), *common)  # --config may be left out
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "reward/length" in json.loads((tmp_path / "plain" / "summary.json").read_text())

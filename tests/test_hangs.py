@@ -102,3 +102,32 @@ def test_sigterm_during_start_up_is_one_line_and_the_signals_status(tmp_path):
     assert proc.returncode == 143, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == ("unirl: stopped by SIGTERM during start-up, before any step; nothing was "
                                                "trained or saved by this run")
+
+
+def test_a_hung_tool_times_out_naming_it_and_the_process_still_exits(tmp_path):
+    """A synchronous tool that never returns: its call times out naming the tool, and the process
+    exits at once after the run (the worker threads were a pool's, joined at exit: "done", then never
+    an exit)."""
+    script = tmp_path / "hung.py"
+    script.write_text(
+        "import threading\n"
+        "from unirl.tools.calling import ToolCall, ToolRunner\n"
+        "def hang(q):\n"
+        "    threading.Event().wait()\n"
+        "runner = ToolRunner({'lookup': hang}, timeout_s=0.3)\n"
+        "result = runner.run([ToolCall('lookup', {'q': 'x'})])[0]\n"
+        "print(result.error)\n"
+        "print('still running:', runner.still_running())\n"
+        "runner.close()\n"
+        "print('done')\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit after the run ended (a hung tool's thread kept it alive)")
+    assert out.returncode == 0, out.stderr
+    assert "tool 'lookup' timed out after 0.3 s" in out.stdout
+    assert "still running: ['lookup']" in out.stdout and out.stdout.rstrip().endswith("done")
+    assert "tool calls still running at the end, not waited for: lookup" in out.stderr
+    assert time.monotonic() - start < 60

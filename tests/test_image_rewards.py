@@ -75,3 +75,58 @@ def test_jpeg_rewards_are_plus_and_minus_the_kilobytes():
 def test_image_rewards_are_registered():
     for name in ("ocr", "brightness", "jpeg_compressibility", "jpeg_incompressibility"):
         assert callable(load_reward(name))
+
+
+# ------------------------------------------------------------------ bad input image files (issue 37 item 9)
+def _bomb_png(path):
+    """A 1x1 PNG whose header claims 100000 x 100000 pixels (with the header's checksum fixed)."""
+    import io
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[16:24] = struct.pack(">II", 100_000, 100_000)  # IHDR's width and height
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _truncated_png(path):
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    return path
+
+
+def test_a_bomb_or_truncated_input_image_is_one_error_naming_the_file(tmp_path):
+    from unirl.rewards.image import input_images, input_similarity
+
+    bomb, cut = _bomb_png(tmp_path / "bomb.png"), _truncated_png(tmp_path / "cut.png")
+    with pytest.raises(ValueError, match=r"image file .*bomb\.png: Image size \(10000000000 pixels\) exceeds limit"):
+        input_images([str(bomb)])
+    with pytest.raises(ValueError, match=r"image file .*cut\.png is truncated or corrupt"):
+        input_similarity([Image.new("RGB", (4, 4))], image=[str(cut)])
+    (tmp_path / "text.png").write_text("not an image")
+    with pytest.raises(ValueError, match=r"image file .*text\.png is not an image"):
+        input_images([str(tmp_path / "text.png")])
+
+
+def test_loading_and_the_dry_run_check_the_input_images_decode_not_only_exist(tmp_path):
+    import json
+
+    from unirl.diffusion.env import load_prompt_rows
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    _bomb_png(tmp_path / "bomb.png")
+    _truncated_png(tmp_path / "cut.png")
+    for bad, what in (("bomb.png", "10000000000 pixels"), ("cut.png", "truncated or corrupt")):
+        prompts = tmp_path / f"edits_{bad}.jsonl"
+        prompts.write_text(json.dumps({"prompt": "a", "image": "ok.png"}) + "\n" + json.dumps({"prompt": "b", "image": bad}) + "\n")
+        with pytest.raises(ValueError, match=rf"{prompts.name}, row 2: image file .*{bad}.*{what}"):
+            load_prompt_rows(str(prompts), "train", image=True)

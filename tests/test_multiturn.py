@@ -30,6 +30,9 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(i) for i in ids if i > 1 or not skip_special_tokens)
 
+    def get_vocab(self):  # one character a token
+        return {chr(i): i for i in range(2, 0x250)}
+
 
 class ScriptedEngine:
     """Answers a context with ``script(context_text)``, cut at the first stop string (kept) and at
@@ -199,3 +202,58 @@ def test_call_format_names_a_users_format_class(tmp_path):
         resolve_call_format("serch_r1")
     with pytest.raises(ToolError, match="expected a subclass of unirl.tools.formats.CallFormat"):
         resolve_call_format(f"{tmp_path}/fmt.py:not_a_format")
+
+
+def test_the_observation_cap_reads_a_bounded_head_of_a_huge_result():
+    """A 4 MB result with max_observation_tokens=20 tokenizes at most (20 + 1) characters per token of
+    its head (a character tokenizer: one character a token), not the 4 MB; the cut is as before."""
+    seen = []
+
+    class Counting(CharTokenizer):
+        def __call__(self, text, add_special_tokens=False):
+            seen.append(len(text))
+            return super().__call__(text, add_special_tokens)
+
+    huge = "abcdefghij" * 400_000
+    script = lambda ctx: "<answer>a</answer>" if "<information>" in ctx else "<search>q</search>"  # noqa: E731
+    runner = ToolRunner({"search": lambda query: huge}, timeout_s=5)
+    try:
+        t = multi_turn_generate(ScriptedEngine(script), Counting(), SearchR1Format(), runner, [[ord("q")]], n=1,
+                                max_turns=3, max_new_tokens=64, max_total_tokens=None, temperature=1.0,
+                                max_observation_tokens=20, truncated_text="~cut")[0][0]
+    finally:
+        runner.close()
+    assert "<information>" + huge[:20] + "~cut</information>" in "".join(chr(i) for i in t.ids)
+    assert t.observations_truncated == 1 and seen[0] == 21 and max(seen) < 100  # the head, then the observation
+
+
+class _Broken(SearchR1Format):
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+
+    def parse(self, text):
+        if self.where == "parse":
+            raise KeyError("tag")
+        return None if self.where == "parse-type" else super().parse(text)
+
+    def observation(self, results, ended_with_eos):
+        return ["not", "a string"] if self.where == "observation" else super().observation(results, ended_with_eos)
+
+
+@pytest.mark.parametrize("where, match", [
+    ("parse", r"call format _Broken: parse raised KeyError: 'tag'"),
+    ("parse-type", r"call format _Broken: parse must return a unirl.tools.formats.Turn, got NoneType"),
+    ("observation", r"call format _Broken: observation must return a string, got list"),
+])
+def test_a_users_call_format_that_fails_is_one_error_naming_it(where, match):
+    from unirl.tools import ToolError
+
+    runner = ToolRunner({"search": lambda query: "r"}, timeout_s=5)
+    try:
+        with pytest.raises(ToolError, match=match):
+            multi_turn_generate(ScriptedEngine(searcher), CharTokenizer(), _Broken(where), runner,
+                                [[ord(c) for c in "what is x?"]], n=1, max_turns=3, max_new_tokens=64,
+                                max_total_tokens=None, temperature=1.0)
+    finally:
+        runner.close()

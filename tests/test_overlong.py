@@ -90,3 +90,38 @@ def test_truncated_completions_add_nothing_to_the_loss_or_gradient(tmp_path, tin
         assert not torch.allclose(unmasked_loss, kept_loss)
     finally:
         trainer.env.close()
+
+
+def test_multi_turn_overlong_penalty_is_verls_whole_response_against_its_maximum_and_bounded():
+    """Three turns of 16 generated tokens and two 10-token observations, max_new_tokens 16, buffer 4:
+    all turns' 48 generated tokens against one turn's 16 gave -(48 - 12) / 4 = -9 for a factor of 1.
+    As verl: the whole response (68 tokens with the observations) against the most it may hold
+    (max_total_tokens less its prompt), and never below -factor."""
+    from types import SimpleNamespace
+
+    from unirl.text.multiturn_rollout import overlong_lengths
+
+    g = torch.Generator().manual_seed(0)
+    N, P, R = 16, 12, 90
+    prompt_len = torch.randint(3, P + 1, (N,), generator=g)
+    response_len = torch.randint(0, R + 1, (N,), generator=g)
+    prompt_mask = (torch.arange(P).flip(0)[None, :] < prompt_len[:, None]).long()  # left-padded [N, P]
+    attention = (torch.arange(R)[None, :] < response_len[:, None]).float()  # [N, R]
+    generated = attention.clone()
+    generated[:, 16:26] = 0  # an observation: conditioned on, not generated
+    tensors = {"prompt_mask": prompt_mask, "response_attention_mask": attention, "response_mask": generated}
+    for max_total, buffer, factor in ((100, 8, 1.0), (60, 20, 0.5), (None, 4, 1.0)):
+        cfg = SimpleNamespace(max_total_tokens=max_total, max_turns=3, max_new_tokens=16)
+        lengths, max_length = overlong_lengths(cfg, tensors)
+        got = overlong_penalty(lengths, max_length=max_length, buffer=buffer, factor=factor)
+        # the reference, sample by sample: verl's formula on (response length, the response's maximum)
+        limit = [max_total - int(p) if max_total is not None else 3 * 16 for p in prompt_len]
+        ref = [max(-factor, _verl_dapo(int(n), m, buffer, factor)) for n, m in zip(response_len, limit)]
+        torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float32))
+        assert got.min() >= -factor
+        # where the response is within its maximum (all verl can see), exactly verl's unbounded formula
+        within = [i for i in range(N) if int(response_len[i]) <= limit[i]]
+        assert torch.equal(got[within], torch.tensor([_verl_dapo(int(response_len[i]), limit[i], buffer, factor)
+                                                      for i in within], dtype=torch.float32))
+    # the case of the issue: 48 generated tokens, one turn's max_new_tokens, buffer 4: bounded at -1
+    assert overlong_penalty(torch.tensor([48]), max_length=torch.tensor([16]), buffer=4).item() == -1.0

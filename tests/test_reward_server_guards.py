@@ -155,3 +155,88 @@ def test_a_port_out_of_range_is_one_line(capsys):
     assert main(["serve-reward", "gsm8k", "--port", "70000"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["unirl serve-reward: port must be in 0..65535 (0 picks a free one), got 70000"]
+
+
+# ------------------------------------------------------------------ serve-tool: the same guards (issue 37 item 7)
+TOOL = '''
+def scaled(query, factor=1):
+    return query * factor
+'''
+
+
+@pytest.fixture
+def serve_tool(tmp_path):
+    from unirl.tools.remote import make_tool_server
+
+    (tmp_path / "guarded_tool.py").write_text(TOOL)
+    servers = []
+
+    def start(kwargs=None, **settings):
+        server = make_tool_server(f"{tmp_path / 'guarded_tool.py'}:scaled", "127.0.0.1", 0, kwargs, **settings)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}", server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _call(url: str, arguments: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
+    body = arguments if isinstance(arguments, bytes) else json.dumps({"arguments": arguments}).encode()
+    request = urllib.request.Request(url + "/call", data=body, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_serve_tool_kwargs_win_over_a_requests_arguments(serve_tool):
+    url, _ = serve_tool({"factor": 2})
+    assert _call(url, {"query": "ab"}) == (200, {"text": "abab"})
+    status, answer = _call(url, {"query": "ab", "factor": 1000})
+    assert status == 400 and "request argument(s) 'factor' are settings of this server (serve-tool --kwargs)" in answer["error"]
+
+
+def test_serve_tool_refuses_a_body_over_the_limit_and_a_slow_body(serve_tool):
+    url, server = serve_tool(max_body_mb=1 / 1024, body_timeout_s=0.5)
+    assert _call(url, {"query": "x" * 100})[0] == 200
+    status, answer = _call(url, {"query": "x" * 4096})
+    assert status == 413 and "over the server's limit of 1024" in answer["error"] and "serve-tool --max-body-mb" in answer["error"]
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"POST /call HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"arguments\": {")  # and nothing more
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in answer
+
+
+def test_serve_tool_with_a_token_refuses_requests_without_it(serve_tool, monkeypatch):
+    from unirl.tools.remote_client import RemoteTool
+
+    url, _ = serve_tool(token="s3cret")
+    assert _call(url, {"query": "ab"})[0] == 401
+    assert _call(url, {"query": "ab"}, {"Authorization": "Bearer wrong"})[0] == 401
+    with pytest.raises(RewardError, match="HTTP 401: missing or wrong token"):
+        RemoteTool(url, retry_for=0)(query="ab")
+    assert RemoteTool(url, token="s3cret")(query="ab") == "ab"
+    monkeypatch.setenv("UNIRL_REWARD_TOKEN", "s3cret")
+    assert RemoteTool(url)(query="ab") == "ab"
+    with urllib.request.urlopen(url + "/health", timeout=30) as response:
+        assert response.status == 200
+
+
+def test_in_process_a_calls_arguments_cannot_replace_the_configs_kwargs(tmp_path):
+    from unirl.tools import ToolError, load_tool
+    from unirl.tools.calling import ToolCall, ToolRunner
+
+    (tmp_path / "guarded_tool.py").write_text(TOOL)
+    tool = load_tool(f"{tmp_path / 'guarded_tool.py'}:scaled", factor=2)
+    assert tool(query="ab") == "abab"
+    with pytest.raises(ToolError, match="argument\\(s\\) 'factor' are settings of tool 'scaled' from the config"):
+        tool(query="ab", factor=1000)
+    runner = ToolRunner({"scaled": tool}, timeout_s=5)
+    result = runner.run([ToolCall("scaled", {"query": "ab", "factor": 1000})])[0]
+    runner.close()
+    assert result.error is not None and "'factor' are settings of tool 'scaled'" in result.text

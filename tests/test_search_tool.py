@@ -137,4 +137,44 @@ def test_dry_run_names_an_unknown_call_format_and_a_missing_format_file():
 
     assert "rollout.call_format: unknown call format 'hermez'. Did you mean 'hermes'" in problems("hermez")
     assert "rollout.call_format (format file): '/nonexistent/fmt.py' not found" in problems("/nonexistent/fmt.py:Mine")
-    assert "call_format" not in problems("search_r1")
+    assert "call_format" not in problems("hermes")
+    # search_r1 only calls search: a calculator would never be called (issue 37 item 15)
+    assert "rollout.call_format 'search_r1' only calls 'search'" in problems("search_r1")
+
+
+# ------------------------------------------------------------------ issue 37 item 15
+def test_dry_run_refuses_a_tool_the_call_format_never_calls(tmp_path):
+    from unirl.cli import load_run_config
+    from unirl.preflight import preflight
+
+    (tmp_path / "lookup.py").write_text("def lookup(query):\n    return 'x'\n")
+    tools = f"rollout.tools=[{{name: '{tmp_path / 'lookup.py'}:lookup'}}]"
+    problems = preflight(load_run_config("text", "tiny_search", [tools]), "text").problems
+    assert any("rollout.call_format 'search_r1' only calls 'search', so the tool(s) 'lookup' would never be called"
+               in p for p in problems), problems
+    hermes = preflight(load_run_config("text", "tiny_search", [tools, "rollout.call_format=hermes"]), "text").problems
+    assert not any("call_format" in p for p in hermes), hermes
+    assert not any("call_format" in p for p in preflight(load_run_config("text", "tiny_search", []), "text").problems)
+
+
+def test_the_write_your_own_tool_example_of_docs_tools_md_runs(tmp_path):
+    """The docs' example as a user would take it: the file, the Python snippet (its printed lines are
+    the comments beside them), and the dry run command."""
+    import re
+    import shlex
+
+    section = (REPO / "docs" / "tools.md").read_text().split("## Write your own tool", 1)[1].split("\n## ", 1)[0]
+    module, snippet = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    command = re.search(r"```console\n\$ (.*?)\n```", section, re.DOTALL).group(1)
+    (tmp_path / "my_tools.py").write_text(module)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ran = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    expected = [line.split("# ", 1)[1].strip() for line in snippet.splitlines() if line.startswith("print(")]
+    assert ran.stdout.splitlines() == expected
+    argv = shlex.split(command)
+    assert argv[:2] == ["unirl", "train"]
+    dry = subprocess.run([sys.executable, "-m", "unirl.cli", *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
+    assert "rollout.tools[0].name: my_tools.py:define resolves" in dry.stdout

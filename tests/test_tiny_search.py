@@ -56,3 +56,59 @@ def test_search_over_the_generated_corpus_finds_each_name():
         assert search(name) == f"Doc 1(Title: {name}) code {row['answer']}\n"
     with pytest.raises(ToolError, match=r"unirl://arithmetic/test\?n=2 row 1: expected an object with a string 'contents'"):
         read_corpus("unirl://arithmetic/test?n=2")
+
+
+# ------------------------------------------------------------------ building once (issue 37 item 16)
+_BUILDER = '''
+import os, sys, time
+from pathlib import Path
+from unirl.models.cache import cached_build
+
+def build(work):
+    with open(sys.argv[2], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    time.sleep(1.5)  # long enough that the three processes overlap
+    (work / "weights.txt").write_text("w")
+    return {"steps": 7}
+
+cached_build(Path(sys.argv[1]), {"size": 3}, "marker.json", build, what="the test toy")
+print((Path(sys.argv[1]) / "weights.txt").read_text())
+'''
+
+
+def test_three_processes_asking_at_once_build_the_cache_once_under_a_lock(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script, log, target = tmp_path / "builder.py", tmp_path / "builds.log", tmp_path / "cache" / "toy"
+    script.write_text(_BUILDER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, str(script), str(target), str(log)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert len(log.read_text().split()) == 1  # one build
+    assert all(out.strip() == "w" for out, _ in outs)  # each process found the whole build
+    assert json.loads((target / "marker.json").read_text())["steps"] == 7
+    assert sorted(p.name for p in target.parent.iterdir()) == [".toy.lock", "toy"]  # no half-built directory left
+    errs = "".join(err for _, err in outs)
+    assert errs.count("unirl: building the test toy once") == 1 and errs.count("unirl: built the test toy in") == 1
+    assert errs.count("unirl: waiting for another process building the test toy") == 2
+
+
+def test_a_failed_build_leaves_nothing_and_the_toys_share_the_helper(tmp_path):
+    from unirl.models.cache import cached_build
+    from unirl.diffusion.tiny import common
+
+    def broken(work):
+        (work / "half.bin").write_text("x")
+        raise RuntimeError("killed mid-build")
+
+    with pytest.raises(RuntimeError, match="killed mid-build"):
+        cached_build(tmp_path / "toy", {"a": 1}, "marker.json", broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".toy.lock"]
+    assert common.cached_build is cached_build and tiny.cached_build is cached_build
+    assert tiny_search.cached_build is cached_build

@@ -214,3 +214,31 @@ def test_hermes_needs_a_chat_template():
 
     with pytest.raises(ValueError, match="chat template"):
         HermesFormat(NoTemplate())
+
+
+# ------------------------------------------------------------------ bad results and bad settings (issue 37)
+def test_a_result_with_lone_surrogates_is_valid_text_for_the_tokenizer():
+    runner = ToolRunner({"bad": lambda q: "a\udc80b", "pair": lambda q: "\ud83d\ude00"}, timeout_s=5)
+    bad, pair = runner.run([ToolCall("bad", {"q": 1}), ToolCall("pair", {"q": 1})])
+    runner.close()
+    assert bad.text == "a\ufffdb" and bad.error is None
+    assert pair.text == "\U0001F600"
+    bad.text.encode("utf-8")  # what a tokenizer or a JSON log does with it
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("max_turns", 0, "rollout: max_turns must be >= 1, got 0"),
+    ("tool_concurrency", -2, "rollout: tool_concurrency must be >= 1, got -2"),
+    ("tool_timeout_s", 0, "rollout: tool_timeout_s must be > 0, got 0"),
+    ("max_total_tokens", -1, "rollout: max_total_tokens must be >= 1 or null, got -1"),
+    ("tool_error_text", "'Error: {err}'", r"rollout: tool_error_text 'Error: \{err\}': only the placeholder \{error\}"),
+    ("tool_error_text", "'Error: {'", "rollout: tool_error_text 'Error: {': only the placeholder"),
+])
+def test_tool_settings_out_of_range_are_refused_at_load_naming_the_key(key, value, match):
+    from unirl.cli import load_run_config
+    from unirl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_run_config("text", "tiny_search", [f"rollout.{key}={value}"])
+    with pytest.raises(ValueError, match="only the placeholder"):
+        ToolRunner({}, error_text="{oops}")

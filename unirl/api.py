@@ -101,17 +101,22 @@ def train(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str
         return train_config(env, cfg, config_file=config_file, label=label, verbose=verbose)
 
 
-def evaluate(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str, Any] = (), *,
+def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
              checkpoint: str | Path, output_dir: str | Path | None = None, n: int = 1, ks: Sequence[int] = (),
-             rewards: Sequence[Any] | None = None, test_data: Any = None, verbose: bool = False) -> dict:
+             rewards: Sequence[Any] | None = None, test_data: Any = None, verbose: bool = False,
+             run_config: bool = True) -> dict:
     """Score ``checkpoint`` on the config's held-out prompts as ``unirl eval`` does; returns the summary
     (``reward``: the weighted total's mean, ``reward/<name>`` each reward's, and for text with one
     reward ``accuracy`` and ``pass@k``), also written to ``output_dir/summary.json`` (default
-    ``CHECKPOINT/eval``). The libraries' output goes to ``output_dir/eval.log`` unless ``verbose``."""
+    ``CHECKPOINT/eval``). The libraries' output goes to ``output_dir/eval.log`` unless ``verbose``.
+    A checkpoint of a run is scored with the run's saved ``config.yaml`` unless ``run_config=False``
+    (``config`` then, default ``tiny``); the summary's ``config`` says which."""
     from unirl import logs
-    from unirl.evaluation import evaluate_diffusion, evaluate_text
+    from unirl.evaluation import check_checkpoint_path, choose_config, evaluate_diffusion, evaluate_text
 
     logs.configure(verbose=verbose)
+    check_checkpoint_path(str(checkpoint))  # before anything is written: a missing one is one line
+    config, which = choose_config(checkpoint, config, run_config, default="tiny")
     cfg = load_config(env, config, overrides)
     out = Path(output_dir) if output_dir is not None else _default_eval_dir(checkpoint)
     if test_data is not None:
@@ -120,8 +125,10 @@ def evaluate(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[
     cfg.rewards = reward_configs
     with _registered(callables, _MODALITY[env]), logs.RunOutput(out, verbose=verbose, name="eval.log") as output:
         if env == "text":
-            return output.quiet(evaluate_text)(cfg, str(checkpoint), out, n=n, ks=list(ks))
-        return output.quiet(evaluate_diffusion)(cfg, str(checkpoint), out)
+            summary = output.quiet(evaluate_text)(cfg, str(checkpoint), out, n=n, ks=list(ks))
+        else:
+            summary = output.quiet(evaluate_diffusion)(cfg, str(checkpoint), out)
+    return {**summary, "config": which.removeprefix("config: ")}
 
 
 def _default_eval_dir(checkpoint: str | Path) -> Path:

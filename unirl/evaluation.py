@@ -52,6 +52,68 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def run_config_file(checkpoint: str | Path) -> Path | None:
+    """The saved ``config.yaml`` of the run a checkpoint lies in (``RUN/checkpoints/step_N`` -> ``RUN/config.yaml``)."""
+    path = Path(checkpoint).expanduser()
+    for run in (path.parent.parent, path.parent.parent.parent):  # step_N/, or step_N/adapter/
+        if path.is_dir() and (run / "checkpoints").is_dir() and path.resolve().is_relative_to((run / "checkpoints").resolve()):
+            return run / "config.yaml" if (run / "config.yaml").is_file() else None
+    return None
+
+
+def choose_config(checkpoint: str | Path, config, use_run_config: bool = True, default: str | None = None) -> tuple[object, str]:
+    """``(config, which)``: the config to score with and a line saying which it is. A checkpoint of a
+    run is scored with that run's saved config (its rewards, test split and prompt format) unless
+    ``use_run_config`` is False or ``config`` is a mapping or config object (scoring a run trained on
+    one reward with a config naming another reported that other: ``reward/gsm8k 0.0``); otherwise
+    ``config``, or ``default`` when it is None."""
+    saved = run_config_file(checkpoint)
+    if saved is not None and use_run_config and (config is None or isinstance(config, (str, Path))):
+        instead = "" if config is None else f"; not {config}: --no-run-config (run_config=False) scores with that"
+        return str(saved), f"config: {saved} (the run's saved config{instead})"
+    config = default if config is None else config
+    if config is None:
+        raise ValueError(f"--checkpoint {checkpoint} is not in a run directory with a saved config.yaml: "
+                         f"give --config")
+    return config, f"config: {config}" if isinstance(config, (str, Path)) else "config: the one given"
+
+
+def check_checkpoint_path(checkpoint: str) -> Path | None:
+    """The checkpoint's path when it is one on disk; None for a hub name (``org/name`` or ``name``). A
+    path that does not exist (absolute, relative with a folder in it, ``~`` or ``.``) is one error, not
+    the hub's "Repo id must be ..." or a failed connection."""
+    path = Path(checkpoint).expanduser()
+    if path.exists():
+        check_safetensors(path)
+        return path
+    hub_like = not checkpoint.startswith(("/", ".", "~")) and checkpoint.count("/") <= 1 and not checkpoint.endswith("/")
+    if hub_like:
+        return None
+    raise FileNotFoundError(f"--checkpoint {checkpoint} does not exist")
+
+
+def check_safetensors(path: Path) -> None:
+    """Each ``.safetensors`` file of a checkpoint (the directory, its subdirectories one level down, or
+    the file) holds the bytes its header promises; a truncated or garbled one is named, before a
+    library fails on it with a traceback. Reads the headers only."""
+    files = [path] if path.is_file() else [*path.glob("*.safetensors"), *path.glob("*/*.safetensors")]
+    for file in files:
+        if file.suffix != ".safetensors":
+            continue
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                if not 2 <= length <= size - 8:
+                    raise ValueError(f"header of {length} bytes")
+                header = json.loads(f.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            raise ValueError(f"checkpoint file {file} is not a readable safetensors file ({err})") from None
+        if 8 + length + end > size:
+            raise ValueError(f"checkpoint file {file} is truncated: {size} bytes, its header needs {8 + length + end}")
+
+
 def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
     """A directory vLLM and transformers load: a LoRA adapter is merged into ``base`` (in ``work``); a
     named model (``unirl models list``) is its prepared directory."""
@@ -59,8 +121,8 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
 
     if checkpoint in MODELS:
         return resolve(checkpoint)
-    path = Path(checkpoint).expanduser()
-    if not path.exists():
+    path = check_checkpoint_path(checkpoint)
+    if path is None:
         return checkpoint  # a hub name: from_pretrained resolves it (or says it cannot)
     if (path / "config.json").exists():
         return str(path)
@@ -81,60 +143,22 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
 
 
 def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: list[int] | None = None) -> dict:
-    """Score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also written to disk)."""
-    import torch
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from unirl.reward_set import RewardSet
-    from unirl.text.engines import HFEngine, VLLMEngine
-    from unirl.text.env import TextEnvironment, resolve_model_path
-
+    """Score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also written to disk).
+    A LoRA checkpoint is merged into a temporary directory, removed when done."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
+    if any(k > n for k in ks or []):
+        raise ValueError(f"--k {max(ks)} is larger than --n {n}")
     if not cfg.data.test:
         raise ValueError("data.test is null: this config has no held-out prompts to evaluate on")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="unirl-eval-"))
-    # 1. The policy under evaluation, its tokenizer, the held-out rows and the rewards.
-    env = TextEnvironment(cfg)
-    env.accelerator = Accelerator(cpu=True) if cfg.rollout.engine == "vllm" else Accelerator()
-    env.model_path = resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work)
-    if cfg.model.name_or_path == "tiny" and cfg.data.test == "tiny":  # the tiny task ships with the tiny model
-        cfg.data.test = str(Path(resolve_model_path("tiny")) / "test.jsonl")
-    env.tokenizer = AutoTokenizer.from_pretrained(env.model_path)
-    if env.tokenizer.pad_token_id is None:
-        env.tokenizer.pad_token = env.tokenizer.eos_token
-    rows = env._rows(cfg.data.test, cfg.data.test_split, "test")
-    if cfg.data.eval_size is not None:
-        rows = rows[: cfg.data.eval_size]
-    # The weighted sum of the raw rewards (normalize_then_sum's group normalisation is for advantages).
-    rewards = RewardSet(cfg.rewards, aggregation="sum_then_normalize")
-    # 2. Answers: greedy for n = 1, sampled otherwise.
-    r = cfg.rollout
-    if r.engine == "vllm":
-        engine = VLLMEngine(env.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, seed=cfg.trainer.seed,
-                            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-                            enforce_eager=r.enforce_eager, max_model_len=r.max_model_len)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(env.model_path).to(env.accelerator.device).eval()
-        engine = HFEngine(lambda: model, env.tokenizer)
-    try:
-        prompt_ids = [env.encode_prompt(row, i) for i, row in enumerate(rows)]
-        gens = engine.generate(prompt_ids, n=n, greedy=n == 1, temperature=1.0 if n == 1 else r.temperature,
-                               top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
-    finally:
-        engine.close()
+    with tempfile.TemporaryDirectory(prefix="unirl-eval-") as work:
+        env, rows = _text_policy(cfg, checkpoint, Path(work))  # 1. the policy, its tokenizer, the held-out rows
+        gens = _answers(cfg, env, rows, n)  # 2. greedy for n = 1, sampled otherwise
     # 3. Scores, per answer and per prompt.
-    texts = [g.text for per_prompt in gens for g in per_prompt]
-    flat_rows = [row for row, per_prompt in zip(rows, gens) for _ in per_prompt]
-    columns = {k: [row.get(k) for row in flat_rows] for k in flat_rows[0] if k != "prompt"} if flat_rows else {}
-    judged: dict[str, list[str]] = {}  # a judge reward's answers, by reward
-    comps = rewards.components(texts, prompts=[row["prompt"] for row in flat_rows], columns=columns, texts=judged)
-    total, _ = rewards.combine(comps, torch.arange(len(texts)))  # [answers], each in a group of its own
-    rewards.close()
+    texts, flat_rows, comps, judged, total = _score_answers(cfg, rows, gens)
     # accuracy and pass@k count an answer correct when it gets the reward's full score (1 for gsm8k);
     # with several rewards there is no one "correct", so only the weighted total and each reward are given.
     correct = (next(iter(comps.values())) >= 1.0).view(len(rows), n) if len(comps) == 1 else None  # [prompts, n]
@@ -146,63 +170,94 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
                                 **({"correct": bool(correct.view(-1)[i])} if correct is not None else {})}) + "\n")
     summary = {"checkpoint": str(checkpoint), "prompts": len(rows), "n": n, "reward": total.mean().item(),
                **{f"reward/{k}": v.nanmean().item() for k, v in comps.items()}}
-    for k in sorted({1, n, *(ks or [])}):
-        if k > n:
-            raise ValueError(f"--k {k} is larger than --n {n}")
-        if correct is not None:
-            summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
     if correct is not None:
+        for k in sorted({1, n, *(ks or [])}):
+            summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
         summary["accuracy"] = correct.float().mean().item()
     summary["seconds"] = round(time.perf_counter() - start, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
+def _text_policy(cfg, checkpoint: str, work: Path):
+    """``(env, rows)``: a ``TextEnvironment`` holding the checkpoint's path and tokenizer (nothing
+    trained, no engine yet) and the held-out rows."""
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from unirl.text.env import TextEnvironment, resolve_model_path
+
+    env = TextEnvironment(cfg)
+    env.accelerator = Accelerator(cpu=True) if cfg.rollout.engine == "vllm" else Accelerator()
+    env.model_path = resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work)
+    if cfg.model.name_or_path == "tiny" and cfg.data.test == "tiny":  # the tiny task ships with the tiny model
+        cfg.data.test = str(Path(resolve_model_path("tiny")) / "test.jsonl")
+    env.tokenizer = AutoTokenizer.from_pretrained(env.model_path)
+    if env.tokenizer.pad_token_id is None:
+        env.tokenizer.pad_token = env.tokenizer.eos_token
+    rows = env._rows(cfg.data.test, cfg.data.test_split, "test")
+    return env, rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else rows
+
+
+def _answers(cfg, env, rows: list[dict], n: int) -> list:
+    """``n`` answers per row from the config's engine (greedy when ``n`` is 1), grouped by row."""
+    from transformers import AutoModelForCausalLM
+
+    from unirl.text.engines import HFEngine, VLLMEngine
+
+    r = cfg.rollout
+    if r.engine == "vllm":
+        engine = VLLMEngine(env.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, seed=cfg.trainer.seed,
+                            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                            enforce_eager=r.enforce_eager, max_model_len=r.max_model_len)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(env.model_path).to(env.accelerator.device).eval()
+        engine = HFEngine(lambda: model, env.tokenizer)
+    try:
+        prompt_ids = [env.encode_prompt(row, i) for i, row in enumerate(rows)]
+        return engine.generate(prompt_ids, n=n, greedy=n == 1, temperature=1.0 if n == 1 else r.temperature,
+                               top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+    finally:
+        engine.close()
+
+
+def _score_answers(cfg, rows: list[dict], gens: list) -> tuple:
+    """``(texts, their rows, each reward's scores, a judge's answers, the weighted total)``, one per answer."""
+    import torch
+
+    from unirl.reward_set import RewardSet
+
+    # The weighted sum of the raw rewards (normalize_then_sum's group normalisation is for advantages).
+    rewards = RewardSet(cfg.rewards, aggregation="sum_then_normalize")
+    texts = [g.text for per_prompt in gens for g in per_prompt]
+    flat_rows = [row for row, per_prompt in zip(rows, gens) for _ in per_prompt]
+    columns = {k: [row.get(k) for row in flat_rows] for k in flat_rows[0] if k != "prompt"} if flat_rows else {}
+    judged: dict[str, list[str]] = {}  # a judge reward's answers, by reward
+    try:
+        comps = rewards.components(texts, prompts=[row["prompt"] for row in flat_rows], columns=columns, texts=judged)
+        total, _ = rewards.combine(comps, torch.arange(len(texts)))  # [answers], each in a group of its own
+    finally:
+        rewards.close()
+    return texts, flat_rows, comps, judged, total
+
+
 def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
     """Sample and score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also on disk)."""
-    import dataclasses
-
     import torch
-    from accelerate import Accelerator
 
-    from unirl.diffusion.env import DiffusionEnvironment
     from unirl.diffusion.frames import write_grid
 
     if not cfg.data.test:
         raise ValueError("data.test is null: this config has no held-out prompts to evaluate on")
-    path = Path(checkpoint).expanduser()
-    lora = path.is_dir() and any(path.glob("pytorch_lora_weights.*"))
-    full = path.is_dir() and (path / "transformer" / "config.json").exists() and not (path / "model_index.json").exists()
-    pipeline = path.is_dir() and (path / "model_index.json").exists()
-    if path.exists() and not (lora or full or pipeline):
-        raise FileNotFoundError(
-            f"--checkpoint {checkpoint}: neither a LoRA (pytorch_lora_weights.safetensors), a fine-tuned "
-            f"transformer (transformer/config.json) nor a diffusers pipeline (model_index.json)")
+    path = check_checkpoint_path(checkpoint)
+    kind = _diffusion_checkpoint_kind(checkpoint, path)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    # 1. The base pipeline without an adapter of its own, no EMA, no reference, inline scoring.
-    model = dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=False),
-                                name_or_path=str(path) if pipeline or not path.exists() else cfg.model.name_or_path)
-    cfg = dataclasses.replace(cfg, model=model, ema=dataclasses.replace(cfg.ema, enabled=False),
-                              algo=dataclasses.replace(cfg.algo, kl_coef=0.0),
-                              trainer=dataclasses.replace(cfg.trainer, reward_workers=0))
-    env = DiffusionEnvironment(cfg)
-    env.setup(Accelerator())
+    base = {"pipeline": str(path), "hub": checkpoint}.get(kind, cfg.model.name_or_path)
+    env = _diffusion_env(cfg, base)
     try:
-        # 2. The checkpoint's weights.
-        if lora:
-            from diffusers.utils import logging as diffusers_logging
-
-            verbosity = diffusers_logging.get_verbosity()
-            diffusers_logging.set_verbosity_error()  # "no LoRA keys for the text encoders": there are none
-            try:
-                env.pipe.load_lora_weights(str(path))  # into pipe.transformer, the module env samples with
-            finally:
-                diffusers_logging.set_verbosity(verbosity)
-        elif full:
-            transformer = type(env.pipe.transformer).from_pretrained(path / "transformer", dtype=env.pipe.transformer.dtype)
-            env.pipe.transformer = env.model = transformer.to(env.accelerator.device).eval()
+        _load_diffusion_weights(env, path, kind)  # 2. the checkpoint's weights
         # 3. Images and scores.
         prompts = [row["prompt"] for row in env.test_rows]
         with torch.no_grad():
@@ -226,6 +281,57 @@ def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
                "seconds": round(time.perf_counter() - start, 2)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _diffusion_checkpoint_kind(checkpoint: str, path: Path | None) -> str:
+    """``lora`` (diffusers' LoRA file), ``full`` (a fine-tuned ``transformer/``), ``pipeline`` (a
+    diffusers pipeline directory) or ``hub`` (a name to download)."""
+    if path is None:
+        return "hub"
+    if path.is_dir() and any(path.glob("pytorch_lora_weights.*")):
+        return "lora"
+    if path.is_dir() and (path / "model_index.json").exists():
+        return "pipeline"
+    if path.is_dir() and (path / "transformer" / "config.json").exists():
+        return "full"
+    raise FileNotFoundError(
+        f"--checkpoint {checkpoint}: neither a LoRA (pytorch_lora_weights.safetensors), a fine-tuned "
+        f"transformer (transformer/config.json) nor a diffusers pipeline (model_index.json)")
+
+
+def _diffusion_env(cfg, name_or_path: str):
+    """1. The base pipeline without an adapter of its own, no EMA, no reference, inline scoring."""
+    import dataclasses
+
+    from accelerate import Accelerator
+
+    from unirl.diffusion.env import DiffusionEnvironment
+
+    model = dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=False),
+                                name_or_path=str(name_or_path))
+    cfg = dataclasses.replace(cfg, model=model, ema=dataclasses.replace(cfg.ema, enabled=False),
+                              algo=dataclasses.replace(cfg.algo, kl_coef=0.0),
+                              trainer=dataclasses.replace(cfg.trainer, reward_workers=0))
+    env = DiffusionEnvironment(cfg)
+    env.setup(Accelerator())
+    return env
+
+
+def _load_diffusion_weights(env, path: Path | None, kind: str) -> None:
+    """A LoRA into ``pipe.transformer`` (the module the environment samples with), or a fine-tuned
+    transformer in its place; a pipeline or hub checkpoint is already the base."""
+    if kind == "lora":
+        from diffusers.utils import logging as diffusers_logging
+
+        verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # "no LoRA keys for the text encoders": there are none
+        try:
+            env.pipe.load_lora_weights(str(path))
+        finally:
+            diffusers_logging.set_verbosity(verbosity)
+    elif kind == "full":
+        transformer = type(env.pipe.transformer).from_pretrained(path / "transformer", dtype=env.pipe.transformer.dtype)
+        env.pipe.transformer = env.model = transformer.to(env.accelerator.device).eval()
 
 
 def summary_line(summary: dict) -> str:

@@ -27,13 +27,20 @@ def read_rows(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"{run_dir}: no metrics.jsonl there (expected a run directory made by unirl train)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PlotError(f"{path}: not a text file (byte {e.start} is not UTF-8); expected one JSON object a line") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PlotError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise PlotError(f"{path}:{number}: not a JSON object (a {type(row).__name__})")
+            rows.append(row)
     return rows
 
 

@@ -67,11 +67,12 @@ class Plugins(Registry):
 
     # ------------------------------------------------------------------ resolving and loading
 
-    def load(self, spec: str, kwargs: dict[str, Any], *, remote: type) -> Any:
+    def load(self, spec: str, kwargs: dict[str, Any], *, remote: type, bind: type = functools.partial) -> Any:
         """The object ``spec`` names, ready to call, with ``kwargs`` from the config applied: a function
         gets them bound (``functools.partial``), a class is instantiated once with them, an ``http://``
         URL becomes ``remote(spec, **kwargs)``. Every key of ``kwargs`` must be a named parameter: a
-        misspelt setting would otherwise be swallowed by a ``**kwargs``."""
+        misspelt setting would otherwise be swallowed by a ``**kwargs``. ``bind``: the partial type a
+        function is bound with (tools bind with one that refuses a call's arguments naming a setting)."""
         if isinstance(spec, str) and spec.startswith(("http://", "https://")):
             check_kwargs(spec, remote, kwargs, kind=self.kind, error=self.error)
             return remote(spec, **kwargs)
@@ -88,7 +89,7 @@ class Plugins(Registry):
         if not kwargs:
             return obj
         check_kwargs(spec, obj, kwargs, kind=self.kind, error=self.error, skip_first=self.skip_first)
-        bound = functools.partial(obj, **kwargs)
+        bound = bind(obj, **kwargs)
         functools.update_wrapper(bound, obj)  # keep __name__/__doc__ for logs and the listing
         return bound
 

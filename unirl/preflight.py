@@ -78,7 +78,7 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     _check_rewards(cfg, SAMPLE_MODALITY[env_name], config_dir, report)
     if getattr(getattr(cfg, "rollout", None), "tools", None):
         _check_tools(cfg.rollout.tools, config_dir, report)
-        _check_call_format(cfg.rollout.call_format, config_dir, report)
+        _check_call_format(cfg.rollout.call_format, config_dir, report, cfg.rollout.tools)
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
@@ -282,10 +282,11 @@ def _check_tools(tools: list, config_dir: Path | None, report: Report) -> None:
         report.passed.append(f"{what}: {tool.name} resolves")
 
 
-def _check_call_format(spec: str, config_dir: Path | None, report: Report) -> None:
-    """``rollout.call_format``: a registered format, or a file's or module's ``CallFormat`` subclass."""
-    from unirl.tools import ToolError
-    from unirl.tools.formats import resolve_call_format
+def _check_call_format(spec: str, config_dir: Path | None, report: Report, tools: list = ()) -> None:
+    """``rollout.call_format``: a registered format, or a file's or module's ``CallFormat`` subclass,
+    that can call each tool of ``rollout.tools`` (a served tool's name is the server's: not checked)."""
+    from unirl.tools import ToolError, tool_name
+    from unirl.tools.formats import check_callable, resolve_call_format
 
     where, sep, attr = spec.rpartition(":")
     if sep and (where.endswith(".py") or "/" in where):
@@ -295,7 +296,8 @@ def _check_call_format(spec: str, config_dir: Path | None, report: Report) -> No
             return
         spec = f"{located.path}:{attr}"
     try:
-        resolve_call_format(spec)
+        check_callable(resolve_call_format(spec), [tool_name(t.name) for t in tools
+                                                   if not t.name.startswith(("http://", "https://"))], spec)
     except ToolError as err:
         report.problems.append(str(err))
         return

@@ -1,18 +1,22 @@
-"""``unirl eval ENV --config NAME --checkpoint DIR [--n N] [--k K,...]``: score a checkpoint on held-out prompts."""
+"""``unirl eval ENV [--config NAME] --checkpoint DIR [--n N] [--k K,...]``: score a checkpoint on held-out prompts."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from unirl.cli.train import config_names, load_run_config
+from unirl.cli.train import config_names
 from unirl.config.environments import ENVIRONMENTS
 
 
 def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser("eval", help="score a checkpoint on the config's held-out prompts", parents=[common])
     p.add_argument("env", choices=sorted(ENVIRONMENTS))
-    p.add_argument("--config", required=True,
-                   help=f"config name ({config_names()}), a YAML path or a run's config.yaml (its test split and rewards)")
+    p.add_argument("--config", default=None,
+                   help=f"config name ({config_names()}) or a YAML path; default and by preference: the "
+                        f"checkpoint's run's saved config.yaml (its test split and rewards)")
+    p.add_argument("--no-run-config", action="store_true",
+                   help="score a run's checkpoint with --config instead of the run's saved config.yaml")
     p.add_argument("--checkpoint", required=True,
                    help="a run's checkpoints/step_N/ (full or LoRA), a model directory, a named model "
                         "(unirl models list) or a hub name")
@@ -25,11 +29,13 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
 
 def eval_command(args: argparse.Namespace) -> int:
     from unirl.api import evaluate as evaluate_checkpoint
-    from unirl.evaluation import summary_line
+    from unirl.evaluation import choose_config, summary_line
 
     ks = [int(k) for k in args.k.split(",") if k.strip()]
-    cfg = load_run_config(args.env, args.config, args.overrides)
-    summary = evaluate_checkpoint(args.env, cfg, checkpoint=args.checkpoint, output_dir=args.output_dir, n=args.n,
-                                  ks=ks, verbose=getattr(args, "verbose", False))
+    config, which = choose_config(args.checkpoint, args.config, not args.no_run_config)  # the run's own, unless told
+    print(which, file=sys.stderr)
+    summary = evaluate_checkpoint(args.env, config, args.overrides, checkpoint=args.checkpoint,
+                                  output_dir=args.output_dir, n=args.n, ks=ks, verbose=getattr(args, "verbose", False),
+                                  run_config=False)
     print(summary_line(summary))
     return 0

@@ -26,6 +26,12 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
                          help="how long a request may wait for others to join its call (default 2)")
     p_serve.add_argument("--max-queue", type=int, default=1024, metavar="N",
                          help="requests waiting before more are answered 503, which clients retry (default 1024)")
+    p_serve.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
+                         help="larger request bodies are refused, 413 (default 16)")
+    p_serve.add_argument("--body-timeout-s", type=float, default=30.0, metavar="S",
+                         help="a body not arrived after this long is refused, 408 (default 30)")
+    p_serve.add_argument("--token", default=None,
+                         help="shared secret every request but /health must send (default $UNIRL_REWARD_TOKEN)")
     p_serve.set_defaults(func=serve_command)
 
 
@@ -59,7 +65,8 @@ def serve_command(args: argparse.Namespace) -> int:
         kwargs["corpus"] = args.corpus
     try:
         server = make_tool_server(args.name, args.host, args.port, kwargs, max_batch=args.max_batch,
-                                  max_wait_ms=args.max_wait_ms, max_queue=args.max_queue)
+                                  max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                                  max_body_mb=args.max_body_mb, body_timeout_s=args.body_timeout_s, token=args.token)
     except (ToolError, ValueError, OSError) as err:
         print(f"unirl serve-tool: {err}", file=sys.stderr)
         return 1

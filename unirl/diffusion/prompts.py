@@ -10,7 +10,7 @@ def load_prompt_rows(source: str, split: str, image: bool = False) -> list[dict]
     a bundled ``unirl://NAME`` file or generated ``unirl://ocr/generated?n=...`` (``unirl/data/paths.py``).
 
     ``image``: the family takes a conditioning image per prompt (``ModelFamily.conditioning_image``), so
-    every row must be a ``.jsonl`` row naming an existing file in its ``image`` field (relative paths
+    every row must be a ``.jsonl`` row naming an existing, readable image file in its ``image`` field (relative paths
     are read from the prompt file's folder); the first row without one is named."""
     rows = _prompt_rows(source, split)
     if image:
@@ -20,6 +20,7 @@ def load_prompt_rows(source: str, split: str, image: bool = False) -> list[dict]
 
 def _check_images(rows: list[dict], source: str, split: str) -> None:
     from unirl.data.paths import local_path
+    from unirl.image_files import check_image_file
 
     for i, row in enumerate(rows):
         name = row.get("image")  # only .jsonl rows have one, so only then is the source a file
@@ -27,6 +28,10 @@ def _check_images(rows: list[dict], source: str, split: str) -> None:
         if path is None or not path.is_file():
             raise ValueError(f"prompt file ({split}) {source}, row {i + 1}: model.family takes a conditioning image "
                              f"per prompt, so each row needs an 'image' naming an existing file; got {name!r}")
+        try:
+            check_image_file(path)  # decodable, not only present: header and checksums, cheap
+        except ValueError as err:
+            raise ValueError(f"prompt file ({split}) {source}, row {i + 1}: {err}") from None
         row["image"] = str(path)
 
 

@@ -1,12 +1,95 @@
-"""Where unirl builds and caches its local artefacts (the tiny models of the demos and tests)."""
+"""Where unirl builds and caches its local artefacts (the tiny models of the demos and tests), and the
+one way they are built: once, under a lock, renamed into place (``cached_build``)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
+import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 
 def default_cache_dir() -> Path:
     """``$UNIRL_CACHE``, else ``$XDG_CACHE_HOME/unirl``, else ``~/.cache/unirl``."""
     root = os.environ.get("UNIRL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "unirl")
     return Path(root)
+
+
+def spec_digest(spec: dict) -> str:
+    """The 12-hex-digit hash of a build's spec (its cache key)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def progress(message: str) -> None:
+    """One line on stderr (and so in the run log): a build takes minutes on a CPU and would otherwise
+    look like a hang."""
+    print(f"unirl: {message}", file=sys.stderr, flush=True)
+
+
+def cached_build(directory: Path, spec: dict, marker_name: str, build: Callable[[Path], dict | None], *,
+                 what: str = "the toy model") -> Path:
+    """``build(work)`` unless ``directory`` already holds this ``spec``'s build; returns ``directory``.
+
+    The build runs once however many processes ask at once: under a file lock beside the directory, the
+    first builds into a temporary directory that is renamed into place (with its marker, the hash of
+    ``spec`` and whatever ``build`` returns, written last), and the others wait for the lock and find it
+    built. A stale or half-written directory is removed and rebuilt. The build runs in a fork of the
+    caller's RNG: a run that builds (a cold cache) draws the same afterwards as one that finds it.
+    """
+    import torch
+
+    digest = spec_digest(spec)
+    if _built(directory, marker_name, digest):
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(directory.parent / f".{directory.name}.lock", what):
+        if _built(directory, marker_name, digest):  # another process built it while this one waited
+            return directory
+        work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            progress(f"building {what} once (cached in {directory}) ...")
+            start = time.monotonic()
+            with torch.random.fork_rng(devices=[]):
+                extra = build(work) or {}
+            (work / marker_name).write_text(json.dumps({"digest": digest, "spec": spec, **extra}, indent=1))
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.replace(work, directory)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        progress(f"built {what} in {time.monotonic() - start:.0f} s")
+    return directory
+
+
+def _built(directory: Path, marker_name: str, digest: str) -> bool:
+    marker = directory / marker_name
+    try:
+        return json.loads(marker.read_text()).get("digest") == digest
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path, what: str):
+    """An exclusive lock on ``path`` (POSIX ``flock``; none where there is no ``fcntl``), saying when it waits."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; the rename still keeps a half-written build out of sight
+        yield
+        return
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another process building {what} ...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

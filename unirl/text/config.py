@@ -161,10 +161,14 @@ class RolloutConfig:
     tool_error_text: str = "Error: {error}"
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "tensor_parallel_size"):
+        for name in ("max_new_tokens", "tensor_parallel_size", "max_turns", "tool_concurrency"):
             check_range(self, name, low=1)
-        for name in ("max_model_len", "eval_max_new_tokens", "max_observation_tokens"):
+        for name in ("max_model_len", "eval_max_new_tokens", "max_observation_tokens", "max_total_tokens"):
             check_range(self, name, low=1, optional=True)
+        check_range(self, "tool_timeout_s", low=0, low_open=True)
+        from unirl.tools.calling import check_error_text
+
+        check_error_text(self.tool_error_text, key="tool_error_text")
         check_range(self, "top_p", low=0, high=1, low_open=True)
         check_range(self, "gpu_memory_utilization", low=0, high=1, low_open=True)
         if self.top_k != -1 and self.top_k < 1:
@@ -179,8 +183,10 @@ class OverlongConfig:
     #: than ``rollout.max_new_tokens - buffer`` tokens loses ``(length - that) / buffer * penalty_factor``
     #: reward (``unirl.core.overlong_penalty``), logged as ``reward/overlong_penalty``; the raw
     #: ``reward/<name>`` components (and dynamic sampling's metric) are not changed. null disables.
+    #: With tools, as verl: the whole response (observations included) against ``rollout.max_total_tokens``
+    #: less the prompt (or ``max_turns * max_new_tokens``); the penalty is at most ``penalty_factor``.
     buffer: Optional[int] = None
-    #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``).
+    #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``), >= 0.
     penalty_factor: float = 1.0
     #: TRL's ``mask_truncated_completions``: responses cut at ``rollout.max_new_tokens`` (no EOS) are
     #: left out of the loss (their tokens out of the loss mask, so out of its normaliser too); they

@@ -21,7 +21,7 @@ from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
-from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, trajectories_to_rollout
+from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -203,8 +203,11 @@ class TextEnvironment(Environment):
         rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
         rewards, metrics = self.rewards.combine(components, rollout.group_ids)
         if self.cfg.overlong.buffer is not None:  # DAPO's soft overlong punishment, on the combined reward
-            penalty = overlong_penalty(rollout.tensors["response_mask"].sum(-1), max_length=self.cfg.rollout.max_new_tokens,
-                                       buffer=self.cfg.overlong.buffer, factor=self.cfg.overlong.penalty_factor)  # [N]
+            lengths, max_length = rollout.tensors["response_mask"].sum(-1), self.cfg.rollout.max_new_tokens
+            if self.tools is not None:  # the whole multi-turn response against its own maximum, as verl
+                lengths, max_length = overlong_lengths(self.cfg.rollout, rollout.tensors)
+            penalty = overlong_penalty(lengths, max_length=max_length, buffer=self.cfg.overlong.buffer,
+                                       factor=self.cfg.overlong.penalty_factor)  # [N]
             rewards = rewards + penalty
             rollout.tensors["score/overlong_penalty"] = penalty
             metrics["reward/overlong_penalty"] = penalty.mean().item()

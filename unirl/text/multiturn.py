@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unirl.tools.calling import ToolRunner
-from unirl.tools.formats import CallFormat
+from unirl.tools.formats import CallFormat, Turn
+from unirl.tools.registry import ToolError
 
 
 @dataclass
@@ -72,6 +73,7 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
     groups = [[Trajectory(list(p)) for _ in range(n)] for p in prompt_ids]
     flat = [t for g in groups for t in g]
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, stop=fmt.stop)
+    chars_per_token = _longest_token_chars(tokenizer) if max_observation_tokens is not None else 0
     for turn in range(1, max_turns + 1):
         active = [t for t in flat if not t.done]
         if not active:
@@ -99,7 +101,7 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
             eos = g.finished and len(ids) == len(g.response_ids)
             text = tokenizer.decode(ids, skip_special_tokens=False)
             stopped = eos or any(text.endswith(s) for s in fmt.stop)
-            parsed = fmt.parse(text)
+            parsed = _parse(fmt, text)
             if parsed.answer is not None:
                 t.answer, t.done, t.finished = parsed.answer, True, True
             elif not stopped:  # cut by max_new_tokens or max_total_tokens mid-turn
@@ -117,9 +119,10 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
                 mine = [next(results) for _ in cs]
                 t.tool_calls += [{"name": c.name, "arguments": c.arguments, "error": r.error} for c, r in zip(cs, mine)]
                 t.tool_latency_s += sum(r.latency_s for r in mine)
-                texts = [_capped(tokenizer, r.text, max_observation_tokens, truncated_text) for r in mine]
+                texts = [_capped(tokenizer, r.text, max_observation_tokens, truncated_text, chars_per_token)
+                         for r in mine]
                 t.observations_truncated += sum(text != r.text for text, r in zip(texts, mine))
-                obs = tokenizer(fmt.observation(texts, eos), add_special_tokens=False).input_ids
+                obs = tokenizer(_observation(fmt, texts, eos), add_special_tokens=False).input_ids
                 if max_total_tokens is not None:
                     room = max_total_tokens - len(t.prompt_ids) - len(t.ids)
                     if len(obs) >= room:  # no room to answer after it: cut, and the sample ends here
@@ -130,12 +133,50 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
     return groups
 
 
-def _capped(tokenizer, text: str, cap: int | None, marker: str) -> str:
-    """``text`` cut to its first ``cap`` tokens, then ``marker``; as it is when it fits (or no cap)."""
+def _capped(tokenizer, text: str, cap: int | None, marker: str, chars_per_token: int) -> str:
+    """``text`` cut to its first ``cap`` tokens, then ``marker``; as it is when it fits (or no cap).
+
+    No token spans more than ``chars_per_token`` characters, so the first ``cap`` tokens lie in the first
+    ``cap * chars_per_token`` characters: only those (and one token's more, so that a text cut there
+    still counts as longer than ``cap``) are tokenized, not a 4 MB result (5 s a call). The tokens are
+    the whole text's unless one pre-tokenizer word spans the cut, where the last token may differ."""
     if cap is None:
         return text
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    return text if len(ids) <= cap else tokenizer.decode(ids[:cap]) + marker
+    head = text[:(cap + 1) * chars_per_token]
+    ids = tokenizer(head, add_special_tokens=False).input_ids
+    return text if len(ids) <= cap and len(head) == len(text) else tokenizer.decode(ids[:cap]) + marker
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` decodes to (a byte-level token's vocabulary
+    string has one character per byte, at least as many as it decodes to)."""
+    vocab = tokenizer.get_vocab()
+    return max(1, max(map(len, vocab), default=1))
+
+
+def _parse(fmt: CallFormat, text: str):
+    """``fmt.parse(text)``, checked: a format's own failure is one error naming it."""
+    try:
+        parsed = fmt.parse(text)
+    except Exception as err:
+        raise ToolError(f"call format {type(fmt).__name__}: parse raised {type(err).__name__}: {err} "
+                        f"(on a turn ending {text[-80:]!r})") from err
+    if not isinstance(parsed, Turn):
+        raise ToolError(f"call format {type(fmt).__name__}: parse must return a unirl.tools.formats.Turn, "
+                        f"got {type(parsed).__name__}")
+    return parsed
+
+
+def _observation(fmt: CallFormat, texts: list[str], eos: bool) -> str:
+    """``fmt.observation(...)``, checked: a format's own failure is one error naming it."""
+    try:
+        obs = fmt.observation(texts, eos)
+    except Exception as err:
+        raise ToolError(f"call format {type(fmt).__name__}: observation raised {type(err).__name__}: {err}") from err
+    if not isinstance(obs, str):
+        raise ToolError(f"call format {type(fmt).__name__}: observation must return a string, "
+                        f"got {type(obs).__name__}")
+    return obs
 
 
 def _budget(t: Trajectory, max_new_tokens: int, max_total_tokens: int | None) -> int:

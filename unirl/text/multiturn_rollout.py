@@ -14,7 +14,7 @@ def build_tools(rollout_cfg, tokenizer):
     model calls it)."""
     from unirl.tools import load_tool, tool_name
     from unirl.tools.calling import ToolRunner
-    from unirl.tools.formats import resolve_call_format
+    from unirl.tools.formats import check_callable, resolve_call_format
 
     tools = {}
     for spec in rollout_cfg.tools:
@@ -23,7 +23,9 @@ def build_tools(rollout_cfg, tokenizer):
         if name in tools:
             raise ValueError(f"rollout.tools: two tools are called {name!r}")
         tools[name] = tool
-    fmt = resolve_call_format(rollout_cfg.call_format)(tokenizer)
+    fmt_cls = resolve_call_format(rollout_cfg.call_format)
+    check_callable(fmt_cls, list(tools), rollout_cfg.call_format)
+    fmt = fmt_cls(tokenizer)
     runner = ToolRunner(tools, timeout_s=rollout_cfg.tool_timeout_s, max_concurrency=rollout_cfg.tool_concurrency,
                         error_text=rollout_cfg.tool_error_text)
     return fmt, runner
@@ -71,6 +73,18 @@ def trajectories_to_rollout(rows: list[dict], groups: list[list[Trajectory]], to
         samples=[tokenizer.decode(t.ids, skip_special_tokens=True) for _, t in flat],
         columns=columns,
     )
+
+
+def overlong_lengths(rollout_cfg, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """``(lengths [N], max_length)`` for DAPO's overlong penalty of a multi-turn rollout, as verl measures
+    them: the whole response (observations included: verl's attention mask) against the most the
+    response may hold, ``max_total_tokens`` less its prompt ([N]); with no ``max_total_tokens``, the
+    generated budget ``max_turns * max_new_tokens``. (All turns' tokens against one turn's
+    ``max_new_tokens`` reached -11 for a factor of 1.)"""
+    lengths = tensors["response_attention_mask"].sum(-1)  # [N]
+    if rollout_cfg.max_total_tokens is not None:
+        return lengths, rollout_cfg.max_total_tokens - tensors["prompt_mask"].sum(-1)  # [N]
+    return lengths, rollout_cfg.max_turns * rollout_cfg.max_new_tokens
 
 
 def multi_turn_metrics(tensors: dict[str, torch.Tensor]) -> dict[str, float]:

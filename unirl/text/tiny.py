@@ -16,14 +16,13 @@ the model to ignore the question; GRPO then only learned the most frequent sum, 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from pathlib import Path
 
 import torch
 
-from unirl.models.cache import default_cache_dir
+from unirl.models.cache import cached_build, default_cache_dir, spec_digest
 
 # Characters the tokenizer knows. Enough for the addition task and simple English prompts.
 _ALPHABET = list("0123456789+-*/=?#:.,$ \n") + list("abcdefghijklmnopqrstuvwxyz") + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -91,16 +90,9 @@ def build_tiny_lm(directory: str | Path | None = None, seed: int = 0) -> Path:
     spec hash makes later calls return at once.
     """
     spec = dict(TINY_LM_SPEC, seed=seed)
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    directory = Path(directory) if directory else default_cache_dir() / f"tiny-qwen2-{digest}"
-    marker = directory / "unirl_tiny.json"
-    if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
-        return directory
-    # The global RNG is the caller's: a run that builds the model (a cold cache) must draw the same
-    # samples afterwards as one that finds it built, so the build seeds and draws in a fork of it.
-    with torch.random.fork_rng(devices=[]):
-        _build(directory, spec, seed, digest)
-    return directory
+    directory = Path(directory) if directory else default_cache_dir() / f"tiny-qwen2-{spec_digest(spec)}"
+    return cached_build(directory, spec, "unirl_tiny.json", lambda work: _build(work, spec, seed),
+                        what="the tiny text model")
 
 
 def new_model(tokenizer, spec: dict, seed: int):
@@ -125,8 +117,9 @@ def new_model(tokenizer, spec: dict, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def _build(directory: Path, spec: dict, seed: int, digest: str) -> None:
-    """The model, the task data and the warm start, written to ``directory`` (the marker last)."""
+def _build(directory: Path, spec: dict, seed: int) -> None:
+    """The model, the task data and the warm start, written to ``directory`` (``cached_build`` adds
+    the marker and renames it into place)."""
     # 1. Tokenizer and model from config, seeded.
     tokenizer = build_tokenizer()
     model = new_model(tokenizer, spec, seed)
@@ -137,8 +130,7 @@ def _build(directory: Path, spec: dict, seed: int, digest: str) -> None:
     # 3. Short supervised warm start on the task (format plus a little of the table), see above.
     _format_warm_start(model, tokenizer, train, spec, seed)
 
-    # 4. Save atomically enough: the marker is written last.
-    directory.mkdir(parents=True, exist_ok=True)
+    # 4. Save.
     model.save_pretrained(directory, safe_serialization=True)
     model.generation_config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -146,7 +138,6 @@ def _build(directory: Path, spec: dict, seed: int, digest: str) -> None:
         with open(directory / name, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-    (directory / "unirl_tiny.json").write_text(json.dumps({"digest": digest, "spec": spec}, indent=1))
 
 
 def _format_warm_start(model, tokenizer, rows: list[dict], spec: dict, seed: int) -> None:

@@ -27,14 +27,12 @@ Search-R1 needs no warm start: its 3B model follows the instruction in its promp
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from pathlib import Path
 
 import torch
 
-from unirl.models.cache import default_cache_dir
+from unirl.models.cache import cached_build, default_cache_dir, progress, spec_digest
 from unirl.text import tiny
 from unirl.text.tiny_search_task import code, distinct_names, passage, question, task_codes
 
@@ -54,21 +52,20 @@ def build_tiny_search_lm(seed: int = 0) -> Path:
     """Build (or reuse) the warm-started tiny search model; return its directory (``model.name_or_path:
     tiny_search``)."""
     spec = dict(TINY_SEARCH_SPEC, seed=seed)
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    directory = default_cache_dir() / f"tiny-search-{digest}"
-    marker = directory / "unirl_tiny.json"
-    if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
-        return directory
-    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is the same, cache cold or warm
-        tokenizer = tiny.build_tokenizer(extra=spec["extra_chars"])
-        model = tiny.new_model(tokenizer, spec, seed)
-        steps = warm_start(model, tokenizer, spec, seed)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = default_cache_dir() / f"tiny-search-{spec_digest(spec)}"
+    return cached_build(directory, spec, "unirl_tiny.json", lambda work: _build(work, spec, seed),
+                        what="the tiny search model (a warm start of a few minutes on a CPU)")
+
+
+def _build(directory: Path, spec: dict, seed: int) -> dict:
+    """The warm-started model and its tokenizer, written to ``directory``; what the marker records."""
+    tokenizer = tiny.build_tokenizer(extra=spec["extra_chars"])
+    model = tiny.new_model(tokenizer, spec, seed)
+    steps = warm_start(model, tokenizer, spec, seed)
     model.save_pretrained(directory, safe_serialization=True)
     model.generation_config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    marker.write_text(json.dumps({"digest": digest, "spec": spec, "warm_start_steps_taken": steps}, indent=1))
-    return directory
+    return {"warm_start_steps_taken": steps}
 
 
 def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
@@ -89,8 +86,12 @@ def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
     r = prior * (1 - s) / ((1 - prior) * s)
     held_out = [(name, code(rng)) for name in distinct_names(rng, 64, exclude=task_names | set(pool))]
     for step in range(1, spec["warm_start_steps"] + 1):
-        if step % 50 == 0 and reading_accuracy(model, tokenizer, held_out) >= spec["reading_accuracy"]:
-            break  # learned to read (the step it happens varies with the data; the seed fixes it)
+        if step % 50 == 0:
+            accuracy = reading_accuracy(model, tokenizer, held_out)
+            progress(f"tiny search model warm start: step {step}, reads {accuracy:.0%} of held-out codes "
+                     f"(done at {spec['reading_accuracy']:.0%}, step {spec['warm_start_steps']} at most)")
+            if accuracy >= spec["reading_accuracy"]:
+                break  # learned to read (the step it happens varies with the data; the seed fixes it)
         searches, guesses = [], []
         for _ in range(16):
             search = rng.random() < s

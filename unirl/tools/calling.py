@@ -4,19 +4,25 @@
 A call that raises, times out, returns something other than a string, names an unknown tool, or could
 not be parsed (``ToolCall.error`` set by the format) never ends the run: its observation is
 ``error_text`` with ``{error}`` filled in, and ``ToolResult.error`` says what happened so the rollout
-counts it (``rollout/tool_errors``). A synchronous tool runs in a thread of a pool of
-``max_concurrency``; a timed-out thread cannot be killed and finishes in the background (its result
-is dropped), so a tool that hangs for ever holds one of the pool's threads.
+counts it (``rollout/tool_errors``). A synchronous tool runs in a thread, at most ``max_concurrency``
+calls at once; a timed-out thread cannot be killed and finishes in the background (its result is
+dropped). Each call runs in a daemon thread of its own, so a tool that hangs for ever keeps neither
+the run nor the process's exit waiting (a pool's threads are joined at exit: the run printed "done" and
+never ended); ``close`` names the tools still running. A result is made valid UTF-8 (a lone surrogate
+becomes U+FFFD) so that tokenizing it cannot fail.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,11 +49,13 @@ class ToolRunner:
                  error_text: str = "Error: {error}"):
         if timeout_s <= 0 or max_concurrency < 1:
             raise ValueError(f"tool timeout_s must be > 0 and max_concurrency >= 1, got {timeout_s}, {max_concurrency}")
+        check_error_text(error_text)
         self.tools = dict(tools)
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.error_text = error_text
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="unirl-tool")
+        self._running: set[threading.Thread] = set()  # synchronous calls not yet returned (timed-out ones too)
+        self._lock = threading.Lock()
 
     def run(self, calls: list[ToolCall]) -> list[ToolResult]:
         """The results of ``calls``, in order. Blocks until every call has answered or timed out."""
@@ -79,7 +87,7 @@ class ToolRunner:
                 error = f"tool {call.name!r} raised {type(err).__name__}: {err}"
         if error is not None:
             text = self.error_text.format(error=error)
-        return ToolResult(text, error, time.perf_counter() - start)
+        return ToolResult(valid_utf8(text), error, time.perf_counter() - start)
 
     def _unknown(self, call: ToolCall) -> str | None:
         if call.name in self.tools:
@@ -91,8 +99,65 @@ class ToolRunner:
         target = fn.__call__ if not inspect.isfunction(fn) and not inspect.ismethod(fn) and hasattr(fn, "__call__") else fn
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target):
             return await fn(**call.arguments)
+        return await self._in_daemon_thread(call.name, lambda: fn(**call.arguments))
+
+    def _in_daemon_thread(self, name: str, work: Callable[[], Any]) -> asyncio.Future:
+        """``work()`` in a daemon thread named for the tool; its outcome lands in the returned future
+        (dropped when the loop has gone on without it: a timed-out call)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(**call.arguments))
+        future = loop.create_future()
+
+        def settle(result, error):
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        def body():
+            try:
+                outcome = (work(), None)
+            except BaseException as err:  # noqa: BLE001 - handed to the awaiting call, which names the tool
+                outcome = (None, err)
+            with self._lock:
+                self._running.discard(threading.current_thread())
+            try:
+                loop.call_soon_threadsafe(settle, *outcome)
+            except RuntimeError:  # the loop has closed: the call timed out long ago
+                pass
+
+        thread = threading.Thread(target=body, name=f"unirl-tool {name}", daemon=True)
+        with self._lock:
+            self._running.add(thread)
+        thread.start()
+        return future
+
+    def still_running(self) -> list[str]:
+        """The tools whose calls have not returned (hung past their timeout, or still working)."""
+        with self._lock:
+            return sorted(t.name.removeprefix("unirl-tool ") for t in self._running)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing waits for a hung call (its thread is a daemon); say which tools were left running."""
+        hung = self.still_running()
+        if hung:
+            logger.warning("tool calls still running at the end, not waited for: %s", ", ".join(hung))
+
+
+def check_error_text(error_text: str, key: str = "rollout.tool_error_text") -> None:
+    """Refuse an error text whose placeholders are not exactly ``{error}`` (found at load, not at the
+    first failed call)."""
+    try:
+        error_text.format(error="x")
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"{key} {error_text!r}: only the placeholder {{error}} is filled in "
+                         f"({type(err).__name__}: {err}); write a literal brace as {{{{ or }}}}") from None
+
+
+def valid_utf8(text: str | None) -> str | None:
+    """``text`` with lone surrogates (which no tokenizer or file accepts) replaced by U+FFFD; a pair
+    written as two code points is joined."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")

@@ -46,6 +46,8 @@ class CallFormat:
 
     #: Strings at which generation stops so the calls can run (kept in the output).
     stop: list[str] = []
+    #: The tool names this format can write a call to; None: any (the call names its tool).
+    callable_tools: tuple[str, ...] | None = None
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
@@ -76,9 +78,27 @@ def resolve_call_format(spec: str) -> type[CallFormat]:
     return cls
 
 
+def uncallable_tools(fmt: type[CallFormat], names: list[str]) -> list[str]:
+    """The tool names among ``names`` that ``fmt`` never calls (every call to them would be missing)."""
+    allowed = fmt.callable_tools
+    return [] if allowed is None else [n for n in names if n not in allowed]
+
+
+def check_callable(fmt: type[CallFormat], names: list[str], spec: str) -> None:
+    """Raise ``ToolError`` when ``rollout.call_format`` cannot call one of the configured tools."""
+    from unirl.tools.registry import ToolError
+
+    missing = uncallable_tools(fmt, names)
+    if missing:
+        raise ToolError(f"rollout.call_format {spec!r} only calls {', '.join(map(repr, fmt.callable_tools))}, so the "
+                        f"tool(s) {', '.join(map(repr, missing))} would never be called: use call_format: hermes (the "
+                        f"call names its tool), a CallFormat of your own, or name the tool {fmt.callable_tools[0]!r}")
+
+
 @CALL_FORMATS.register("search_r1")
 class SearchR1Format(CallFormat):
     stop = ["</search>", "</answer>"]
+    callable_tools = ("search",)
     _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
     #: Search-R1's observation for a turn with neither a search nor an answer in its tags.
     INVALID = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> and "

@@ -7,9 +7,10 @@ file, module or function, misspelt kwarg, missing optional package).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from unirl.tools.registry import TOOLS, ToolFn, ToolInfo
+from unirl.tools.registry import TOOLS, ToolError, ToolFn, ToolInfo
 from unirl.tools.remote_client import RemoteTool
 
 
@@ -17,7 +18,19 @@ def load_tool(spec: str, **kwargs: Any) -> ToolFn:
     """The tool ``spec`` names, ready to call as ``tool(**arguments)``: a function gets ``kwargs``
     bound, a class is instantiated once with them, an ``http://`` URL becomes a ``RemoteTool``
     (whose kwargs are the client's: ``timeout``, ``retries``)."""
-    return TOOLS.load(spec, kwargs, remote=RemoteTool)
+    return TOOLS.load(spec, kwargs, remote=RemoteTool, bind=_Bound)
+
+
+class _Bound(functools.partial):
+    """A tool function with the config's kwargs bound, which a call may not replace: the model's
+    arguments naming one are refused (a plain partial lets them win over the config)."""
+
+    def __call__(self, /, *args, **arguments):
+        named = sorted(set(self.keywords) & set(arguments))
+        if named:
+            raise ToolError(f"argument(s) {', '.join(map(repr, named))} are settings of tool "
+                            f"{getattr(self.func, '__name__', self.func)!r} from the config; a call may not change them")
+        return super().__call__(*args, **arguments)
 
 
 def resolve_tool(spec: str) -> ToolFn:

@@ -1,15 +1,21 @@
 """Tools over HTTP: ``unirl serve-tool NAME`` hosts a tool (the search index, built once, shared by
-every run and process that names it ``http://host:port``).
+every run and process that names it ``http://host:port``), and ``RemoteTool`` calls it.
 
 The serving is the reward server's (``rewards/remote.py``, ``rewards/batching.py``): concurrent
 requests join one call of the tool in one worker thread (the BM25 search retrieves them in one pass
 through ``call_batch``), at most ``max_batch`` calls at once, a full queue answered 503, which the
-client retries. The client, ``RemoteTool``, is ``unirl/tools/remote_client.py``. The protocol:
+client retries. The protocol:
 
 - ``GET /info`` -> ``{"name", "description"}``; ``GET /health`` -> ``{"status": "ok", "queued",
   "scoring", "batches", "answered", ...}`` (the reward server's counters).
 - ``POST /call`` with ``{"arguments": {...}}`` -> 200 ``{"text": "..."}``; 500 ``{"error": ...}`` when
   the tool raised or returned something other than a string; 400 for a malformed request.
+
+The guards are the reward server's (``rewards/http_guards.py``): arguments naming one of the server's
+``--kwargs`` are refused (400), a body over ``--max-body-mb`` (413) or not arrived after
+``--body-timeout-s`` (408) too, and with ``--token`` (or ``$UNIRL_REWARD_TOKEN``) every path but
+``/health`` needs ``Authorization: Bearer <token>`` (401), which ``RemoteTool`` sends from its
+``token`` kwarg or the same variable.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from unirl.rewards.batching import QueueFull
+from unirl.rewards.http_guards import Guards, Refused
 from unirl.tools.registry import ToolError
 
 
@@ -54,22 +61,26 @@ def _checked(text: Any):
 
 
 def make_tool_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None, *,
-                     max_batch: int = 64, max_wait_ms: float = 2.0, max_queue: int = 1024):
+                     max_batch: int = 64, max_wait_ms: float = 2.0, max_queue: int = 1024, max_body_mb: float = 16.0,
+                     body_timeout_s: float = 30.0, token: str | None = None):
     """A server (bound, not yet serving) for the tool ``spec`` with ``kwargs`` bound; a search index
-    is built here, before the port opens."""
+    is built here, before the port opens. ``max_body_mb``, ``body_timeout_s`` and ``token`` (default
+    ``$UNIRL_REWARD_TOKEN``): the guards of ``rewards/http_guards.py``."""
     from unirl.rewards.batching import BatchQueue
     from unirl.rewards.remote import RewardServer
     from unirl.tools.loading import load_tool, tool_name
 
+    guards = Guards.from_settings("serve-tool", max_body_mb=max_body_mb, body_timeout_s=body_timeout_s, token=token,
+                                  settings=kwargs or {})
     tool = load_tool(spec, **(kwargs or {}))
     queue = BatchQueue(lambda calls: call_batch(tool, calls), max_batch=max_batch, max_wait=max_wait_ms / 1000,
                        max_queue=max_queue)
     doc = (inspect.getdoc(tool) or "").strip()
     meta = {"name": tool_name(spec), "description": doc.splitlines()[0] if doc else ""}
-    return RewardServer(make_app(spec, meta, queue), host, port)
+    return RewardServer(make_app(spec, meta, queue, guards), host, port)
 
 
-def make_app(spec: str, meta: dict, queue):
+def make_app(spec: str, meta: dict, queue, guards: Guards):
     @asynccontextmanager
     async def lifespan(app):
         queue.start()
@@ -84,7 +95,11 @@ def make_app(spec: str, meta: dict, queue):
         return JSONResponse(body, status_code=status)
 
     @app.get("/info")
-    async def info():
+    async def info(request: Request):
+        try:
+            guards.check_token(request)
+        except Refused as err:
+            return answer(err.status, {"error": str(err)})
         return answer(200, meta)
 
     @app.get("/health")
@@ -95,11 +110,19 @@ def make_app(spec: str, meta: dict, queue):
     @app.post("/call")
     async def call(request: Request):
         try:
-            arguments = json.loads(await request.body())["arguments"]
+            body = await guards.read_body(request)
+        except Refused as err:
+            return answer(err.status, {"error": str(err)})
+        try:
+            arguments = json.loads(body)["arguments"]
             if not isinstance(arguments, dict):
                 raise ValueError("arguments must be an object")
         except Exception as err:
             return answer(400, {"error": f"malformed request: {type(err).__name__}: {err}"})
+        try:  # the tool is called with the arguments as keyword arguments: they would replace the server's
+            guards.check_names(arguments, "argument")
+        except Refused as err:
+            return answer(err.status, {"error": str(err)})
         try:
             text = await queue.submit(arguments)
         except QueueFull as err:

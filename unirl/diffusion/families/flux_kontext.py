@@ -33,12 +33,9 @@ class FluxKontextFamily(FluxFamily):
 
     @torch.no_grad()
     def encode_images(self, pipe, images: list[str], *, resolution: int, device) -> dict[str, torch.Tensor]:
-        from PIL import Image
+        from unirl.image_files import load_rgb
 
-        pictures = []
-        for path in images:
-            with Image.open(path) as image:
-                pictures.append(image.convert("RGB").resize((resolution, resolution), Image.BICUBIC))
+        pictures = [load_rgb(path, (resolution, resolution)) for path in images]  # a bad file is named
         vae = pipe.vae
         pixels = pipe.image_processor.preprocess(pictures, resolution, resolution)  # [n, 3, H, W] in [-1, 1]
         latents = vae.encode(cast(pixels.to(device), compute_dtype(vae))).latent_dist.mode()  # [n, C, h, w]

@@ -9,12 +9,11 @@ the hash of the toy's spec, and the variants (``tiny``, ``tiny-colour``).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 from pathlib import Path
 
 import torch
+
+from unirl.models.cache import cached_build  # noqa: F401 - the toys' builds (once, under a lock, renamed into place)
 
 #: The toys' VAE (``AutoencoderKL``): 3 -> 4 channels, scale factor 2, 32 px; each family adds its
 #: latents' ``scaling_factor`` and ``shift_factor``.
@@ -49,26 +48,6 @@ def variant_spec(base: dict, variant: str, seed: int) -> tuple[dict, str]:
 
         return {"seed": seed, **base, "warm_start": COLOUR_WARM_START}, "-colour"
     raise ValueError(f"unknown toy model {variant!r}; expected 'tiny' or 'tiny-colour'")
-
-
-def cached_build(directory: Path, spec: dict, marker_name: str, build) -> Path:
-    """``build(directory)`` unless ``directory`` already holds this ``spec``'s build; returns ``directory``.
-
-    A marker file holding the hash of ``spec`` is written last; a directory with a matching marker is
-    returned at once, anything else (stale or half-written) is removed and rebuilt from scratch.
-    """
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    marker = directory / marker_name
-    if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
-        return directory
-    if directory.exists():
-        shutil.rmtree(directory)
-    # The builds seed the global RNG; a run that builds (a cold cache) must draw the same afterwards
-    # as one that finds the build, so they run in a fork of the caller's RNG.
-    with torch.random.fork_rng(devices=[]):
-        build(directory)
-    marker.write_text(json.dumps({"digest": digest, "spec": spec}, indent=1))
-    return directory
 
 
 def fit_decoder(vae, *, seed: int, steps: int, batch_size: int, lr: float, through_scaling: bool = False) -> None:
