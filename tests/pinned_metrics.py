@@ -33,8 +33,13 @@ CONFIGS = [("text", "tiny"), ("text", "tiny_dapo"), ("text", "tiny_ppo"), ("text
            ("diffusion", "tiny"), ("diffusion", "tiny_colour"), ("diffusion", "tiny_colour_nft"),
            ("diffusion", "tiny_flux"), ("diffusion", "tiny_kontext"), ("diffusion", "tiny_qwenimage"),
            ("diffusion", "tiny_wan")]
-#: Machine figures, not a function of the code's math.
-SKIPPED_PREFIXES = ("time/", "perf/")
+#: Machine figures, not a function of the code's math: wall-clock times (a tool call's latency too),
+#: memory and throughput.
+SKIPPED_PREFIXES = ("time/", "perf/", "rollout/tool_latency_s")
+#: Figures that measure float noise itself: the gap between the engine's and the trainer's log-probs of
+#: the same tokens (~1e-6 in float32) moves with the last bits of the weights, so it is compared to 1e-5
+#: absolute (the other figures: 1e-5 relative, 1e-6 absolute).
+NOISE_FIGURES = ("rollout/logprob_diff_", "rollout/mismatch_")
 
 
 def fingerprint() -> dict:
