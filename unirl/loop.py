@@ -41,6 +41,7 @@ from unirl.env import Environment, Rollout
 from unirl.kl_control import build_kl_controller
 from unirl.metrics import MetricLog, reduce_over_processes
 from unirl.optim import build_optimizer, build_scheduler
+from unirl.perf import PerfMeter
 from unirl.preemption import Preempted, StopSignals
 from unirl.run_log import Progress, RunLog
 from unirl.schema import AlgoConfig, OptimConfig, TrainerConfig
@@ -95,6 +96,7 @@ class Trainer:
         if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
             self._resume()
         self.run_log.start(self.config_dict)
+        self.perf = PerfMeter.start(self.accelerator, self.env.model, self.run_dir, cfg.ppo_epochs)  # run_info.json
         self.env.sync_weights()
 
     def _build_critic(self) -> Critic | None:
@@ -178,6 +180,7 @@ class Trainer:
                    **(filtered.metrics if filtered else {})}
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
+        metrics.update(self.perf.step_metrics(rollout, metrics["time/step"]))  # perf/*: memory, throughput, MFU
         return metrics
 
     def learn(self, rollout: Rollout, rewards: torch.Tensor, times: dict[str, float] | None = None
