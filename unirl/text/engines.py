@@ -209,7 +209,8 @@ class HFEngine:
         )
         model.train(was_training)
         seqs = seqs[:, width:]  # [P*n, R]
-        lp = keep.finish(seqs)  # [P*n, R]
+        lp = keep.finish(seqs).cpu()  # [P*n, R]; one transfer each, not one per sample
+        seqs = seqs.cpu()
         return [[self._generation(seqs[i * n + j].tolist(), lp[i * n + j], eos, pad, stop) for j in range(n)]
                 for i in range(len(prompt_ids))]
 
