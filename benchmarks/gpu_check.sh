@@ -61,10 +61,11 @@ done
 grep -h '"eval/accuracy"' "$R/text/metrics.jsonl" 2>/dev/null | python3 -c "import sys, json; \
 print('tiny text eval/accuracy:', [round(json.loads(l)['eval/accuracy'], 3) for l in sys.stdin])" >>"$S" 2>&1
 
-# 3. The suite, on 8 workers, in whatever time is left (up to 7 minutes in all).
+# 3. The suite, on 8 workers, in whatever time is left (up to 7 minutes in all). On an H100 that was 4
+# minutes and 494 of ~1,300 tests (2026-11-26): SUITE names a part to run instead (a second call for the rest).
 LEFT=$((410 - ($(date +%s) - T0)))
 part suite "$((LEFT > 60 ? LEFT : 60))" "$OUT/suite.log" python3 -m pytest -n 8 -p no:cacheprovider -q -rfEs \
-  --timeout 240 --junitxml="$OUT/suite.xml" tests
+  --timeout 240 --junitxml="$OUT/suite.xml" ${SUITE:-tests}
 tail -n 3 "$OUT/suite.log" >>"$S"
 grep -E "^(FAILED|ERROR) " "$OUT/suite.log" >>"$S"
 echo "total: $(($(date +%s) - T0)) s" >>"$S"
