@@ -227,7 +227,7 @@ def summarise(result: dict) -> dict:
     return row
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up (default 5)")
@@ -250,6 +250,11 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     args.prompts = args.prompts or PROMPTS[args.model]
     args.micro_batch_size = args.micro_batch_size or args.prompts * args.group
