@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,33 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("UNIRL_CACHE", tempfile.mkdtemp(prefix="unirl-test-cache-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires(*modules): skip, naming them, unless these optional modules are "
+                                       "installed (a GPU machine without vLLM, a CPU one without rapidocr ...)")
+
+
+def pytest_runtest_setup(item):
+    for marker in item.iter_markers("requires"):
+        missing = [m for m in marker.args if importlib.util.find_spec(m) is None]
+        if missing:
+            pytest.skip(f"needs {', '.join(missing)}, not installed here ({marker.kwargs.get('why', 'optional')})")
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each test starts with Accelerate's process-wide state unset. It is a borg: every ``Accelerator``
+    shares one ``PartialState``/``AcceleratorState`` dict, so in one process a test's
+    ``Accelerator(cpu=True)`` and a later test's CUDA one collide ("AcceleratorState has already been
+    initialized ... pass cpu=True") on a GPU machine. Fresh dicts are swapped in rather than the old
+    ones cleared (``_reset_state``), so the accelerators of module-scoped fixtures keep their state."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        for cls in (PartialState, AcceleratorState, GradientState):
+            cls._shared_state = {}
+    yield
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``imports_numba`` run last. bm25s (the search tool) imports numba when it is installed

@@ -37,7 +37,7 @@ ends_right = namespace["ends_right"]
 
 def _training_rows(metrics: list[dict]) -> list[dict]:
     """Every figure but the timings (wall-clock), step by step."""
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in metrics]
 
 
 def _metrics(run: Path) -> list[dict]:

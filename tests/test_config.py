@@ -71,6 +71,7 @@ def error_of(source, overrides=(), cls=Run) -> str:
     return str(info.value)
 
 
+@pytest.mark.requires("wandb", why="trainer.log_with=[wandb] is checked to be installed")
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(

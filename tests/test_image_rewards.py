@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
+pytest.importorskip("rapidocr", reason="the ocr reward's engine (pip install rapidocr onnxruntime)")
 from unirl.rewards.image import brightness, jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 from unirl.rewards.ocr import ocr, ocr_similarity, quoted_text
 from unirl.rewards.registry import load_reward

@@ -11,7 +11,8 @@ import doctest
 import pytest
 from PIL import Image
 
-import unirl.rewards.ocr
+pytest.importorskip("rapidocr", reason="the ocr reward's engine (pip install rapidocr onnxruntime)")
+import unirl.rewards.ocr  # noqa: E402
 from conftest import shared_data
 from unirl.rewards.ocr import ocr, quoted_text
 

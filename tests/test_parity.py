@@ -146,7 +146,8 @@ def test_dr_grpo_normaliser_is_sequences_times_max_new_tokens(text_trainer):
     g = torch.Generator().manual_seed(0)
     values = torch.randn(mask.shape, generator=g, dtype=torch.float64)
     trl = (values * mask).sum() / (mask.shape[0] * 24)
-    torch.testing.assert_close(aggregate(values, mask, "seq-mean-token-sum-norm", denominator=denominator), trl)
+    # The denominator lives on the trainer's device (a GPU's on CUDA); the comparison is on the CPU.
+    torch.testing.assert_close(aggregate(values, mask, "seq-mean-token-sum-norm", denominator=denominator.cpu()), trl)
     torch.testing.assert_close(aggregate(values, mask, "seq-mean-token-sum-norm", norm_length=24), trl)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.requires("vllm", why="configs/text/tiny_ppo.yaml samples with vLLM")]
 
 
 def test_tiny_ppo_learns(tmp_path, tiny_lm_dir):

@@ -64,6 +64,7 @@ def test_every_shipped_config_passes_its_dry_run_from_an_empty_directory(path, e
     assert list(empty_cwd.iterdir()) == []  # a dry run creates nothing
 
 
+@pytest.mark.requires("rapidocr", why="the ocr reward's engine; the dry run reports it unavailable without")
 def test_sd3_ocr_dry_run_finds_the_bundled_and_generated_prompts(empty_cwd, capsys):
     code, out, _ = _dry_run(capsys, "diffusion", "sd3_ocr")
     assert code == 0

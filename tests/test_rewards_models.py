@@ -100,7 +100,8 @@ def test_clip_score_is_the_cosine(toy_clip, images):
     one_by_one = score_batch(load_reward("clip_score", model=str(toy_clip), batch_size=1), images,
                              name="clip_score", prompts=PROMPTS)
     assert one_by_one == pytest.approx(scores, abs=1e-6)
-    assert fn.device == "cpu"  # no device given: this process's CUDA device, else the CPU
+    # No device given: this process's CUDA device, else the CPU.
+    assert fn.device == (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     half = score_batch(load_reward("clip_score", model=str(toy_clip), dtype="bfloat16"), images,
                        name="clip_score", prompts=PROMPTS)
     assert half == pytest.approx(scores, abs=3e-2)  # bfloat16 keeps ~3 significant digits

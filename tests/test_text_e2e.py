@@ -35,6 +35,7 @@ def _train_rows(run: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_lm_dir) -> Path:
+    pytest.importorskip("vllm", reason="the demo config samples with vLLM (a CUDA machine without it: rollout.engine=hf)")
     run = tmp_path_factory.mktemp("text") / "run"
     proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "trainer.progress=false")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -54,8 +55,10 @@ def test_tiny_demo_metrics_and_run_dir(tiny_run):
     for key in ("reward/mean", "reward/gsm8k", "loss/policy", "loss/total", "actor/clip_frac", "actor/approx_kl",
                 "actor/grad_norm", "rollout/logprob_diff_max", "rollout/logprob_diff_mean",
                 "time/rollout", "time/score", "time/advantages", "time/old_logprobs", "time/update", "time/sync",
-                "time/step"):
+                "time/step", "perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/throughput"):
         assert all(key in m for m in rows), key
+    info = json.loads((tiny_run / "run_info.json").read_text())  # what the run ran on (unirl/trainer/perf.py)
+    assert info["world_size"] == 1 and info["dtype"] == "float32" and info["attn_implementation"]
     # vLLM (float32) and the trainer agree on the sampled tokens' log-probs, step after step, so
     # the weight sync keeps the engine on the current policy.
     assert max(m["rollout/logprob_diff_max"] for m in rows) < 1e-4
@@ -108,8 +111,8 @@ def test_hf_engine_run_and_resume(tmp_path, tiny_lm_dir):
     straight = tmp_path / "straight"
     proc = _unirl(*common[:5], str(straight), *common[6:], "trainer.total_steps=4")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    untimed = [[(k, v) for k, v in m.items() if not k.startswith("time/")] for m in _train_rows(run)]
-    assert untimed == [[(k, v) for k, v in m.items() if not k.startswith("time/")] for m in _train_rows(straight)]
+    untimed = [[(k, v) for k, v in m.items() if not k.startswith(("time/", "perf/"))] for m in _train_rows(run)]
+    assert untimed == [[(k, v) for k, v in m.items() if not k.startswith(("time/", "perf/"))] for m in _train_rows(straight)]
     # A changed learning rate would be ignored by the restored optimizer: refused, naming it, and
     # config.yaml keeps the value the run trained with.
     lr = yaml.safe_load((run / "config.yaml").read_text())["optim"]["lr"]

@@ -90,6 +90,7 @@ def _wandb_history(path: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.requires("wandb", why="the wandb tracker, in the test extra")
 def test_wandb_offline_gets_the_metrics_and_the_eval_table(tmp_path, tiny_lm_dir):
     out = tmp_path / "run"
     result = _train(out, "trainer.log_with=[wandb]", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})

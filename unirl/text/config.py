@@ -38,6 +38,10 @@ class ModelConfig:
     name_or_path: str = "tiny"
     #: Trainer dtype: float32, bfloat16, float16.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: transformers' attention implementation for the policy: ``sdpa`` (torch's fused attention, the
+    #: default and what ``share_prompt``'s packed attention builds on) or ``flash_attention_2`` where
+    #: the flash-attn package is installed (then share_prompt=false); ``eager`` for debugging.
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
     #: Recompute activations in the backward pass (less memory, more compute).
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)

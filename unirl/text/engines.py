@@ -132,6 +132,43 @@ class VLLMEngine:
         del self.llm
 
 
+class SampledTokenLogprobs:
+    """A logits processor that keeps the sampled tokens' log-probs under ``log_softmax(logits / T)``, one
+    ``[N]`` column per step, so generation never holds the ``[N, R, V]`` logits (``output_logits``:
+    28 GiB at 128 x 128 tokens of a 151936-word vocabulary in float32, against ``[N, V]`` here).
+
+    Appended after ``generate``'s own processors and before its temperature/top-k/top-p warpers, it sees
+    the float32 logits that ``output_logits`` would return (the tiny and shipped models' generation
+    configs add no processor of their own; a repetition penalty there would be seen here). Step k's
+    token is only known at call k+1 (the last column of ``input_ids``), so each call keeps the step's
+    ``[N, V]`` log-softmax until then, and ``finish`` gathers the last one from the final sequences.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.columns: list[torch.Tensor] = []  # R x [N]
+        self.pending: torch.Tensor | None = None  # [N, V] log-softmax of the step whose token is unknown
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.columns.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [N, V]
+        return scores
+
+    def finish(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[N, R]`` log-probs of the generated ``tokens`` [N, R]. generate may have run one step more
+        than it kept (its deferred stop check undoes it): columns past R are dropped."""
+        R = tokens.shape[1]
+        if self.pending is not None and len(self.columns) < R:
+            self.columns.append(self.pending.gather(1, tokens[:, len(self.columns), None]).squeeze(1))
+        self.pending = None
+        if len(self.columns) < R:
+            raise RuntimeError(f"generate produced {R} tokens but the log-prob processor saw {len(self.columns)} steps")
+        if R == 0:
+            return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return torch.stack(self.columns[:R], dim=1)  # [N, R]
+
+
 class HFEngine:
     """Sampling with transformers ``generate`` on the trainer's own model (no weight sync needed)."""
 
@@ -145,6 +182,8 @@ class HFEngine:
                  stop: list[str] | None = None) -> list[list[Generation]]:
         """``stop``: strings at which a sample stops, kept in its output (transformers' ``stop_strings``;
         the positions after a stopped sample are padding, cut here)."""
+        from transformers import LogitsProcessorList
+
         model = self.model_fn()
         was_training = model.training
         model.eval()
@@ -159,34 +198,30 @@ class HFEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
         device = next(model.parameters()).device
-        out = model.generate(
+        keep = SampledTokenLogprobs(1.0 if greedy else temperature)
+        seqs = model.generate(
             input_ids=ids.to(device), attention_mask=attn.to(device),
             do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy else top_p, top_k=None if greedy or top_k < 0 else top_k,
             max_new_tokens=max_new_tokens, num_return_sequences=n,
-            pad_token_id=pad, eos_token_id=sorted(eos),
-            output_logits=True, return_dict_in_generate=True,
+            pad_token_id=pad, eos_token_id=sorted(eos), logits_processor=LogitsProcessorList([keep]),
             **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
         )
         model.train(was_training)
-        seqs = out.sequences[:, width:]  # [P*n, R]
-        logits = torch.stack(out.logits, dim=1).float()  # [P*n, R, V]
-        scale = 1.0 if greedy else temperature
-        lp = torch.log_softmax(logits / scale, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
-        result = []
-        for i in range(len(prompt_ids)):
-            gens = []
-            for j in range(n):
-                row = seqs[i * n + j].tolist()
-                length = next((k + 1 for k, tok in enumerate(row) if tok in eos), len(row))
-                if stop and pad not in eos and pad in row[:length]:  # stopped at a stop string, then padded
-                    length = row.index(pad)
-                tokens = row[:length]
-                gens.append(Generation(tokens, lp[i * n + j, :length].tolist(),
-                                       self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                       finished=bool(tokens) and tokens[-1] in eos))
-            result.append(gens)
-        return result
+        seqs = seqs[:, width:]  # [P*n, R]
+        lp = keep.finish(seqs).cpu()  # [P*n, R]; one transfer each, not one per sample
+        seqs = seqs.cpu()
+        return [[self._generation(seqs[i * n + j].tolist(), lp[i * n + j], eos, pad, stop) for j in range(n)]
+                for i in range(len(prompt_ids))]
+
+    def _generation(self, row: list[int], logprobs: torch.Tensor, eos, pad, stop) -> Generation:
+        """One sample cut at its first EOS (kept) or, after a stop string, at the padding that follows."""
+        length = next((k + 1 for k, tok in enumerate(row) if tok in eos), len(row))
+        if stop and pad not in eos and pad in row[:length]:  # stopped at a stop string, then padded
+            length = row.index(pad)
+        tokens = row[:length]
+        return Generation(tokens, logprobs[:length].tolist(), self.tokenizer.decode(tokens, skip_special_tokens=True),
+                          finished=bool(tokens) and tokens[-1] in eos)
 
     def load_weights(self, weights) -> None:  # samples from the live model
         pass

@@ -56,7 +56,11 @@ class TextEnvironment(Environment):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         dtype = _DTYPES[cfg.model.dtype]
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        if cfg.model.share_prompt and cfg.model.attn_implementation != "sdpa":
+            raise ValueError(f"model.share_prompt=true packs rows with sdpa-based block attention; with "
+                             f"model.attn_implementation={cfg.model.attn_implementation} set model.share_prompt=false")
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
+                                                     attn_implementation=cfg.model.attn_implementation)
         if cfg.model.share_prompt:  # block attention for packed rows, sdpa otherwise (unirl/text/packing.py)
             check_packable(model.config)
             use_packed_attention(model)

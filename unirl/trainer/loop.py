@@ -45,6 +45,7 @@ from unirl.trainer.kl_control import build_kl_controller
 from unirl.trainer.nonfinite import NonFiniteWatch, skip_save_line
 from unirl.trainer.micro_batches import num_mini_batches, plan_micro_batches, split_to_count
 from unirl.trainer.optim import build_optimizer, build_scheduler
+from unirl.trainer.perf import PerfMeter
 from unirl.trainer.preemption import Preempted, StopSignals
 from unirl.trainer.run_log import Progress, RunLog
 
@@ -106,6 +107,7 @@ class Trainer:
         if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
             self._resume()
         self.run_log.start(self.config_dict)
+        self.perf = PerfMeter.start(self.accelerator, self.env.model, self.run_dir, cfg.ppo_epochs)  # run_info.json
         self.env.sync_weights()
 
     def _build_critic(self) -> Critic | None:
@@ -192,6 +194,7 @@ class Trainer:
                    **(filtered.metrics if filtered else {})}
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
+        metrics.update(self.perf.step_metrics(rollout, metrics["time/step"]))  # perf/*: memory, throughput, MFU
         return metrics
 
     def learn(self, rollout: Rollout, rewards: torch.Tensor, times: dict[str, float] | None = None

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# unirl's check on one GPU (issue 32), under 7 minutes on an H100/H200: the tiny text and diffusion
+# configs on CUDA with rollout.engine=hf, the Qwen2.5-0.5B-shape comparison with TRL (HF generate in
+# both, bf16), and the test suite on 8 xdist workers. Each part runs under its own `timeout` (SIGINT
+# first, so pytest still prints its summary), and everything it measured lands in $OUT:
+#   summary.txt   the card, the versions, each part's exit status and seconds, the key figures
+#   compare.log, compare.json   benchmarks/compare_trl.py's table and results
+#   tiny.log      the two tiny runs' last metrics rows and run_info.json
+#   suite.log, suite.xml        pytest's output and its JUnit report
+#
+# Wheels the GPU machine lacks (diffusers, trl, datasets ...) are installed from $WHEELS (default .gpu/,
+# see ../shared/gpu-wheels/README.md). Run from the repository's root:  bash benchmarks/gpu_check.sh
+# (the SD3.5-Medium-shape diffusion step is not part of it: building a 2.24B transformer at random and
+# stepping it does not fit beside the rest in 7 minutes).
+set -u
+OUT=${OUT:-/tmp/unirl-gpu-check}
+WHEELS=${WHEELS:-.gpu}
+SITE="${TMPDIR:-/tmp}/site"
+mkdir -p "$OUT"
+S="$OUT/summary.txt"
+T0=$(date +%s)
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+  >>"$S" 2>&1 || echo "pip install of $WHEELS/*.whl failed" >>"$S"
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export UNIRL_CACHE=${UNIRL_CACHE:-${TMPDIR:-/tmp}/unirl-cache} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, transformers, accelerate, diffusers, trl, peft; print('python', sys.version.split()[0], \
+'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, \
+'diffusers', diffusers.__version__, 'trl', trl.__version__, 'peft', peft.__version__)"
+} >>"$S" 2>&1
+
+# part NAME SECONDS LOG COMMAND...: run it under its own timeout, log its status and time.
+part() {
+  local name=$1 limit=$2 log=$3 start rc
+  shift 3
+  start=$(date +%s)
+  timeout -k 15 -s INT "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  echo "$name: exit $rc in $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$S"
+}
+
+# 1. The 0.5B-shape comparison with TRL: HF generate in both, bf16 weights, 16 prompts x 8, 128 new tokens.
+part compare 200 "$OUT/compare.log" python3 benchmarks/compare_trl.py --device cuda --dtype bfloat16 \
+  --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps 4 --runs unirl-hf,trl-hf \
+  --work "${TMPDIR:-/tmp}/compare-trl" --json "$OUT/compare.json"
+tail -n 6 "$OUT/compare.log" >>"$S"
+
+# 2. The tiny configs on CUDA (vLLM is not on this machine: the transformers engine).
+R=${TMPDIR:-/tmp}/unirl-runs
+rm -rf "$R"
+part tiny-text 90 "$OUT/tiny.log" python3 -m unirl.cli train text --config tiny --output-dir "$R/text" \
+  rollout.engine=hf trainer.total_steps=60 trainer.eval_every=30 trainer.save_every=0 trainer.progress=false
+part tiny-diffusion 60 "$OUT/tiny.log" python3 -m unirl.cli train diffusion --config tiny --output-dir "$R/diffusion" \
+  trainer.total_steps=10 trainer.eval_every=0 trainer.save_every=0 trainer.progress=false
+for run in text diffusion; do
+  { echo "== $run: run_info.json, first and last metrics rows"; cat "$R/$run/run_info.json"
+    grep reward/mean "$R/$run/metrics.jsonl" | sed -n '1p;$p'; grep eval/ "$R/$run/metrics.jsonl"; } >>"$OUT/tiny.log" 2>&1
+done
+grep -h '"eval/accuracy"' "$R/text/metrics.jsonl" 2>/dev/null | python3 -c "import sys, json; \
+print('tiny text eval/accuracy:', [round(json.loads(l)['eval/accuracy'], 3) for l in sys.stdin])" >>"$S" 2>&1
+
+# 3. The suite, on 8 workers, in whatever time is left (up to 7 minutes in all). On an H100 that was 4
+# minutes and 494 of ~1,300 tests (2026-11-26): SUITE names a part to run instead (a second call for the rest).
+LEFT=$((410 - ($(date +%s) - T0)))
+part suite "$((LEFT > 60 ? LEFT : 60))" "$OUT/suite.log" python3 -m pytest -n 8 -p no:cacheprovider -q -rfEs \
+  --timeout 240 --junitxml="$OUT/suite.xml" ${SUITE:-tests}
+tail -n 3 "$OUT/suite.log" >>"$S"
+grep -E "^(FAILED|ERROR) " "$OUT/suite.log" >>"$S"
+echo "total: $(($(date +%s) - T0)) s" >>"$S"
+cat "$S"

@@ -1,0 +1,79 @@
+"""``HFEngine.generate`` gathers the sampled tokens' log-probs step by step (``SampledTokenLogprobs``)
+instead of stacking ``[N, R, V]`` logits: the values must equal the full-vocabulary computation,
+``log_softmax(stack(output_logits) / T)`` gathered at the sampled ids, written out here, on the same
+seeded samples (the processor draws no random numbers, so both runs sample the same tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from unirl.text.engines import HFEngine, eos_token_ids
+
+
+def _full_vocabulary(model, tokenizer, prompts, *, n, max_new_tokens, temperature, top_p, top_k, greedy, seed):
+    """[P*n, R] sampled ids and their log-probs from the whole [P*n, R, V] float32 logits."""
+    pad = tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, attention_mask=attn, do_sample=not greedy,
+                         temperature=None if greedy else temperature, top_p=None if greedy else top_p,
+                         top_k=None if greedy or top_k < 0 else top_k, max_new_tokens=max_new_tokens,
+                         num_return_sequences=1 if greedy else n, pad_token_id=pad,
+                         eos_token_id=sorted(eos_token_ids(tokenizer, model.generation_config)),
+                         output_logits=True, return_dict_in_generate=True)
+    seqs = out.sequences[:, width:]  # [P*n, R]
+    logits = torch.stack(out.logits, dim=1).float()  # [P*n, R, V]
+    scale = 1.0 if greedy else temperature
+    return seqs, torch.log_softmax(logits / scale, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+
+
+def _prompts(tiny_lm_dir, tokenizer) -> list[list[int]]:
+    """Four task questions, led by 0..3 spaces so that the left padding differs between rows."""
+    rows = [json.loads(line) for line in (tiny_lm_dir / "test.jsonl").read_text().splitlines()[:4]]
+    return [tokenizer(" " * i + r["question"]).input_ids for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_p=0.9, top_k=20, greedy=False),
+                                      dict(temperature=1.3, top_p=1.0, top_k=-1, greedy=False),
+                                      dict(temperature=1.0, top_p=1.0, top_k=-1, greedy=True)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_step_by_step_logprobs_equal_the_full_vocabulary_ones(tiny_lm_dir, sampling, seed):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32)
+    prompts = _prompts(tiny_lm_dir, tokenizer)
+    assert len({len(p) for p in prompts}) > 1, "prompts of one length: the left padding is not exercised"
+    kw = dict(n=3, max_new_tokens=8, **sampling)
+    seqs, expected = _full_vocabulary(model, tokenizer, prompts, seed=seed, **kw)
+    torch.manual_seed(seed)
+    groups = HFEngine(lambda: model, tokenizer).generate(prompts, **kw)
+    n = 1 if sampling["greedy"] else 3
+    eos = eos_token_ids(tokenizer, model.generation_config)
+    for i, group in enumerate(groups):
+        assert len(group) == n
+        for j, gen in enumerate(group):
+            row = seqs[i * n + j].tolist()
+            length = next((k + 1 for k, tok in enumerate(row) if tok in eos), len(row))
+            assert gen.response_ids == row[:length]
+            assert len(gen.logprobs) == length
+            torch.testing.assert_close(torch.tensor(gen.logprobs), expected[i * n + j, :length], rtol=0, atol=1e-5)
+    assert all(lp <= 0 for g in groups for gen in g for lp in gen.logprobs)
+
+
+def test_responses_of_different_lengths_are_compared(tiny_lm_dir):
+    """The comparison above covers both an EOS-ended and a length-cut response (else its cut is untested)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    groups = HFEngine(lambda: model, tokenizer).generate(_prompts(tiny_lm_dir, tokenizer), n=3,
+                                                          max_new_tokens=8, temperature=1.3)
+    ends = {gen.finished for g in groups for gen in g}
+    assert ends == {True, False}, ends
