@@ -68,13 +68,14 @@ def test_micro_batches_give_the_same_update(tmp_path, tiny_lm_dir, agg, share_pr
         assert max(g.abs().max().item() for g in g_whole[0]) > 1e-4
         for a, b in zip(g_whole[0], g_split[0]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
-        # Adam turns tiny float32 summation differences into visible ones only where |grad| ~ eps.
-        # Packed rows: 16 samples make 4 rows of one width, 4 samples one row of another, so the
-        # attention sums run in another order and a few such elements move by ~lr (the gradients
-        # above are the same): compare the weights on the padded layout only.
-        for p, q in zip(whole.env.model.parameters(), split.env.model.parameters()):
-            if not share_prompt:
-                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        # Adam's first step moves each weight by ~lr * g / (|g| + eps): where |g| is near eps (1e-8) a
+        # float32 summation difference (another micro-batch shape, packed rows of another width, CUDA's
+        # reduction order) turns into a move of up to ~lr, while the gradients above agree. So the
+        # weights are compared where |g| > 1e-6, where Adam's step no longer depends on such rounding:
+        # on both layouts and every device.
+        for p, q, g in zip(whole.env.model.parameters(), split.env.model.parameters(), g_whole[0]):
+            conditioned = g.abs() > 1e-6
+            torch.testing.assert_close(p[conditioned], q[conditioned], rtol=1e-4, atol=1e-5)
         # Logged loss/* are the whole mini-batch's: the micro-batches' shares add up (unirl/metrics.py). The
         # old "* 4" held on the CPU only because there every response had one length and the loss was ~0.
         assert m_whole["loss/policy"] == pytest.approx(m_split["loss/policy"], rel=1e-4, abs=1e-7)
