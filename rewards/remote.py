@@ -117,30 +117,7 @@ def make_app(spec: str, meta: dict, queue: BatchQueue, guards: Guards | None = N
     @app.post("/score")
     @app.post("/score/")
     async def score(request: Request):
-        try:
-            body = await guards.read_body(request)
-        except Refused as err:
-            return answer(request, err.status, {"error": str(err)})
-        try:
-            item = await _parse(body)
-        except Exception as err:
-            return answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
-        try:  # the reward is called with the columns as keyword arguments: they would replace the server's
-            guards.check_names(item[1], "column")
-        except Refused as err:
-            return answer(request, err.status, {"error": str(err)})
-        try:
-            scores = await queue.submit(item)
-        except QueueFull as err:
-            return answer(request, 503, {"error": f"reward server busy: {err}; try again later "
-                                                  f"(or serve with a larger --max-queue)"})
-        except RewardError as err:
-            return answer(request, 500, {"error": str(err)})
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:  # not a RewardError: a bug of the server, or the reward called sys.exit
-            return answer(request, 500, {"error": f"reward {spec!r}: the server failed: {type(err).__name__}: {err}"})
-        return answer(request, 200, {"scores": scores})
+        return await _score(request, spec, guards, queue, answer)
 
     @app.exception_handler(HTTPException)
     async def no_such_path(request: Request, exc: HTTPException):
@@ -150,6 +127,35 @@ def make_app(spec: str, meta: dict, queue: BatchQueue, guards: Guards | None = N
         return answer(request, 404, {"error": f"no such path {request.url.path!r}; use {use}"})
 
     return app
+
+
+async def _score(request: Request, spec: str, guards: Guards, queue: BatchQueue, answer) -> JSONResponse:
+    """``POST /score``: the guarded body parsed, the columns checked, the batch queued; every failure is
+    ``answer``ed with its status (413/408/401 from the guards, 400 malformed, 503 busy, 500 the reward)."""
+    try:
+        body = await guards.read_body(request)
+    except Refused as err:
+        return answer(request, err.status, {"error": str(err)})
+    try:
+        item = await _parse(body)
+    except Exception as err:
+        return answer(request, 400, {"error": f"malformed request: {type(err).__name__}: {err}"})
+    try:  # the reward is called with the columns as keyword arguments: they would replace the server's
+        guards.check_names(item[1], "column")
+    except Refused as err:
+        return answer(request, err.status, {"error": str(err)})
+    try:
+        scores = await queue.submit(item)
+    except QueueFull as err:
+        return answer(request, 503, {"error": f"reward server busy: {err}; try again later "
+                                              f"(or serve with a larger --max-queue)"})
+    except RewardError as err:
+        return answer(request, 500, {"error": str(err)})
+    except asyncio.CancelledError:
+        raise
+    except BaseException as err:  # not a RewardError: a bug of the server, or the reward called sys.exit
+        return answer(request, 500, {"error": f"reward {spec!r}: the server failed: {type(err).__name__}: {err}"})
+    return answer(request, 200, {"scores": scores})
 
 
 async def _parse(body: bytes) -> tuple[list, dict]:

@@ -91,46 +91,63 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
         else:
             gens = [gs[0] for gs in engine.generate([t.prompt_ids + t.ids for t in active], n=1,
                                                     max_new_tokens=max(budgets), **sampling)]
-        pending = []  # (trajectory, its calls, whether the turn ended with EOS)
-        for t, g, budget in zip(active, gens, budgets):
-            ids, logps = list(g.response_ids[:budget]), list(g.logprobs[:budget])
-            t.ids += ids
-            t.loss_mask += [1] * len(ids)
-            t.logprobs += logps
-            t.turns += 1
-            eos = g.finished and len(ids) == len(g.response_ids)
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            stopped = eos or any(text.endswith(s) for s in fmt.stop)
-            parsed = _parse(fmt, text)
-            if parsed.answer is not None:
-                t.answer, t.done, t.finished = parsed.answer, True, True
-            elif not stopped:  # cut by max_new_tokens or max_total_tokens mid-turn
-                t.done, t.truncated = True, True
-            elif not parsed.calls:
-                t.done, t.finished = True, True
-            elif turn == max_turns:  # it still wants a tool, and has no turn left to read the result
-                t.done, t.truncated = True, True
-            else:
-                pending.append((t, parsed.calls, eos))
+        pending = _read_turn(active, gens, budgets, tokenizer, fmt, last_turn=turn == max_turns)
         if pending:
-            calls = [c for _, cs, _ in pending for c in cs]
-            results = iter(runner.run(calls))
-            for t, cs, eos in pending:
-                mine = [next(results) for _ in cs]
-                t.tool_calls += [{"name": c.name, "arguments": c.arguments, "error": r.error} for c, r in zip(cs, mine)]
-                t.tool_latency_s += sum(r.latency_s for r in mine)
-                texts = [_capped(tokenizer, r.text, max_observation_tokens, truncated_text, chars_per_token)
-                         for r in mine]
-                t.observations_truncated += sum(text != r.text for text, r in zip(texts, mine))
-                obs = tokenizer(_observation(fmt, texts, eos), add_special_tokens=False).input_ids
-                if max_total_tokens is not None:
-                    room = max_total_tokens - len(t.prompt_ids) - len(t.ids)
-                    if len(obs) >= room:  # no room to answer after it: cut, and the sample ends here
-                        obs, t.done, t.truncated = obs[:max(room, 0)], True, True
-                t.ids += obs
-                t.loss_mask += [0] * len(obs)
-                t.logprobs += [0.0] * len(obs)
+            _observe(pending, runner, tokenizer, fmt, max_observation_tokens, truncated_text, chars_per_token,
+                     max_total_tokens)
     return groups
+
+
+def _read_turn(active: list[Trajectory], gens, budgets: list[int], tokenizer, fmt: CallFormat, *,
+               last_turn: bool) -> list[tuple[Trajectory, list, bool]]:
+    """Each active trajectory extended by its turn's generation (cut to its budget) and ended where the
+    turn answered, was cut, called nothing, or called a tool with no turn left to read the result.
+    Returns the others: (trajectory, its calls, whether the turn ended with EOS)."""
+    pending = []
+    for t, g, budget in zip(active, gens, budgets):
+        ids, logps = list(g.response_ids[:budget]), list(g.logprobs[:budget])
+        t.ids += ids
+        t.loss_mask += [1] * len(ids)
+        t.logprobs += logps
+        t.turns += 1
+        eos = g.finished and len(ids) == len(g.response_ids)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        stopped = eos or any(text.endswith(s) for s in fmt.stop)
+        parsed = _parse(fmt, text)
+        if parsed.answer is not None:
+            t.answer, t.done, t.finished = parsed.answer, True, True
+        elif not stopped:  # cut by max_new_tokens or max_total_tokens mid-turn
+            t.done, t.truncated = True, True
+        elif not parsed.calls:
+            t.done, t.finished = True, True
+        elif last_turn:  # it still wants a tool, and has no turn left to read the result
+            t.done, t.truncated = True, True
+        else:
+            pending.append((t, parsed.calls, eos))
+    return pending
+
+
+def _observe(pending: list[tuple[Trajectory, list, bool]], runner: ToolRunner, tokenizer, fmt: CallFormat,
+             max_observation_tokens: int | None, truncated_text: str, chars_per_token: int,
+             max_total_tokens: int | None) -> None:
+    """Every pending call of the batch run together; each result capped, wrapped by the format and
+    appended to its trajectory as masked tokens (cut, and the sample ended, where no room is left)."""
+    calls = [c for _, cs, _ in pending for c in cs]
+    results = iter(runner.run(calls))
+    for t, cs, eos in pending:
+        mine = [next(results) for _ in cs]
+        t.tool_calls += [{"name": c.name, "arguments": c.arguments, "error": r.error} for c, r in zip(cs, mine)]
+        t.tool_latency_s += sum(r.latency_s for r in mine)
+        texts = [_capped(tokenizer, r.text, max_observation_tokens, truncated_text, chars_per_token) for r in mine]
+        t.observations_truncated += sum(text != r.text for text, r in zip(texts, mine))
+        obs = tokenizer(_observation(fmt, texts, eos), add_special_tokens=False).input_ids
+        if max_total_tokens is not None:
+            room = max_total_tokens - len(t.prompt_ids) - len(t.ids)
+            if len(obs) >= room:  # no room to answer after it: cut, and the sample ends here
+                obs, t.done, t.truncated = obs[:max(room, 0)], True, True
+        t.ids += obs
+        t.loss_mask += [0] * len(obs)
+        t.logprobs += [0.0] * len(obs)
 
 
 def _capped(tokenizer, text: str, cap: int | None, marker: str, chars_per_token: int) -> str:
