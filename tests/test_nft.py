@@ -188,7 +188,8 @@ def test_rollout_keeps_clean_latents_and_the_first_update_starts_at_the_old_poli
     N, T = 8, 2  # int(4 * 0.5) noise levels per sample, drawn from the 4-step schedule
     assert rollout.tensors["clean"].shape == (N, *env.latent_shape)
     assert rollout.tensors["noise"].shape == (N, T, *env.latent_shape)
-    assert not {"latents", "next_latents", "old_logp"} & set(rollout.tensors)  # no trajectory, no log-probs
+    assert not {"latents", "next_latents"} & set(rollout.tensors)  # no trajectory
+    assert rollout.old_logp is None and rollout.engine_logp is None  # no log-probs
     sigmas = env.train_sigmas[:-1].float()
     assert all(float(s) in sigmas.tolist() for s in rollout.tensors["sigma"].flatten())
     assert all(len(set(row.tolist())) == T for row in rollout.tensors["sigma"])  # distinct levels per sample
