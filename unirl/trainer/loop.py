@@ -185,6 +185,8 @@ class Trainer:
                 rollout = filtered.rollout
             else:
                 rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
+        # The weights that sampled every sample of this step: those after the optimizer steps so far.
+        rollout.policy_version = torch.full((len(rollout),), self.optimizer_steps, dtype=torch.long)  # [N]
         with _timer(times, "score"):
             rewards, reward_metrics = (filtered.rewards, filtered.reward_metrics) if filtered else self.env.score(rollout)
         rollout, learn_metrics = self.learn(rollout, rewards, times)
