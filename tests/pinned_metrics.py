@@ -4,6 +4,8 @@ produces (issue 31). ``tests/fixtures/pinned_metrics.json`` holds each config's 
 
     CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=2 python tests/pinned_metrics.py --write   # every tiny config
     python tests/pinned_metrics.py text tiny          # print one config's figures
+    UNIRL_PINNED_ONLY=diffusion/tiny_colour,diffusion/tiny_colour_nft pytest tests/test_pinned_metrics.py
+                                                      # only those configs (test and --write alike)
 
 ``tests/test_pinned_metrics.py`` runs each config again and compares every figure (``time/*`` and
 ``perf/*`` are wall-clock or machine figures and are left out). Runs are forced onto the CPU with a
@@ -29,10 +31,10 @@ from pathlib import Path
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "pinned_metrics.json"
 STEPS = 3
 THREADS = 2
-CONFIGS = [("text", "tiny"), ("text", "tiny_dapo"), ("text", "tiny_ppo"), ("text", "tiny_search"),
-           ("diffusion", "tiny"), ("diffusion", "tiny_colour"), ("diffusion", "tiny_colour_nft"),
-           ("diffusion", "tiny_flux"), ("diffusion", "tiny_kontext"), ("diffusion", "tiny_qwenimage"),
-           ("diffusion", "tiny_wan")]
+ALL_CONFIGS = [("text", "tiny"), ("text", "tiny_dapo"), ("text", "tiny_ppo"), ("text", "tiny_search"),
+               ("diffusion", "tiny"), ("diffusion", "tiny_colour"), ("diffusion", "tiny_colour_nft"),
+               ("diffusion", "tiny_flux"), ("diffusion", "tiny_kontext"), ("diffusion", "tiny_qwenimage"),
+               ("diffusion", "tiny_wan")]
 #: Machine figures, not a function of the code's math: wall-clock times (a tool call's latency too),
 #: memory and throughput.
 SKIPPED_PREFIXES = ("time/", "perf/", "rollout/tool_latency_s")
@@ -40,6 +42,23 @@ SKIPPED_PREFIXES = ("time/", "perf/", "rollout/tool_latency_s")
 #: the same tokens (~1e-6 in float32) moves with the last bits of the weights, so it is compared to 1e-5
 #: absolute (the other figures: 1e-5 relative, 1e-6 absolute).
 NOISE_FIGURES = ("rollout/logprob_diff_", "rollout/mismatch_")
+
+
+def only(configs: list[tuple[str, str]], names: str | None) -> list[tuple[str, str]]:
+    """``configs`` narrowed to ``names`` (``env/name`` comma-separated, ``UNIRL_PINNED_ONLY``), in the
+    fixture's order: a change checks the configs it touches without running all eleven on a shared
+    machine. None or empty: all of them."""
+    if not names:
+        return list(configs)
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = wanted - {f"{e}/{n}" for e, n in configs}
+    if unknown:
+        raise ValueError(f"UNIRL_PINNED_ONLY: unknown config(s) {sorted(unknown)}; pinned: "
+                         f"{', '.join(f'{e}/{n}' for e, n in configs)}")
+    return [(e, n) for e, n in configs if f"{e}/{n}" in wanted]
+
+
+CONFIGS = only(ALL_CONFIGS, os.environ.get("UNIRL_PINNED_ONLY"))
 
 
 def fingerprint() -> dict:
@@ -107,6 +126,9 @@ def main(argv: list[str]) -> None:
         pinned = {"fingerprint": fingerprint(), "steps": STEPS, "configs": {}}
         if FIXTURE.exists() and "--resume" in argv:  # a long write cut short keeps what it finished
             pinned["configs"] = json.loads(FIXTURE.read_text())["configs"]
+        elif FIXTURE.exists() and CONFIGS != ALL_CONFIGS:  # narrowed: re-pin those, keep the others' figures
+            kept = json.loads(FIXTURE.read_text())["configs"]
+            pinned["configs"] = {k: v for k, v in kept.items() if tuple(k.split("/")) not in CONFIGS}
         for env, name in CONFIGS:
             if f"{env}/{name}" in pinned["configs"]:
                 continue

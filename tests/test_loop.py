@@ -152,3 +152,43 @@ def test_old_logprobs_keep_the_rollout_width_when_the_widest_response_ends_maske
         assert rollout.old_logp[:, width:].abs().sum() == 0
     finally:
         trainer.env.close()
+
+
+def test_policy_version_is_kept_by_select_and_concat():
+    from unirl.env import Rollout, concat_rollouts
+
+    def part(versions: list[int], tag: str) -> Rollout:
+        n = len(versions)
+        return Rollout(tensors={"x": torch.arange(n)}, group_ids=torch.zeros(n, dtype=torch.long), prompts=[tag] * n,
+                       samples=[tag] * n, policy_version=torch.tensor(versions))
+
+    a, b = part([3, 3, 3], "a"), part([5, 5], "b")
+    assert a.select([2, 0]).policy_version.tolist() == [3, 3]
+    assert a.select([0, 1, 2]).policy_version is a.policy_version  # the whole batch in order: no copy
+    joined = concat_rollouts([a, b])
+    assert joined.policy_version.tolist() == [3, 3, 3, 5, 5] and joined.policy_version.dtype == torch.long
+    assert concat_rollouts([a, b]).select([4, 0]).policy_version.tolist() == [5, 3]
+
+
+def test_each_sample_carries_the_optimizer_steps_of_the_weights_that_sampled_it(tmp_path, tiny_lm_dir):
+    """Two mini-batches a step (two optimizer steps): step 1's rollout was sampled by the initial weights
+    (version 0), step 2's by those after two optimizer steps; the update sees it on every sample."""
+    cfg = load_run_config("text", "tiny", [
+        "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=8",
+        "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false", "optim.lr=1e-3",
+    ], output_dir=str(tmp_path / "run"))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer.setup()
+    seen, update = [], trainer.update
+
+    def recording_update(rollout):
+        seen.append((rollout.policy_version.clone(), trainer.optimizer_steps))
+        return update(rollout)
+
+    trainer.update = recording_update
+    for _ in range(2):
+        trainer.train_step()
+    trainer.env.close()
+    assert [(v.dtype, v.shape, set(v.tolist()), steps) for v, steps in seen] == [
+        (torch.long, (16,), {0}, 0), (torch.long, (16,), {2}, 2)]

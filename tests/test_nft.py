@@ -199,9 +199,9 @@ def test_rollout_keeps_clean_latents_and_the_first_update_starts_at_the_old_poli
     assert metrics["loss/kl"] < 1e-12 and metrics["actor/grad_norm"] > 0
     assert not any(k.startswith("actor/ratio") for k in metrics)  # no ratio: NFT has no log-probs
     # The old policy moves only at the next rollout, with decay 0 on the first step (decay_type 1).
-    moved = [p.detach().clone() for p in env.old.params]
+    moved = [p.detach().clone() for p in env.mode.old.params]
     env.rollout(env.next_prompts(1), 4)
-    assert all(torch.allclose(s, p) for s, p in zip(env.old.shadow, moved))
+    assert all(torch.allclose(s, p) for s, p in zip(env.mode.old.shadow, moved))
     env.close()
 
 

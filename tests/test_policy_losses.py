@@ -77,3 +77,61 @@ def test_a_new_loss_and_a_new_estimator_train_a_step(tmp_path, tiny_lm_dir):
     finally:
         POLICY_LOSSES.remove("test_vanilla_pg")
         ADVANTAGE_ESTIMATORS.remove("test_batch_mean")
+
+
+def test_algo_policy_loss_selects_a_registered_loss_that_trains_a_step(tmp_path, tiny_lm_dir):
+    """``algo.policy_loss`` names a registered loss in the config: ``unirl.train`` trains with it (it is
+    called on the step's log-probs and the weights move), with no ``policy_loss=`` passed by hand."""
+    import unirl
+
+    calls = []
+
+    @register_policy_loss("test_config_pg")
+    def config_pg(inputs: LossInputs, settings: LossSettings):
+        calls.append(inputs.forward["logp"].shape)
+        mask = inputs.mask.bool()
+        loss = torch.where(mask, -inputs.advantages * inputs.forward["logp"], 0.0).sum() / mask.sum().clamp_min(1)
+        return loss, {"loss/policy": loss.detach(), "loss/test_config_pg": loss.detach()}
+
+    try:
+        result = unirl.train("text", "tiny", {"rollout.engine": "hf", "trainer.total_steps": 1, "trainer.eval_every": 0,
+                                              "trainer.save_every": 0, "algo.policy_loss": "test_config_pg",
+                                              "optim.lr": 1e-2}, output_dir=tmp_path / "run", progress=False)
+    finally:
+        POLICY_LOSSES.remove("test_config_pg")
+    assert calls and "loss/test_config_pg" in result.metrics[-1]  # the configured loss made the step's figures
+    assert result.metrics[-1]["actor/grad_norm"] > 0
+
+
+def test_algo_policy_loss_is_checked_where_the_config_loads():
+    from unirl.config import load_config
+    from unirl.diffusion.config import DiffusionConfig
+    from unirl.text.config import TextConfig
+
+    # An unknown name: one line with the registered ones.
+    with pytest.raises(ValueError, match=r"policy_loss: unknown policy loss 'clippd'\. Did you mean 'clipped'\?"
+                                         r" Available: clipped, gspo, nft") as caught:
+        load_config(TextConfig, None, ["algo.policy_loss=clippd"])
+    assert "\n" not in str(caught.value)
+    # A loss the rollouts cannot feed: nft reads DiffusionNFT's velocities only.
+    with pytest.raises(ValueError, match="algo.policy_loss=nft"):
+        load_config(TextConfig, None, ["algo.policy_loss=nft"])
+    with pytest.raises(ValueError, match="algo.policy_loss=nft with algorithm=flowgrpo"):
+        load_config(DiffusionConfig, None, ["algo.policy_loss=nft"])
+    with pytest.raises(ValueError, match="algo.policy_loss=clipped with algorithm=nft"):
+        load_config(DiffusionConfig, None, ["algorithm=nft", "sampling.train_cfg=false", "sampling.sde_window.size=0",
+                                            "algo.policy_loss=clipped"])
+    assert load_config(DiffusionConfig, None, ["algo.policy_loss=gspo"]).algo.policy_loss == "gspo"
+
+
+def test_the_run_policy_loss_is_the_configured_one_first():
+    from types import SimpleNamespace
+
+    from unirl.config.schema import AlgoConfig
+    from unirl.trainer.loop import run_policy_loss
+
+    flowgrpo, nft = SimpleNamespace(policy_loss=None), SimpleNamespace(policy_loss="nft")
+    assert run_policy_loss(flowgrpo, AlgoConfig()) == "clipped"
+    assert run_policy_loss(flowgrpo, AlgoConfig(level="sequence", loss_agg="seq-mean-token-mean")) == "gspo"
+    assert run_policy_loss(nft, AlgoConfig()) == "nft"
+    assert run_policy_loss(flowgrpo, AlgoConfig(policy_loss="gspo")) == "gspo"

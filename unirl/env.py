@@ -20,7 +20,7 @@ import torch
 
 
 #: The loop's own per-sample tensors on ``Rollout`` (each None until its stage writes it).
-LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp")
+LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp", "policy_version")
 
 
 @dataclass
@@ -42,6 +42,9 @@ class Rollout:
 
     Written by the loop (``unirl.trainer``):
 
+    * ``policy_version`` [N] long: the optimizer steps of the weights that sampled each sample
+      (``Trainer.optimizer_steps`` at rollout time: today every sample of a step has the same version;
+      asynchronous rollouts will mix them). Nothing reads it yet;
     * ``rewards`` [N]; ``advantages`` [N] (one per sample) or [N, T] (per token);
     * ``values`` [N, T] (the critic's) and ``returns`` [N, T] (its target), with a critic;
     * ``old`` and ``ref``: the old policy's and the reference's ``Environment.score_actions`` outputs,
@@ -63,6 +66,7 @@ class Rollout:
     values: torch.Tensor | None = None  # [N, T]
     old_logp: torch.Tensor | None = None  # [N, T]
     engine_logp: torch.Tensor | None = None  # [N, T]
+    policy_version: torch.Tensor | None = None  # [N] long
     old: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]
     ref: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]
     cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)

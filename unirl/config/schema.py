@@ -50,6 +50,18 @@ def check_adv_estimator(name: str) -> None:
         raise ValueError(f"adv_estimator: {ADVANTAGE_ESTIMATORS.unknown_message(name)}")
 
 
+def check_policy_loss(name: str | None) -> None:
+    """Raise ``ValueError`` (one line listing the valid names) unless ``name`` is None or a registered
+    policy loss (``unirl.core``'s ``POLICY_LOSSES``, the registry the trainer looks it up in; a user's
+    registered loss counts, as for ``check_adv_estimator``)."""
+    if name is None:
+        return
+    from unirl.core import POLICY_LOSSES
+
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss: {POLICY_LOSSES.unknown_message(name)}")
+
+
 def check_groups(algo: "AlgoConfig", trainer: "TrainerConfig") -> None:
     """A group estimator with one sample per prompt trains on all-zero advantages: refused."""
     if algo.adv_estimator in GROUP_ESTIMATORS and trainer.group_size < 2:
@@ -135,6 +147,10 @@ class AlgoConfig:
     #: ``sequence`` gives GSPO's sequence-level ratio; it needs ``loss_agg: seq-mean-token-mean``
     #: (verl hard-codes that mode for GSPO).
     level: Literal["token", "sequence"] = "token"
+    #: The registered policy loss by name (``unirl/core/policy_losses.py``: ``clipped``, ``gspo``,
+    #: ``nft``, or one you register, docs/architecture.md); null: the environment's rollout mode's
+    #: (DiffusionNFT: ``nft``), else ``clipped``, or ``gspo`` with ``level: sequence``.
+    policy_loss: Optional[str] = None
     #: Loss aggregation (verl's names): token-mean, seq-mean-token-mean, seq-mean-token-sum,
     #: seq-mean-token-sum-norm (Dr. GRPO: divided by sequences x the environment's constant length,
     #: ``rollout.max_new_tokens`` for text, like TRL's ``dr_grpo``).
@@ -182,6 +198,7 @@ class AlgoConfig:
     def __post_init__(self):
         # Each range once; check_range also refuses NaN, which passes a plain comparison.
         check_adv_estimator(self.adv_estimator)
+        check_policy_loss(self.policy_loss)
         check_range(self, "clip_low", low=0, high=1, high_open=True)  # the ratio's lower bound 1 - clip_low > 0
         for name in ("clip_high", "kl_coef", "entropy_coef", "adv_eps"):
             check_range(self, name, low=0)

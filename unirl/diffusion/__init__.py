@@ -4,8 +4,9 @@
 * :mod:`unirl.diffusion.sampling`: sampling with log-probs, re-scoring stored steps, for any family.
 * :mod:`unirl.diffusion.families`: one adapter per model family (encode, velocity, latent layout, schedule, decode).
 * :mod:`unirl.diffusion.config`: ``DiffusionConfig``, the typed config of ``unirl train diffusion``.
-* :mod:`unirl.diffusion.env`: ``DiffusionEnvironment``, what the shared training loop drives (FlowGRPO).
-* :mod:`unirl.diffusion.nft`: ``NFTEnvironment``, DiffusionNFT's rollout (``algorithm: nft``; its loss is the registered ``nft`` policy loss).
+* :mod:`unirl.diffusion.env`: ``DiffusionEnvironment``, what the shared training loop drives; the algorithm is its
+  rollout mode (:mod:`unirl.diffusion.rollout_mode`): FlowGRPO's (:mod:`unirl.diffusion.flowgrpo`) or DiffusionNFT's
+  (:mod:`unirl.diffusion.nft`, ``algorithm: nft``; its loss is the registered ``nft`` policy loss).
 * :mod:`unirl.diffusion.pipeline`: loading a family's pipeline (a toy, a directory or a hub name), frozen but the transformer.
 * :mod:`unirl.diffusion.tiny`: one toy-size pipeline per family, built from a fixed seed for tests and demos,
   and the colour demo's warm start (toys depend on the adapters, never the reverse).
@@ -15,11 +16,7 @@ Submodules are imported on use so that ``import unirl.diffusion`` stays cheap.
 
 
 def build_environment(cfg):
-    """The environment of ``cfg.algorithm`` (a ``DiffusionConfig``): FlowGRPO's or DiffusionNFT's."""
-    if cfg.algorithm == "nft":
-        from unirl.diffusion.nft import NFTEnvironment
-
-        return NFTEnvironment(cfg)
+    """The environment of a ``DiffusionConfig``; ``cfg.algorithm`` picks its rollout mode (FlowGRPO's or DiffusionNFT's)."""
     from unirl.diffusion.env import DiffusionEnvironment
 
     return DiffusionEnvironment(cfg)

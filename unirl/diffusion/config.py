@@ -344,6 +344,10 @@ class DiffusionConfig:
             )
         if self.algorithm == "nft":
             self._check_nft()
+        if self.algo.policy_loss is not None and (self.algo.policy_loss == "nft") != (self.algorithm == "nft"):
+            raise ValueError(f"algo.policy_loss={self.algo.policy_loss} with algorithm={self.algorithm}: the nft loss "
+                             f"reads the velocities of DiffusionNFT's rollouts and only those (algorithm: nft; "
+                             f"FlowGRPO's take a loss over log-probs); leave algo.policy_loss null for the algorithm's own")
         if self.sampling.num_frames != 1 and not family.frames:
             raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
                              f"videos; set sampling.num_frames: 1")

@@ -1,30 +1,26 @@
-"""The diffusion environment: FlowGRPO for flow-matching diffusers models (SD3, FLUX.1, ...), LoRA or full fine-tuning.
+"""The diffusion environment for flow-matching diffusers models (SD3, FLUX.1, ...), LoRA or full fine-tuning:
+what FlowGRPO and DiffusionNFT share, with the algorithm's rollout mode behind one seam.
 
-FlowGRPO (Liu et al., 2025, https://arxiv.org/abs/2505.05470): sample each prompt G times with an SDE
-that has the ODE's marginals, so each denoising step is a Gaussian policy with a log-prob; score the
-images; train each stored step with the group-relative advantage through the same clipped ratio as
-text GRPO (``unirl.core``), with a closed-form Gaussian KL to the reference model.
-
-What this file adds to the pure pieces (``sde.py``, ``sampling.py``) and the model family's adapter
-(``families/``: prompt encoding, latent layout, sigma schedule, transformer forward, decoding):
+The algorithm (``algorithm:``) is a rollout mode (``rollout_mode.py``), chosen once in ``ROLLOUT_MODES``:
+FlowGRPO's SDE rollouts with per-step log-probs for the ratio loss (``flowgrpo.py``, the default), or
+DiffusionNFT's ODE rollouts of the old policy for the registered ``nft`` loss (``nft.py``). The mode
+samples and re-scores; this file adds what both use to the pure pieces (``sde.py``, ``sampling.py``)
+and the model family's adapter (``families/``: prompt encoding, latent layout, sigma schedule,
+transformer forward, decoding):
 
 * the sampler's log-probs are the policy's own (the trainer samples), so
   ``recompute_old_logprobs = False`` and ``rollout.old_logp`` is the PPO "old" log-prob;
 * the reference is the same transformer with its LoRA adapter disabled (or a frozen copy);
 * an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
 * chunks of samples are scored in the reward pool while the next chunk samples (the last chunk, with
-  nothing left to overlap, when ``score`` is called).
+  nothing left to overlap, when ``score`` is called); ``rollout/transformer_calls`` logs the
+  transformer rows a rollout ran.
 
 Differences from FlowGRPO's reference code: the EMA is updated once per optimizer step (FlowGRPO
 calls its ``ema.step`` after every micro-batch with the optimizer-step count, so with gradient
 accumulation it repeats the same update several times at each qualifying step); the negative prompt
 (the family's ``negative_prompt``, the empty string for SD3) is encoded once; and the SDE window
 (``unirl/diffusion/window.py``) is a function of the run's seed and the training step.
-
-Faster variants, all in ``rollout``: an SDE window (Flow-GRPO-Fast, or MixGRPO's sliding window) trains
-a few steps instead of all; ``branch_prefix`` runs the deterministic steps before the window once per
-prompt and branches the group from there; ``ode_solver: dpm2m`` takes the steps after the window with
-DPM-Solver++(2M), in fewer steps with ``tail_step_ratio`` (MixGRPO-Flash). ``rollout/transformer_calls`` logs the transformer rows a rollout ran.
 
 Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[*latent]`` in the family's
 layout (SD3 ``[C, h, w]``, FLUX packed ``[h/2 * w/2, 4C]``).
@@ -46,12 +42,16 @@ from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.prompts import load_prompt_rows
-from unirl.diffusion.sampling import (ForwardCounter, rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients,
-                                     to_pil, trained_steps)
-from unirl.diffusion.window import kept_steps, window_bounds, window_mask
-from unirl.diffusion.sde import step_coefficients, step_kl
+from unirl.diffusion.flowgrpo import FlowGRPORollout
+from unirl.diffusion.nft import NFTRollout
+from unirl.diffusion.rollout_mode import RolloutMode
+from unirl.diffusion.sampling import ForwardCounter, to_pil
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.reward_set import RewardSet, concat_components
+
+#: ``algorithm:`` -> its rollout mode: the one place the environment chooses by algorithm.
+ROLLOUT_MODES: dict[str, type[RolloutMode]] = {"flowgrpo": FlowGRPORollout, "nft": NFTRollout}
+
 
 class DiffusionEnvironment(Environment):
     recompute_old_logprobs = False  # the trainer samples: the sampler's log-probs are the policy's
@@ -64,6 +64,11 @@ class DiffusionEnvironment(Environment):
         self._step = 0
         # (id of the rollout, its chunks' rewards: futures of the pool, or a call for the last chunk)
         self._pending: tuple[int, list] | None = None
+        self.mode = ROLLOUT_MODES[cfg.algorithm](self)  # the algorithm's rollout and forward (rollout_mode.py)
+
+    @property
+    def policy_loss(self) -> str | None:
+        return self.mode.policy_loss
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
@@ -103,13 +108,6 @@ class DiffusionEnvironment(Environment):
         self.negative = {"neg_" + k: v for k, v in negative.items()}  # each [1, ...]
         self.train_sigmas, self.train_timesteps = self.family.schedule(self.scheduler, s.num_steps, self.latent_shape)
         self.eval_sigmas, self.eval_timesteps = self.family.schedule(self.scheduler, s.eval_num_steps, self.latent_shape)
-        # The training schedule's step constants, once for every rollout: the sampler's (one object a
-        # step) and the whole schedule's [S], from which the update gathers its stored steps'.
-        self._train_sigmas_device = self.train_sigmas.to(device)  # [S + 1]
-        self.train_coefficients = schedule_coefficients(self._train_sigmas_device, noise_level=s.noise_level,
-                                                        sde_type=s.sde_type)
-        self._train_constants = step_coefficients(self._train_sigmas_device[:-1], self._train_sigmas_device[1:],
-                                                  noise_level=s.noise_level, sde_type=s.sde_type)  # [S]
         # 4. Data and rewards.
         from unirl.text.data import PromptSampler
 
@@ -125,6 +123,8 @@ class DiffusionEnvironment(Environment):
                                  eps=cfg.algo.adv_eps)
         if self.family.frames:  # videos: each reward scores their frames (``frames.FrameRewards``)
             self.rewards = FrameRewards(self.rewards, stride=cfg.video.frame_stride, reduce=cfg.video.frame_reduce)
+        # 5. What the algorithm's rollout mode adds (FlowGRPO: the schedule's step constants; NFT: the old policy).
+        self.mode.setup()
 
     @property
     def model(self):
@@ -165,70 +165,14 @@ class DiffusionEnvironment(Environment):
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         if self.ema is not None:
             self.ema.step(optimizer_steps)
+        self.mode.after_optimizer_step(optimizer_steps)
 
     @torch.no_grad()
     def rollout(self, rows: list[dict], group_size: int) -> Rollout:
-        cfg, s = self.cfg, self.cfg.sampling
-        device = self.accelerator.device
-        B, G = len(rows), group_size
-        N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + self.accelerator.process_index * 10_007 + self._step
-        generator = torch.Generator().manual_seed(seed)
-        # 1. Prompts (and input images): encoded once per row, repeated for the group.
-        prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = self._encode(rows)  # each [B, ...]
-        group_ids = torch.arange(B).repeat_interleave(G)  # [N]
-        # 2. Initial noise (shared within a group if asked), SDE window and trained steps.
-        noise = self.family.noise(B if s.same_noise_per_group else N, self.latent_shape, generator)
-        # The window comes from the seed and the step only: every process, and a resumed run, uses the same one.
-        w = s.sde_window
-        start, stop = window_bounds(self._step, num_steps=s.num_steps, size=w.size, window_range=w.range,
-                                    schedule=w.schedule, shift_interval=w.shift_interval, stride=w.stride,
-                                    seed=cfg.trainer.seed)
-        sigmas, timesteps, stochastic, dpm, coefficients = self._plan(start, stop)
-        steps = trained_steps(N, stochastic, s.timestep_fraction, generator, s.timestep_selection)  # [N, T]
+        """The rollout mode's samples (``rollout_mode``); their rewards queued and the figures kept for ``score``."""
         self.forwards.take()  # count this rollout's transformer rows only
-        # 3. Flow-GRPO-Fast branching: the deterministic steps before the window once per prompt, then each
-        #    prompt's latent repeated for its G members (``noise`` is one per prompt then).
-        first = start if s.branch_prefix else 0  # the first step sampled per member
-        if first:
-            noise = self._prefix(noise, encoded, sigmas, timesteps, stochastic, coefficients, stop=first)  # [B, *latent] at step k
-        if s.same_noise_per_group:
-            noise = noise.repeat_interleave(G, 0)  # [N, *latent]
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in encoded.items()}  # each [N, ...]
-        # 4. Sample chunk by chunk; each finished chunk but the last is scored in the reward pool while the
-        #    next one samples. The last has no sampling left to overlap: ``score`` scores it on the calling
-        #    thread (a pool thread would only compete with this one for the GIL until then).
-        outs, images, futures = [], [], []
-        columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        for lo in range(0, N, s.chunk_size):
-            hi = min(lo + s.chunk_size, N)
-            cond = self._cond({k: v[lo:hi] for k, v in encoded.items()}, self.train_guidance)
-            out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
-                                      guidance_scale=self.train_guidance, noise_level=s.noise_level,
-                                      stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
-                                      generator=generator, coefficients=coefficients, start=first, dpm=dpm)
-            images += self._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
-            outs.append(out)
-        self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take()),
-                                 "rollout/window_start": float(start), "rollout/window_size": float(stop - start)}
-        # 5. Everything training needs to re-evaluate the trained steps.
-        sig = sigmas.cpu()
-
-        def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # one chunk (the usual case): no copy
-            return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
-
-        tensors = {
-            "latents": joined([o.latents for o in outs]),  # [N, T, *latent]
-            "next_latents": joined([o.next_latents for o in outs]),  # [N, T, *latent]
-            "step_index": steps,  # [N, T]
-            "sigma": sig[steps],  # [N, T]
-            "sigma_next": sig[steps + 1],  # [N, T]
-            "timestep": timesteps.cpu()[steps],  # [N, T]
-            **{k: v.cpu() for k, v in encoded.items()},  # the family's conditioning, each [N, ...]
-        }
-        rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns,
-                          old_logp=joined([o.logp for o in outs]))  # [N, T]
+        rollout, futures, figures = self.mode.rollout(rows, group_size)
+        self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take()), **figures}
         self._pending = (id(rollout), futures)
         return rollout
 
@@ -255,124 +199,18 @@ class DiffusionEnvironment(Environment):
         rewards, metrics = self.rewards.combine(components, rollout.group_ids)
         return rewards, {**metrics, **self._rollout_figures}
 
-    def _plan(self, start: int, stop: int) -> tuple:
-        """The steps of a rollout whose SDE window is ``[start, stop)``: ``(sigmas [S' + 1], timesteps [S'],
-        stochastic [S'], dpm [S'] or None, the steps' constants)`` on the device, S' = S unless
-        ``tail_step_ratio`` cuts the steps after the window (the steps up to its end keep their index)."""
-        s, device = self.cfg.sampling, self.accelerator.device
-        stochastic = window_mask(s.num_steps, start, stop)  # [S]
-        # DPM-Solver++(2M) for the ODE steps after the window (MixGRPO's "post" strategy).
-        dpm = torch.arange(s.num_steps) >= stop if s.ode_solver == "dpm2m" else None  # [S]
-        sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
-        if s.tail_step_ratio == 1:
-            return sigmas, timesteps, stochastic, dpm, self.train_coefficients
-        keep = kept_steps(s.num_steps, stop, s.tail_step_ratio)  # MixGRPO-Flash: indices into the S + 1 sigmas
-        sigmas = sigmas[keep]  # [S' + 1]
-        coefficients = schedule_coefficients(sigmas, noise_level=s.noise_level, sde_type=s.sde_type)
-        return sigmas, timesteps[keep[:-1]], stochastic[keep[:-1]], dpm[keep[:-1]], coefficients
-
-    def _prefix(self, noise: torch.Tensor, encoded: dict[str, torch.Tensor], sigmas: torch.Tensor,
-                timesteps: torch.Tensor, stochastic: torch.Tensor, coefficients, stop: int) -> torch.Tensor:
-        """The latents ``[B, *latent]`` at step ``stop`` from the prompts' initial ``noise`` [B, *latent]:
-        the deterministic steps ``[0, stop)`` once per prompt (``encoded`` each ``[B, ...]``), in chunks
-        of ``sampling.chunk_size`` prompts. The steps draw no noise, so the SDE generator's state after
-        them is the unbranched sampler's."""
-        s, device = self.cfg.sampling, self.accelerator.device
-        parts = []
-        for lo in range(0, noise.shape[0], s.chunk_size):
-            hi = min(lo + s.chunk_size, noise.shape[0])
-            cond = self._cond({k: v[lo:hi] for k, v in encoded.items()}, self.train_guidance)
-            out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
-                                      guidance_scale=self.train_guidance, noise_level=s.noise_level,
-                                      stochastic=stochastic, sde_type=s.sde_type, coefficients=coefficients, stop=stop)
-            parts.append(out.final)
-        return torch.cat(parts)
-
-    # ------------------------------------------------------------- log-probs
+    # ------------------------------------- the forward of stored samples: the rollout mode's
     def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """Re-score the trained steps ``columns`` with the stored next latent as the action (gradients flow)."""
-        s = self.cfg.sampling
-        stored = batch.cache.get("stored_steps")
-        if stored is None:  # once per batch, however many pieces the loop scores it in
-            stored = batch.cache["stored_steps"] = self._stored_steps(batch)
-        picked = range(*columns.indices(stored["steps"]["sigma"].shape[1]))
-        if len(picked) == 1:  # the loop's pieces, one trained step each: views made once per batch
-            j = picked[0]
-            one = {k: v[j] for k, v in stored["columns"].items()}  # [n, ...]: column j of each
-            # The mean only for a KL: without one nothing reads it.
-            logp, mean, _ = rescore_step(self.family, model, one["latents"], one["next_latents"], one["timestep"],
-                                         stored["cond"], stored["coef"][j], guidance_scale=self.train_guidance,
-                                         offset=one.get("offset"),
-                                         with_mean=self.cfg.algo.kl_coef > 0 or self.cfg.algo.use_kl_in_reward)
-            out = {"logp": logp.unsqueeze(1), "std": stored["narrow"]["std"][j],
-                   "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j],
-                   "mask": None}  # [n, 1, ...]; no mask: every stored step is trained
-            if mean is not None:
-                out["mean"] = mean.unsqueeze(1)  # [n, 1, *latent]
-        else:
-            t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
-            # The steps are the rollout's, from the schedule and settings its sampler checked: no check here.
-            out = rescore_steps(self.family, model, t["latents"], t["next_latents"], t["sigma"], t["sigma_next"],
-                                t["timestep"], stored["cond"], guidance_scale=self.train_guidance, noise_level=s.noise_level,
-                                sde_type=s.sde_type, check=False, coefficients=stored["coef"][columns])
-            out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T'], for the KL
-            out["mask"] = None  # every stored step is trained
-        return out
-
-    def _stored_steps(self, batch: Rollout) -> dict:
-        """The batch's stored steps on the device (``steps``: latents, next latents [n, T, *latent], float32
-        sigmas and timesteps [n, T]), their T columns as views (``columns``: latents, next latents
-        [n, *latent], timesteps [n] and the steps' offsets that ``step_log_prob`` takes; ``narrow``: sigmas
-        and stds [n, 1]), its conditioning (``cond``) and the columns' constants (``coef``): what each piece
-        of ``score_actions`` takes instead of slicing, moving and recomputing them (one operation per tensor for
-        the whole batch, not one per piece)."""
-        device = self.accelerator.device
-        steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
-        steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
-        whole = self._stored_constants(batch, steps)  # [n, T], latent-facing [n, T, 1, ...]
-        columns = {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep")}
-        if not whole.ode:  # every step's offset x' - a x at once (step_log_prob), not once a piece with gradients on
-            columns["offset"] = (steps["next_latents"].float() - steps["latents"].float() * whole.sample_weight).unbind(1)
-        n, T = steps["sigma"].shape
-        narrow = {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}
-        narrow["std"] = whole.std.reshape(n, T).split(1, dim=1)
-        cond = self._cond({k: batch.tensors[k].to(device) for k in self.family.cond_keys}, self.train_guidance)
-        return {"steps": steps, "columns": columns, "narrow": narrow, "cond": cond, "coef": whole.unbind(1)}  # coef: T x [n]
-
-    def _stored_constants(self, batch: Rollout, steps: dict[str, torch.Tensor]):
-        """The stored steps' ``StepCoefficients`` [n, T] (latent-facing ones [n, T, 1, ...]), gathered from
-        the training schedule's by ``step_index``: a dozen operations a batch where computing them from
-        the stored sigmas is thirty, with the same numbers (tested). A rollout without ``step_index``
-        gets them computed; one whose stored sigmas are not the schedule's at its ``step_index`` fails."""
-        s, latent_ndim = self.cfg.sampling, steps["latents"].ndim - 2
-        index = batch.tensors.get("step_index")
-        if index is None:
-            return step_coefficients(steps["sigma"], steps["sigma_next"], noise_level=s.noise_level,
-                                     sde_type=s.sde_type, latent_ndim=latent_ndim)
-        sigmas = self._train_sigmas_device  # [S + 1]
-        index = index.to(sigmas.device)  # [n, T]
-        if not (torch.equal(sigmas[index], steps["sigma"]) and torch.equal(sigmas[index + 1], steps["sigma_next"])):
-            raise ValueError("the rollout's stored sigma / sigma_next are not the training schedule's sigmas at its "
-                             "step_index (sampling.num_steps or the scheduler changed since it was sampled?)")
-        return self._train_constants.take(index, latent_ndim)
+        return self.mode.score_actions(model, batch, columns)
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        return torch.ones_like(batch.old_logp, dtype=torch.bool)  # [n, T]: every stored step is trained
+        return self.mode.loss_mask(batch)
 
     def column_slices(self, batch: Rollout) -> list[slice]:
-        # One trained step at a time, backward after each (FlowGRPO's order): peak memory holds the
-        # graph of one transformer forward, whatever the number of trained steps.
-        return [slice(j, j + 1) for j in range(batch.old_logp.shape[1])]
+        return self.mode.column_slices(batch)
 
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[n, T] KL penalty between the policy's and the reference's Gaussian steps (``kl_form``)."""
-        s = self.cfg.sampling
-        n, T = current["logp"].shape
-        mean = current["mean"].flatten(0, 1)  # [n*T, *latent]
-        ref_mean = reference["mean"].to(mean.device).flatten(0, 1)
-        kl = step_kl(mean, ref_mean, current["sigma"].flatten(), current["sigma_next"].flatten(),
-                     noise_level=s.noise_level, sde_type=s.sde_type, form=self.cfg.kl_form)  # [n*T]
-        return kl.view(n, T)
+        return self.mode.kl(current, reference)
 
     def reference_model(self):
         return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
@@ -427,7 +265,7 @@ class DiffusionEnvironment(Environment):
                 model.save_pretrained(directory / "transformer", state_dict=full)
 
     def checkpoint_objects(self) -> list:
-        return [self.ema] if self.ema is not None else []
+        return [*([self.ema] if self.ema is not None else []), *self.mode.checkpoint_objects()]
 
     def close(self) -> None:
         if getattr(self, "rewards", None) is not None:

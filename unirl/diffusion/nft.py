@@ -1,4 +1,4 @@
-"""DiffusionNFT in the shared loop (``algorithm: nft``): the environment's stages for it.
+"""DiffusionNFT's rollout mode (``algorithm: nft``) of ``DiffusionEnvironment``; its loss is the registered ``nft``.
 
 DiffusionNFT (Zheng et al., 2025, https://arxiv.org/abs/2509.16117; code github.com/NVlabs/DiffusionNFT,
 ``scripts/train_nft_sd3.py``) trains on the forward process instead of the sampler's steps:
@@ -32,7 +32,7 @@ import copy
 import torch
 
 from unirl.diffusion.ema import ParamEMA
-from unirl.diffusion.env import DiffusionEnvironment
+from unirl.diffusion.rollout_mode import RolloutMode
 from unirl.diffusion.sampling import guided_velocity, sample_with_logprob
 from unirl.env import Rollout
 
@@ -72,51 +72,46 @@ class OldPolicy(ParamEMA):
         self.seen, self.moved = int(state["seen"]), int(state["moved"])
 
 
-class NFTEnvironment(DiffusionEnvironment):
-    """``DiffusionEnvironment`` with DiffusionNFT's rollout and loss (module docstring); setup, prompts,
-    rewards, the EMA, evaluation and saving are FlowGRPO's."""
+class NFTRollout(RolloutMode):
+    """DiffusionNFT's rollout (the old policy's ODE samples, clean latents and noise levels kept), the
+    velocities its loss reads, and the old policy (module docstring). The environment's EMA, reference,
+    rewards, evaluation and saving are shared with FlowGRPO; rollouts and training forwards are CFG-free
+    (the config refuses ``sampling.train_cfg``)."""
 
     policy_loss = "nft"  # score_actions returns the velocities the registered ``nft`` loss reads
 
-    def setup(self, accelerator) -> None:
-        super().setup(accelerator)
-        n = self.cfg.nft
-        if n.kl_coef > 0 and not self.cfg.model.lora.enabled and self.ref is None:
-            self.ref = copy.deepcopy(self._model).requires_grad_(False).eval()  # the untrained weights
-        self.old = OldPolicy([p for p in self._model.parameters() if p.requires_grad], n.old_decay_flat,
+    def setup(self) -> None:
+        env, n = self.env, self.env.cfg.nft
+        if n.kl_coef > 0 and not env.cfg.model.lora.enabled and env.ref is None:
+            env.ref = copy.deepcopy(env._model).requires_grad_(False).eval()  # the untrained weights
+        self.old = OldPolicy([p for p in env._model.parameters() if p.requires_grad], n.old_decay_flat,
                              n.old_decay_rate, n.old_decay_max)
 
-    @property
-    def train_guidance(self) -> float:
-        return 1.0  # CFG-free: rollouts and training forwards are unguided
-
     def after_optimizer_step(self, optimizer_steps: int) -> None:
-        super().after_optimizer_step(optimizer_steps)  # the evaluation EMA
-        self.old.saw(optimizer_steps)
+        self.old.saw(optimizer_steps)  # after the environment's evaluation EMA
 
     def checkpoint_objects(self) -> list:
-        return [*super().checkpoint_objects(), self.old]
+        return [self.old]
 
     # ---------------------------------------------------------------- rollout
-    @torch.no_grad()
-    def rollout(self, rows: list[dict], group_size: int) -> Rollout:
-        cfg, s = self.cfg, self.cfg.sampling
-        device = self.accelerator.device
+    def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:
+        env = self.env
+        cfg, s = env.cfg, env.cfg.sampling
+        device = env.accelerator.device
         B, G = len(rows), group_size
         N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + self.accelerator.process_index * 10_007 + self._step
+        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env._step
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in self._encode(rows).items()}  # each [N, ...]
-        noise = self.family.noise(B if s.same_noise_per_group else N, self.latent_shape, generator)
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in env._encode(rows).items()}  # each [N, ...]
+        noise = env.family.noise(B if s.same_noise_per_group else N, env.latent_shape, generator)
         if s.same_noise_per_group:
             noise = noise.repeat_interleave(G, 0)  # [N, *latent]
         # 2. The old policy takes the last training step's weights (its decay), then samples with the ODE,
         #    chunk by chunk; finished chunks are scored while the next samples (as FlowGRPO's rollout).
         self.old.catch_up()
-        self.forwards.take()  # count this rollout's transformer rows only
-        sigmas, timesteps = self.train_sigmas.to(device), self.train_timesteps.to(device)
+        sigmas, timesteps = env.train_sigmas.to(device), env.train_timesteps.to(device)
         ode = torch.zeros(s.num_steps, dtype=torch.bool)  # no stochastic step
         columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         finals, images, futures = [], [], []
@@ -124,28 +119,26 @@ class NFTEnvironment(DiffusionEnvironment):
             for lo in range(0, N, s.chunk_size):
                 hi = min(lo + s.chunk_size, N)
                 cond = {k: v[lo:hi] for k, v in encoded.items()}
-                out = sample_with_logprob(self.family, self._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+                out = sample_with_logprob(env.family, env._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                           guidance_scale=1.0, noise_level=0.0, stochastic=ode)
-                images += self._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
+                images += env._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
                 finals.append(out.final.cpu())
-        self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take())}
         # 3. The training inputs: T noise levels per sample from the sampling schedule (NVlabs: a random
         #    permutation of its S timesteps, the first int(S * timestep_fraction)) and their fresh noise.
         S = s.num_steps
         T = max(1, int(S * s.timestep_fraction))
         picked = torch.rand(N, S, generator=generator).argsort(dim=1)[:, :T]  # [N, T] step indices
-        train_noise = self.family.noise(N * T, self.latent_shape, generator).view(N, T, *self.latent_shape)
+        train_noise = env.family.noise(N * T, env.latent_shape, generator).view(N, T, *env.latent_shape)
         tensors = {
             "clean": torch.cat(finals),  # [N, *latent]: the only thing kept of the sampling
             "noise": train_noise,  # [N, T, *latent]
-            "sigma": self.train_sigmas.cpu()[picked].float(),  # [N, T]
-            "timestep": self.train_timesteps.cpu()[picked],  # [N, T]
+            "sigma": env.train_sigmas.cpu()[picked].float(),  # [N, T]
+            "timestep": env.train_timesteps.cpu()[picked],  # [N, T]
             **{k: v.cpu() for k, v in encoded.items()},  # the family's conditioning, each [N, ...]
         }
         rollout = Rollout(tensors=tensors, group_ids=torch.arange(B).repeat_interleave(G), prompts=prompts,
                           samples=images, columns=columns)
-        self._pending = (id(rollout), futures)
-        return rollout
+        return rollout, futures, {}
 
     # ------------------------------------------------------------ the forward
     def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
@@ -154,11 +147,12 @@ class NFTEnvironment(DiffusionEnvironment):
         (and the reference's ``ref_velocity`` with ``nft.kl_coef``) at the same noised inputs, detached;
         ``clean`` [n, *latent], ``noisy`` [n, T', *latent], ``sigma`` [n, T']; ``mask`` None (every noise
         level is trained)."""
-        device = self.accelerator.device
-        cond = {k: batch.tensors[k].to(device) for k in self.family.cond_keys}
+        env = self.env
+        device = env.accelerator.device
+        cond = {k: batch.tensors[k].to(device) for k in env.family.cond_keys}
         clean = batch.tensors["clean"].to(device).float()  # [n, *latent]
         out = {"velocity": [], "old_velocity": [], "noisy": [], "sigma": []}
-        if self.cfg.nft.kl_coef > 0:
+        if env.cfg.nft.kl_coef > 0:
             out["ref_velocity"] = []
         for j in range(*columns.indices(batch.tensors["sigma"].shape[1])):
             sigma = batch.tensors["sigma"][:, j].to(device)  # [n]
@@ -166,12 +160,12 @@ class NFTEnvironment(DiffusionEnvironment):
             noisy = (1 - t) * clean + t * batch.tensors["noise"][:, j].to(device).float()  # [n, *latent]
             timestep = batch.tensors["timestep"][:, j].to(device)  # [n]
             with torch.no_grad(), self.old.swapped():
-                out["old_velocity"].append(guided_velocity(self.family, self.accelerator.unwrap_model(model), noisy,
+                out["old_velocity"].append(guided_velocity(env.family, env.accelerator.unwrap_model(model), noisy,
                                                            timestep, cond, 1.0))
-            out["velocity"].append(guided_velocity(self.family, model, noisy, timestep, cond, 1.0))
+            out["velocity"].append(guided_velocity(env.family, model, noisy, timestep, cond, 1.0))
             if "ref_velocity" in out:
-                with torch.no_grad(), self.reference_model() as ref:
-                    out["ref_velocity"].append(guided_velocity(self.family, ref, noisy, timestep, cond, 1.0))
+                with torch.no_grad(), env.reference_model() as ref:
+                    out["ref_velocity"].append(guided_velocity(env.family, ref, noisy, timestep, cond, 1.0))
             out["noisy"].append(noisy)
             out["sigma"].append(sigma)
         return {**{k: torch.stack(v, dim=1) for k, v in out.items()}, "clean": clean, "mask": None}

@@ -255,3 +255,6 @@ class TextConfig:
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
         check_groups(self.algo, self.trainer)
+        if self.algo.policy_loss == "nft":
+            raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
+                             "text trains a loss over log-probs: clipped, gspo or one you register")

@@ -57,7 +57,8 @@ class Trainer:
                  run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None,
                  policy_loss: str | None = None):
         """``policy_loss``: a registered policy loss (``unirl.core.policy_losses``) by name, instead of the
-        environment's rollout mode's or the ratio loss at ``algo.level`` (``env_policy_loss``)."""
+        configured one (``run_policy_loss``: ``algo.policy_loss``, else the environment's rollout mode's,
+        else the ratio loss at ``algo.level``)."""
         self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
         self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
         self.critic: Critic | None = None  # built at setup when the advantage estimator reads values
@@ -65,7 +66,7 @@ class Trainer:
         self.kl_ctrl = build_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl,
                                            horizon=k.horizon) if algo.use_kl_in_reward else None
         if policy_loss is None and env is not None:
-            policy_loss = env_policy_loss(env, algo)
+            policy_loss = run_policy_loss(env, algo)
         self.policy_loss = None if policy_loss is None else POLICY_LOSSES.get(policy_loss)
         self.loss_settings = loss_settings(env, algo)
         self.run_dir = Path(run_dir)
@@ -186,6 +187,8 @@ class Trainer:
                 rollout = filtered.rollout
             else:
                 rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
+        # The weights that sampled every sample of this step: those after the optimizer steps so far.
+        rollout.policy_version = torch.full((len(rollout),), self.optimizer_steps, dtype=torch.long)  # [N]
         with _timer(times, "score"):
             rewards, reward_metrics = (filtered.rewards, filtered.reward_metrics) if filtered else self.env.score(rollout)
         rollout, learn_metrics = self.learn(rollout, rewards, times)
@@ -350,10 +353,11 @@ class Trainer:
 
 
 # ================================================================ helpers
-def env_policy_loss(env: Environment, algo: AlgoConfig) -> str:
-    """The registered policy loss of a run: the environment's rollout mode's (DiffusionNFT: ``nft``), or
-    the ratio loss at ``algo.level`` (``clipped`` per token, ``gspo`` per sequence)."""
-    return env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
+def run_policy_loss(env: Environment, algo: AlgoConfig) -> str:
+    """The registered policy loss of a run: ``algo.policy_loss`` when set (checked where the config loads),
+    else the environment's rollout mode's (DiffusionNFT: ``nft``), else the ratio loss at ``algo.level``
+    (``clipped`` per token, ``gspo`` per sequence)."""
+    return algo.policy_loss or env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
 
 
 def loss_settings(env: Environment | None, algo: AlgoConfig) -> LossSettings:
