@@ -125,3 +125,24 @@ def test_verbose_redirects_nothing(tmp_path):
     with RunOutput(tmp_path, verbose=True) as output:
         assert output.path is None and output.quiet(len) is len
     assert not (tmp_path / "run.log").exists()
+
+
+def test_the_progress_bar_shows_each_steps_own_reward():
+    """Issue 37 item 20: the bar drew its count before taking the step's reward, so the reward shown
+    beside "3/3" was step 2's."""
+    import io
+
+    from tqdm import tqdm
+
+    from unirl.config.schema import TrainerConfig
+    from unirl.trainer.run_log import Progress
+
+    progress = Progress(TrainerConfig(total_steps=3, progress=True), start=0, main=True)
+    progress.bar.close()
+    screen = io.StringIO()
+    progress.bar = tqdm(total=3, file=screen, mininterval=0, desc="train")  # every update redrawn
+    for step, reward in enumerate((0.125, 0.5, 0.875), 1):
+        progress.update({"reward/mean": reward})
+        last = screen.getvalue().split("\r")[-1]
+        assert f"{step}/3" in last and f"reward={reward:.3f}" in last, last
+    progress.close()
