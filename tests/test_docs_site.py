@@ -36,3 +36,40 @@ def test_every_shipped_config_says_what_it_needs():
     assert table.startswith("| config |") and len(shipped) >= 14, (table[:80], shipped)
     missing = sorted(name for name in shipped if f"`{name}`" not in table)
     assert not missing, f"configs missing from docs/running.md's table of what each config needs: {missing}"
+
+
+def _documented_parameters(page: str, function: str) -> list[str]:
+    """The parameter names in a page's ``## `unirl.FUNCTION(...)` `` heading."""
+    import re
+
+    heading = re.search(rf"^## `unirl\.{function}\((.*?)\)`", page, re.M)
+    assert heading, f"docs/python.md has no heading for unirl.{function}"
+    return [p.split("=")[0].strip() for p in heading.group(1).split(",") if p.strip() not in ("*", "")]
+
+
+def test_python_page_names_every_parameter_of_train_and_load_config():
+    """Issue 37 item 19: docs/python.md's signature of unirl.train lacked ``recipe=``."""
+    import inspect
+
+    import unirl
+
+    page = (REPO / "docs" / "python.md").read_text()
+    for function in ("train", "load_config"):
+        real = list(inspect.signature(getattr(unirl, function)).parameters)
+        assert _documented_parameters(page, function) == real, function
+    assert "- `recipe`:" in page  # and says what it does
+
+
+def test_every_gpu_set_up_in_the_docs_installs_the_default_extras():
+    """Issue 37 item 19: a GPU set-up in the docs left out the ``tools`` extra the CPU default has, so
+    ``tiny_search`` failed there. Each ``EXTRAS=`` with ``vllm`` names the Makefile's default extras with
+    ``cpu`` (the CPU build of vLLM) swapped for ``vllm``."""
+    import re
+
+    default = re.search(r"^EXTRAS\s*\?=\s*(\S+)", (REPO / "Makefile").read_text(), re.M).group(1).split(",")
+    wanted = sorted("vllm" if e == "cpu" else e for e in default)
+    pages = [REPO / "README.md", REPO / "Makefile", *sorted((REPO / "docs").glob("*.md"))]
+    found = [(page.name, m.group(1)) for page in pages for m in re.finditer(r"EXTRAS=(\S*vllm\S*?)[`\s]", page.read_text())]
+    assert len(found) >= 2, found  # docs/index.md and docs/running.md at least
+    wrong = [(name, extras) for name, extras in found if sorted(extras.split(",")) != wanted]
+    assert not wrong, f"GPU set-ups whose extras are not {','.join(wanted)}: {wrong}"

@@ -205,3 +205,29 @@ def test_eval_of_a_runs_checkpoint_scores_with_the_runs_saved_config(tmp_path, t
     plain = _cli("eval", "text", "--output-dir", str(tmp_path / "plain"), *common)  # --config may be left out
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert "reward/length" in json.loads((tmp_path / "plain" / "summary.json").read_text())
+
+
+def test_default_plot_leaves_out_panels_whose_value_never_changes(tmp_path, capsys):
+    """Issue 37 item 20: ``actor/clip_frac`` 0 in every step of an on-policy run was a flat panel."""
+    from PIL import Image
+
+    from unirl.plot import plot_runs
+
+    for name, clip in (("a", 0.0), ("b", 0.0)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, "reward/mean": 0.1 * s + (name == "b"), "actor/clip_frac": clip, "loss/kl": 0.01}
+                for s in range(1, 5)] + [{"step": 4, "eval/accuracy": 0.5}]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "curves.png")
+    err = capsys.readouterr().err
+    # loss/kl is constant too; eval/accuracy has one point, which is not "never changes": it stays.
+    assert "left out loss/kl (always 0.01), actor/clip_frac (always 0):" in err, err
+    width, height = Image.open(out).size
+    assert width > height  # two panels side by side (reward/mean, eval/accuracy), not four
+    # Named with --metrics it is drawn, and nothing is said.
+    plot_runs([tmp_path / "a"], tmp_path / "named.png", ["actor/clip_frac"])
+    assert "left out" not in capsys.readouterr().err
+    # A panel that changes in one run only is kept.
+    (tmp_path / "b" / "metrics.jsonl").write_text(json.dumps({"step": 1, "actor/clip_frac": 0.2, "reward/mean": 1}) + "\n")
+    plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
+    assert "actor/clip_frac" not in capsys.readouterr().err

@@ -81,7 +81,8 @@ def test_sd3_ocr_dry_run_finds_the_bundled_and_generated_prompts(empty_cwd, caps
                             "local cache") for n in notes)
 
 
-def test_gsm8k_dry_run_notes_whether_the_hub_names_are_cached(empty_cwd, capsys, tmp_path):
+def test_gsm8k_dry_run_notes_whether_the_hub_names_are_cached(empty_cwd, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("unirl.preflight.cuda_available", lambda: True)  # the GPU note has its own test
     code, out, _ = _dry_run(capsys, "text", "gsm8k")
     assert code == 0
     notes = _lines(out, "note")
@@ -96,6 +97,25 @@ def test_gsm8k_dry_run_notes_whether_the_hub_names_are_cached(empty_cwd, capsys,
     assert code == 0 and not _lines(out, "note")
     assert any(line.startswith("model.name_or_path: hub model Qwen/Qwen2.5-0.5B-Instruct is in the local cache")
                for line in _lines(out, "ok"))
+
+
+def test_gsm8k_dry_run_without_a_gpu_says_so(empty_cwd, capsys, monkeypatch):
+    """Issue 37 item 19: on a CPU-only machine the gsm8k dry run passed without a word about the GPU its
+    bf16 settings are written for. A note, not a problem; flash-attn (CUDA only) is a problem."""
+    monkeypatch.setattr("unirl.preflight.cuda_available", lambda: False)
+    code, out, _ = _dry_run(capsys, "text", "gsm8k")
+    assert code == 0
+    assert ("this config expects a GPU (trainer.mixed_precision=bf16, rollout.dtype=bfloat16) and torch sees none: "
+            "it would run on the CPU, slowly") in _lines(out, "note")
+    code, out, _ = _dry_run(capsys, "text", "gsm8k", "model.attn_implementation=flash_attention_2")
+    assert code != 0
+    assert ("model.attn_implementation: flash_attention_2 runs on CUDA only and torch sees no GPU; use sdpa"
+            in _lines(out, "PROBLEM"))
+    code, out, _ = _dry_run(capsys, "text", "tiny")  # float32 throughout: nothing to say
+    assert not [n for n in _lines(out, "note") if "GPU" in n]
+    monkeypatch.setattr("unirl.preflight.cuda_available", lambda: True)
+    code, out, _ = _dry_run(capsys, "text", "gsm8k")
+    assert not [n for n in _lines(out, "note") if "GPU" in n]
 
 
 def test_a_ppo_dry_run_checks_the_critics_model_too(empty_cwd, capsys):

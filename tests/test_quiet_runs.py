@@ -41,13 +41,19 @@ def default_run(tmp_path_factory, tiny_lm_dir):
 @pytest.mark.slow
 def test_default_run_prints_a_start_line_the_bar_and_a_summary(default_run):
     run, proc = default_run
-    # stdout: unirl's own two lines and nothing else.
+    # stdout: unirl's start line and its summary, nothing else.
     lines = proc.stdout.splitlines()
     assert lines[0] == f"unirl: training text with config tiny, model tiny -> {run}"
-    assert lines[-1].startswith("unirl: done, 2 steps in ") and len(lines) == 2
-    for part in ("reward/mean ", "eval/accuracy ", "(steps 0 -> 2)", f"checkpoint {run}/checkpoints/step_000002",
-                 f"curves {run}/metrics.jsonl (unirl plot {run})", f"library log {run}/run.log"):
-        assert part in lines[-1], part
+    assert lines[1].startswith("unirl: done, 2 steps in ") and lines[1].endswith(" s")
+    summary = lines[2:]
+    assert summary and all(line.startswith("  ") for line in summary), summary
+    for name, *texts in (("reward/mean", "(first and last 1 step)"), ("eval/accuracy", "(steps 0 -> 2)"),
+                         ("checkpoint", f"{run}/checkpoints/step_000002"),
+                         ("curves", f"{run}/metrics.jsonl (unirl plot {run})"), ("library log", f"{run}/run.log")):
+        line = [line for line in summary if line.split("  ")[1] == name]
+        assert len(line) == 1 and all(text in line[0] for text in texts), (name, summary)
+    # Short lines: nothing but a path makes one longer than 80 characters.
+    assert all(len(line.replace(str(run), "RUN")) <= 80 for line in lines[1:]), lines
     # stderr: the progress bar only (its redraws are carriage returns).
     bar = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
     assert bar and all(line.startswith("train:") for line in bar), bar
@@ -125,3 +131,52 @@ def test_verbose_redirects_nothing(tmp_path):
     with RunOutput(tmp_path, verbose=True) as output:
         assert output.path is None and output.quiet(len) is len
     assert not (tmp_path / "run.log").exists()
+
+
+def test_the_progress_bar_shows_each_steps_own_reward():
+    """Issue 37 item 20: the bar drew its count before taking the step's reward, so the reward shown
+    beside "3/3" was step 2's."""
+    import io
+
+    from tqdm import tqdm
+
+    from unirl.config.schema import TrainerConfig
+    from unirl.trainer.run_log import Progress
+
+    progress = Progress(TrainerConfig(total_steps=3, progress=True), start=0, main=True)
+    progress.bar.close()
+    screen = io.StringIO()
+    progress.bar = tqdm(total=3, file=screen, mininterval=0, desc="train")  # every update redrawn
+    for step, reward in enumerate((0.125, 0.5, 0.875), 1):
+        progress.update({"reward/mean": reward})
+        last = screen.getvalue().split("\r")[-1]
+        assert f"{step}/3" in last and f"reward={reward:.3f}" in last, last
+    progress.close()
+
+
+def test_the_end_of_run_summary_is_a_few_short_lines(tmp_path):
+    """Issue 37 item 20: the summary was one 400-character line. Now one figure a line, names aligned."""
+    from unirl.runner import TrainResult, end_line
+
+    metrics = [{"step": s, "reward/mean": r} for s, r in enumerate((0.0, 0.25, 0.5, 1.0), 1)]
+    evals = [{"step": 0, "eval/accuracy": 0.125, "eval/reward": 0.25}, {"step": 4, "eval/accuracy": 0.75, "eval/reward": 0.5}]
+    result = TrainResult(metrics=metrics, evals=evals, run_dir=tmp_path, checkpoint=tmp_path / "checkpoints/step_000004",
+                         config=None)
+    lines = end_line(result, 46.2, tmp_path / "run.log").splitlines()
+    assert lines == [
+        "unirl: done, 4 steps in 46 s",
+        "  reward/mean    0.125 -> 0.750 (first and last 2 steps)",
+        "  eval/accuracy  0.125 -> 0.750 (steps 0 -> 4)",
+        "  eval/reward    0.250 -> 0.500 (steps 0 -> 4)",
+        f"  checkpoint     {tmp_path}/checkpoints/step_000004",
+        f"  curves         {tmp_path}/metrics.jsonl (unirl plot {tmp_path})",
+        f"  library log    {tmp_path}/run.log",
+    ]
+    no_checkpoint = TrainResult(metrics=metrics[:1], evals=evals[1:], run_dir=tmp_path, checkpoint=None, config=None)
+    assert end_line(no_checkpoint, 1, None).splitlines()[1:] == [
+        "  reward/mean    0.000 -> 0.000 (first and last 1 step)",
+        "  eval/accuracy  0.750 (step 4)",
+        "  eval/reward    0.500 (step 4)",
+        "  checkpoint     none",
+        f"  curves         {tmp_path}/metrics.jsonl (unirl plot {tmp_path})",
+    ]

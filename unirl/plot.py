@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
-#: Panels drawn when ``--metrics`` is not given, those that at least one run logged.
+#: Panels drawn when ``--metrics`` is not given: those that at least one run logged, less those whose
+#: values never change (``actor/clip_frac`` 0 throughout an on-policy run), which are named on stderr.
 DEFAULT_METRICS = (
     "reward/mean", "eval/accuracy", "eval/reward", "loss/kl", "actor/entropy", "actor/clip_frac",
     "rollout/response_length_mean", "actor/grad_norm",
@@ -63,6 +65,23 @@ def series(rows: list[dict], metric: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+def default_panels(runs: dict[str, list[dict]], logged: set[str]) -> list[str]:
+    """The default metrics the runs logged, without those that hold one value throughout every run (said
+    on stderr); all of them when every one is constant, so a plot is never empty."""
+    panels = [m for m in DEFAULT_METRICS if m in logged]
+    if not panels:
+        raise PlotError("these runs logged none of the default metrics; name some with --metrics")
+    values = {m: {v for rows in runs.values() for v in series(rows, m)[1]} for m in panels}
+    # A run's single evaluation is a point, not a flat line: a panel goes only when some run logged it twice.
+    repeated = {m: max(len(series(rows, m)[1]) for rows in runs.values()) > 1 for m in panels}
+    constant = [m for m in panels if repeated[m] and len(values[m]) == 1]
+    if constant and len(constant) < len(panels):
+        said = ", ".join(f"{m} (always {next(iter(values[m])):g})" for m in constant)
+        print(f"unirl plot: left out {said}: the value never changes; --metrics draws it", file=sys.stderr)
+        panels = [m for m in panels if m not in constant]
+    return panels
+
+
 def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None, metrics: list[str] | None = None) -> Path:
     """Draw the runs' metrics into one PNG; returns its path (default ``<first run>/curves.png``)."""
     import matplotlib
@@ -81,9 +100,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None, metrics
             raise PlotError(f"--metrics: {', '.join(missing)} not logged by these runs; logged: {available}")
         panels = list(metrics)
     else:
-        panels = [m for m in DEFAULT_METRICS if m in logged]
-        if not panels:
-            raise PlotError("these runs logged none of the default metrics; name some with --metrics")
+        panels = default_panels(runs, logged)
     columns = min(2, len(panels))
     rows_n = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows_n, columns, figsize=(6 * columns, 3.6 * rows_n), squeeze=False)

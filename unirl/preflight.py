@@ -73,7 +73,7 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     """Check what can be checked offline about ``cfg`` (an environment's config) without loading models."""
     report = Report()
     config_dir = Path(config_file).expanduser().resolve().parent if config_file is not None else None
-    # 1. Data (the environment's own format), 2. rewards, 3. batch, 4. output, 5. model.
+    # 1. Data (the environment's own format), 2. rewards, 3. batch, 4. output, 5. model and GPU.
     DATA_CHECKS[env_name](cfg, config_dir, report)
     _check_rewards(cfg, SAMPLE_MODALITY[env_name], config_dir, report)
     if getattr(getattr(cfg, "rollout", None), "tools", None):
@@ -82,6 +82,7 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
+    _check_gpu(cfg, report)
     known_estimator = _check_adv_estimator(cfg.algo.adv_estimator, report)
     critic = getattr(cfg, "critic", None)
     if known_estimator and critic is not None and critic.name_or_path and _trains_a_critic(cfg.algo.adv_estimator):
@@ -381,6 +382,31 @@ def _check_model(name: str, report: Report, what: str = "model.name_or_path") ->
         _check_hub(what, name, "model", report)
     else:
         report.problems.append(f"{what}: {name!r} is neither a local directory, a toy model name nor a hub name (org/name)")
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (torch is imported, no model is loaded)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_gpu(cfg: Any, report: Report) -> None:
+    """Half-precision settings are written for a GPU: without one the run trains on the CPU, slowly (a
+    note); flash-attn's kernels run on CUDA only (a problem). torch is asked only when one is set."""
+    flash = getattr(cfg.model, "attn_implementation", None) == "flash_attention_2"
+    half = [f"{key}={value}" for key, value in (("model.dtype", getattr(cfg.model, "dtype", None)),
+                                                ("trainer.mixed_precision", cfg.trainer.mixed_precision),
+                                                ("rollout.dtype", getattr(getattr(cfg, "rollout", None), "dtype", None)))
+            if value in ("bf16", "fp16", "bfloat16", "float16")]
+    if not (flash or half) or cuda_available():
+        return
+    if flash:
+        report.problems.append("model.attn_implementation: flash_attention_2 runs on CUDA only and torch sees no GPU; "
+                               "use sdpa")
+    if half:
+        report.notes.append(f"this config expects a GPU ({', '.join(half)}) and torch sees none: it would run on the "
+                            f"CPU, slowly")
 
 
 def _check_named_model(what: str, name: str, report: Report) -> None:

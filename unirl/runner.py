@@ -123,23 +123,30 @@ def collect_result(run_dir: Path, history: list[dict], cfg: Any) -> TrainResult:
 
 
 def end_line(result: TrainResult, seconds: float, log_file: Path | None) -> str:
-    """``unirl: 150 steps in 46 s; reward/mean 0.10 -> 0.64 (first and last 10 steps); eval/accuracy
-    0.12 -> 0.60 (steps 0 -> 150); checkpoint ...; curves ...; library log ...``"""
-    parts = [f"{len(result.metrics)} steps in {seconds:.0f} s"]
+    """The end-of-run summary, a few short lines (a path is the longest thing on one)::
+
+        unirl: done, 150 steps in 46 s
+          reward/mean    0.100 -> 0.640 (first and last 10 steps)
+          eval/accuracy  0.120 -> 0.600 (steps 0 -> 150)
+          checkpoint     RUN/checkpoints/step_000150
+          curves         RUN/metrics.jsonl (unirl plot RUN)
+          library log    RUN/run.log
+    """
+    rows = []
     rewards = result.rewards
     if rewards:
         k = min(10, max(1, len(rewards) // 2))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        parts.append(f"reward/mean {first:.3f} -> {last:.3f} (first and last {k} step{'s' * (k > 1)})")
+        rows.append(("reward/mean", f"{first:.3f} -> {last:.3f} (first and last {k} step{'s' * (k > 1)})"))
     if result.evals:
         a, b = result.evals[0], result.evals[-1]
-        keys = [key for key in b if key.startswith("eval/") and isinstance(b[key], (int, float))]
-        figures = ", ".join(f"{key} {a[key]:.3f} -> {b[key]:.3f}" if key in a and a is not b else f"{key} {b[key]:.3f}"
-                            for key in keys)
         steps = f"step {b['step']}" if a is b else f"steps {a['step']} -> {b['step']}"
-        parts.append(f"{figures} ({steps})")
-    parts.append(f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint")
-    parts.append(f"curves {result.run_dir / 'metrics.jsonl'} (unirl plot {result.run_dir})")
+        rows += [(key, f"{a[key]:.3f} -> {b[key]:.3f} ({steps})" if key in a and a is not b else f"{b[key]:.3f} ({steps})")
+                 for key in b if key.startswith("eval/") and isinstance(b[key], (int, float))]
+    rows.append(("checkpoint", str(result.checkpoint)) if result.checkpoint else ("checkpoint", "none"))
+    rows.append(("curves", f"{result.run_dir / 'metrics.jsonl'} (unirl plot {result.run_dir})"))
     if log_file is not None:
-        parts.append(f"library log {log_file}")
-    return "unirl: done, " + "; ".join(parts)
+        rows.append(("library log", str(log_file)))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([f"unirl: done, {len(result.metrics)} steps in {seconds:.0f} s"]
+                     + [f"  {name:<{width}}  {text}" for name, text in rows])

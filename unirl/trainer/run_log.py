@@ -80,8 +80,10 @@ class Progress:
         fields = {"reward": f"{metrics['reward/mean']:.3f}"}
         if "loss/kl" in metrics:
             fields["kl"] = f"{metrics['loss/kl']:.2e}"
-        self.bar.update(1)
+        # The postfix first: update() redraws the line, so setting it after (without a refresh) showed
+        # the previous step's reward beside this step's count.
         self.bar.set_postfix(fields, refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:
