@@ -24,6 +24,7 @@ import torch
 from unirl.cli import load_run_config
 from unirl.config import ConfigError, config_to_dict, load_config
 from unirl.core import aggregate, clipped_policy_loss, compute_advantages, group_advantages
+from unirl.trainer.update import mini_denominator
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.sampling import trained_steps
@@ -139,7 +140,7 @@ def test_dr_grpo_normaliser_is_sequences_times_max_new_tokens(text_trainer):
     assert mask.sum(-1).max() < 24 or mask.shape[1] <= 24
     trainer.algo.loss_agg = "seq-mean-token-sum-norm"
     try:
-        denominator = trainer._mini_denominator(rollout)
+        denominator = mini_denominator(trainer, rollout)
     finally:
         trainer.algo.loss_agg = "token-mean"
     assert int(denominator) == len(rollout) * 24
@@ -280,7 +281,7 @@ def test_drop_zero_adv_keeps_what_flowgrpo_keeps(tmp_path, seed):
     trainer.accelerator = Accelerator(cpu=True)  # one process; setup() is not needed for this stage
     from unirl.env import Rollout
 
-    rollout = Rollout(tensors={"advantages": adv, "row": torch.arange(n)}, group_ids=torch.arange(n) // 4,
+    rollout = Rollout(tensors={"row": torch.arange(n)}, advantages=adv, group_ids=torch.arange(n) // 4,
                       prompts=[str(i) for i in range(n)], samples=list(range(n)))
     kept, metrics = trainer.drop_zero_advantage(rollout)
     assert len(kept) == flow_count and len(kept) % num_batches == 0

@@ -48,20 +48,21 @@ def test_readable_step_equals_the_trainers_loss_and_gradient(tmp_path, tiny_lm_d
         with torch.no_grad():
             for p in model.parameters():
                 if p.requires_grad:
-                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.device))
         micro = env.trim_padding(rollout.select(torch.arange(8)))  # one micro-batch
         loss, _, _ = micro_loss(trainer, model, micro, mini_denominator(trainer, micro))
         loss.backward()
         expected_grads = _grads(model)
 
         out = env.score_actions(model, micro)
-        ref_logp = micro.ref["logp"] if kl > 0 else None
-        readable = grpo_step_loss(out["logp"], micro.old_logp, ref_logp, micro.rewards,
-                                  micro.group_ids, out["mask"], clip_low=trainer.algo.clip_low, clip_high=clip_high,
-                                  kl_coef=kl)
+        device = out["logp"].device  # the trainer's (a GPU's on CUDA); the rollout's tensors are on the CPU
+        ref_logp = micro.ref["logp"].to(device) if kl > 0 else None
+        readable = grpo_step_loss(out["logp"], micro.old_logp.to(device), ref_logp, micro.rewards.to(device),
+                                  micro.group_ids.to(device), out["mask"], clip_low=trainer.algo.clip_low,
+                                  clip_high=clip_high, kl_coef=kl)
         readable.backward()
         got_grads = _grads(model)
-        torch.testing.assert_close(readable, loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(readable, loss.to(device), rtol=1e-5, atol=1e-6)
         assert max(g.abs().max().item() for g in expected_grads) > 1e-5  # a gradient that can differ
         for got, expected in zip(got_grads, expected_grads):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)

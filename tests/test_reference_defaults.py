@@ -158,7 +158,7 @@ def test_zero_adv_filter_tops_up_like_flowgrpo_at_sd3_ocr_shape(tmp_path, nonzer
                       trainer=TrainerConfig(prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
                                             mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size))
     trainer.accelerator = Accelerator(cpu=True)
-    rollout = Rollout(tensors={"advantages": adv}, group_ids=torch.arange(n) // cfg.group_size,
+    rollout = Rollout(tensors={}, advantages=adv, group_ids=torch.arange(n) // cfg.group_size,
                       prompts=[""] * n, samples=list(range(n)))
     kept, _ = trainer.drop_zero_advantage(rollout)
     assert len(kept) == _flowgrpo_kept(nonzero, n, cfg.micro_batch_size)
