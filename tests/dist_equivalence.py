@@ -71,8 +71,10 @@ def local_share(rollout, rewards, rank: int, world: int):
     local = rollout.select(list(range(rank * n, (rank + 1) * n)))
     if "response_mask" in local.tensors:  # text: trim to this share's longest response
         width = max(1, int(local.tensors["response_mask"].sum(-1).max()))
-        for key in ("response_ids", "response_mask", "engine_logp"):
+        for key in ("response_ids", "response_mask"):
             local.tensors[key] = local.tensors[key][:, :width]
+        if local.engine_logp is not None:  # a typed field of the Rollout since the trainer package
+            local.engine_logp = local.engine_logp[:, :width]
     return local, rewards[rank * n:(rank + 1) * n]
 
 
