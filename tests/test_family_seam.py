@@ -67,7 +67,9 @@ def test_the_sampler_refuses_cfg_for_a_family_without_it(video_family):
 
 
 def test_a_family_with_a_conditioning_image_needs_one_per_row(tmp_path):
-    (tmp_path / "cat.png").write_bytes(b"not read here")
+    from PIL import Image
+
+    Image.new("RGB", (2, 2), "red").save(tmp_path / "cat.png")  # a real image: the rows' images are decoded at load
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(json.dumps(r) for r in [{"prompt": "make it red", "image": "cat.png"}]))
     rows = load_prompt_rows(str(good), "train", image=True)
