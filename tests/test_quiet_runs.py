@@ -80,7 +80,9 @@ def test_eval_from_another_directory_prints_one_line_with_the_weighted_total(def
                   "rewards[1].weight=0.5", "rewards[0].kwargs={method: strict_normalized}", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 8 prompts x 1, reward ")
-    assert not proc.stderr.strip(), proc.stderr[-2000:]
+    # stderr: only unirl's line saying which config scored it (issue 37 item 18), no library output.
+    assert proc.stderr.strip().splitlines() == [f"config: {run / 'config.yaml'} (the run's saved config)"], \
+        proc.stderr[-2000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["reward/half"] == 0.5
     assert summary["reward"] == pytest.approx(summary["reward/gsm8k"] + 0.5 * 0.5, abs=1e-6)

@@ -69,7 +69,8 @@ def choose_config(checkpoint: str | Path, config, use_run_config: bool = True, d
     ``config``, or ``default`` when it is None."""
     saved = run_config_file(checkpoint)
     if saved is not None and use_run_config and (config is None or isinstance(config, (str, Path))):
-        instead = "" if config is None else f"; not {config}: --no-run-config (run_config=False) scores with that"
+        same = config is not None and Path(config).is_file() and Path(config).resolve() == Path(saved).resolve()
+        instead = "" if config is None or same else f"; not {config}: --no-run-config (run_config=False) scores with that"
         return str(saved), f"config: {saved} (the run's saved config{instead})"
     config = default if config is None else config
     if config is None:
