@@ -121,7 +121,7 @@ def test_a_bomb_or_truncated_input_image_is_one_error_naming_the_file(tmp_path):
 def test_loading_and_the_dry_run_check_the_input_images_decode_not_only_exist(tmp_path):
     import json
 
-    from unirl.diffusion.env import load_prompt_rows
+    from unirl.diffusion.prompts import load_prompt_rows
 
     Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
     _bomb_png(tmp_path / "bomb.png")
