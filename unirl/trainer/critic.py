@@ -22,10 +22,11 @@ from typing import Any, Callable
 import torch
 
 from unirl.trainer.micro_batches import scatter_rows
-from unirl.core import aggregate_denominator, explained_variance, value_loss
+from unirl.core import explained_variance, value_loss
 from unirl.trainer.distributed import gather_rows
 from unirl.env import Environment, Rollout
 from unirl.trainer.metrics import MetricLog, reduce_over_processes
+from unirl.trainer.update import global_denominator
 from unirl.trainer.optim import build_optimizer, build_scheduler
 
 
@@ -109,12 +110,7 @@ class Critic:
         return dict(zip(("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"), figures))
 
     def _mini_denominator(self, mini: Rollout) -> torch.Tensor:
-        acc = self.accelerator
-        local = aggregate_denominator(self.env.loss_mask(mini).to(acc.device), self.cfg.loss_agg,
-                                      norm_length=self.env.loss_norm_length)
-        if acc.num_processes == 1:
-            return local
-        return acc.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
+        return global_denominator(self.accelerator, self.env, mini, self.cfg.loss_agg)
 
     def _optimizer_step(self) -> float:
         acc, max_norm = self.accelerator, self.cfg.optim.max_grad_norm

@@ -133,9 +133,13 @@ def micro_backward(trainer, model, micro: Rollout, denominator: torch.Tensor, sy
 
 def mini_denominator(trainer, mini: Rollout) -> torch.Tensor:
     """The aggregation's normaliser of the global mini-batch (summed over processes)."""
-    acc = trainer.accelerator
-    local = aggregate_denominator(trainer.env.loss_mask(mini).to(acc.device), trainer.algo.loss_agg,
-                                  norm_length=trainer.env.loss_norm_length)
+    return global_denominator(trainer.accelerator, trainer.env, mini, trainer.algo.loss_agg)
+
+
+def global_denominator(acc, env, mini: Rollout, loss_agg: str) -> torch.Tensor:
+    """``loss_agg``'s normaliser of ``mini`` summed over processes: the actor's and the critic's losses
+    share it, so micro-batch and process shares add up to the global mini-batch's loss."""
+    local = aggregate_denominator(env.loss_mask(mini).to(acc.device), loss_agg, norm_length=env.loss_norm_length)
     if acc.num_processes == 1:
         return local
     return acc.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
