@@ -131,14 +131,16 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_load(tmp_path, teacher_d
     assert "different tokenizers" in message and "more tokens" in message
 
 
-def test_the_teachers_logprobs_are_its_own(tmp_path, teacher_dir):
+def test_the_teachers_logprobs_are_its_own_and_added_to_the_outcome_advantages(tmp_path, teacher_dir):
     """The stage stores the teacher's log-probs of the sampled tokens: equal to a plain full-logits forward of
-    the teacher on prompt + response (the packed, chunked route is the reference's), and not the student's."""
+    the teacher on prompt + response (the packed, chunked route is the reference's), and not the student's.
+    With ``distill.mode=added`` each token's advantage is GRPO's for its sample minus coef times its reverse KL."""
     from unirl.api import load_config
     from unirl.config.environments import ENVIRONMENTS, import_object
     from unirl.trainer.loop import Trainer
 
-    cfg = load_config("text", "tiny", [f"distill.teacher={teacher_dir}", "rollout.engine=hf", "trainer.prompts_per_step=2",
+    cfg = load_config("text", "tiny", [f"distill.teacher={teacher_dir}", "distill.mode=added", "distill.coef=0.5",
+                                       "rollout.engine=hf", "trainer.prompts_per_step=2",
                                        "trainer.group_size=2", "trainer.mini_batch_size=4", "trainer.micro_batch_size=4",
                                        "trainer.eval_every=0", "rollout.max_new_tokens=6",
                                        f"output_dir={tmp_path / 'run'}"])
@@ -159,6 +161,15 @@ def test_the_teachers_logprobs_are_its_own(tmp_path, teacher_dir):
             expected = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
             torch.testing.assert_close(rollout.teacher_logp[i, :n], expected, rtol=1e-4, atol=1e-5)
         assert (rollout.teacher_logp - rollout.old_logp).abs().max() > 1e-2  # two models, two answers
+        rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+        figures = trainer.advantages(rollout, rewards)
+        mask = t["response_mask"].bool()
+        # GRPO (group scale): group 0 has rewards 1, 0: mean 0.5, unbiased std 0.7071 -> +-0.7071; group 1 all 0 -> 0
+        outcome = torch.tensor([0.5, -0.5, 0.0, 0.0]) / (0.5 ** 0.5 + cfg.algo.adv_eps)
+        rkl = rollout.old_logp - rollout.teacher_logp
+        expected = torch.where(mask, outcome[:, None] - 0.5 * rkl, 0.0)
+        torch.testing.assert_close(torch.where(mask, rollout.advantages, 0.0), expected, rtol=1e-5, atol=1e-6)
+        assert figures["distill/reverse_kl"] == pytest.approx((rkl[mask]).mean().item(), rel=1e-5)
     finally:
         env.close()
 
