@@ -84,6 +84,35 @@ def test_reverse_kl_advantages_by_hand():
     torch.testing.assert_close(adv, torch.tensor([[-0.75, 0.5, -1.0], [2.0, 4.0, 0.0]]), rtol=0, atol=1e-7)
 
 
+def _tinker_loop(student, teacher, lengths, coef, discount):
+    """Tinker's ``incorporate_kl_penalty`` re-typed per sample: ``-coef * mask * (sampled - teacher)``, then
+    ``discounted_future_sum`` (x_t + discount * sum_{later}) when the discount is > 0; lists of floats."""
+    out = []
+    for s_row, t_row, n in zip(student.tolist(), teacher.tolist(), lengths):
+        adv = [-coef * (s_row[t] - t_row[t]) if t < n else 0.0 for t in range(len(s_row))]
+        if discount > 0:
+            running = 0.0
+            for t in reversed(range(len(adv))):
+                running = adv[t] + discount * running
+                adv[t] = running
+        out.append(adv)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("discount", [0.0, 0.9])
+def test_reverse_kl_advantages_are_tinkers(seed, discount):
+    g = torch.Generator().manual_seed(seed)
+    N, T = 6, 9
+    student, teacher = -torch.rand(N, T, generator=g) * 3, -torch.rand(N, T, generator=g) * 3
+    lengths = torch.randint(1, T + 1, (N,), generator=g).tolist()
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]  # [N, T]: each response's tokens, then padding
+    adv, figures = reverse_kl_advantages(student, teacher, mask, coef=0.3, discount=discount)
+    torch.testing.assert_close(adv, _tinker_loop(student, teacher, lengths, 0.3, discount), rtol=1e-5, atol=1e-6)
+    # Tinker's teacher_kl: sum of (sampled - teacher) * mask over the sum of the mask
+    assert figures["reverse_kl"].item() == pytest.approx(((student - teacher) * mask).sum().item() / sum(lengths), rel=1e-5)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_policy_gradient_is_the_reverse_kl_score_function(seed):
     """On policy (ratio 1), the clipped loss over the distillation advantages has the gradient
