@@ -25,15 +25,22 @@ from unirl.core.losses import clipped_policy_loss
 REPO = Path(__file__).resolve().parents[1]
 
 
-def sft_teacher(directory: Path, steps: int = 150, seed: int = 0) -> Path:
+def sft_teacher(steps: int = 150, seed: int = 0) -> Path:
     """The tiny model after ``steps`` more supervised steps on every sum of the task (``#### a+b`` then
-    EOS), with its tokenizer and task files: a teacher that knows the table the student half knows."""
+    EOS), with its tokenizer and task files: a teacher that knows the table the student half knows.
+    Built once per cache (``cached_build``; the test session's ``$UNIRL_CACHE``), shared by the test modules."""
+    from unirl.models.cache import cached_build, default_cache_dir
+
+    spec = {"what": "test sft teacher", "version": 1, "steps": steps, "seed": seed}
+    return cached_build(default_cache_dir() / f"test-sft-teacher-{steps}-{seed}", spec, "unirl_test_teacher.json",
+                        lambda work: _train_sft_teacher(work, steps, seed), what="the tests' SFT teacher")
+
+
+def _train_sft_teacher(directory: Path, steps: int, seed: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from unirl.text.tiny import TINY_LM_SPEC, build_tiny_lm, supervised_step
 
-    if (directory / "model.safetensors").exists():
-        return directory
     base = build_tiny_lm()
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
@@ -41,9 +48,9 @@ def sft_teacher(directory: Path, steps: int = 150, seed: int = 0) -> Path:
     facts = [(f"{a}+{b}=?", f"#### {a + b}") for a in range(top + 1) for b in range(top + 1)]
     rng, optimizer = random.Random(seed), torch.optim.AdamW(model.parameters(), lr=2e-3)
     threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        torch.set_num_threads(1)  # the same teacher on any machine; and small batches run fastest on one thread
+    torch.manual_seed(seed)  # in cached_build's fork of the caller's RNG
+    torch.set_num_threads(1)  # the same teacher on any machine; and small batches run fastest on one thread
+    try:
         model.train()
         for _ in range(steps):
             batch = [facts[rng.randrange(len(facts))] for _ in range(32)]
@@ -52,17 +59,17 @@ def sft_teacher(directory: Path, steps: int = 150, seed: int = 0) -> Path:
                 prompt, target = tokenizer(question).input_ids, tokenizer(answer).input_ids + [tokenizer.eos_token_id]
                 examples.append((prompt + target, [-100] * len(prompt) + target))
             supervised_step(model, optimizer, examples, tokenizer.pad_token_id)
-    torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
     model.eval().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     for name in ("train.jsonl", "test.jsonl", "generation_config.json"):
         shutil.copy2(base / name, directory / name)
-    return directory
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory) -> Path:
-    return sft_teacher(tmp_path_factory.mktemp("teacher") / "sft")
+def teacher_dir() -> Path:
+    return sft_teacher()
 
 
 # ------------------------------------------------------------------------------------------ the math

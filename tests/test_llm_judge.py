@@ -45,11 +45,10 @@ def _get(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_distill import sft_teacher
+def model_dir() -> Path:
+    from tests.test_distill import sft_teacher
 
-    return sft_teacher(tmp_path_factory.mktemp("judge") / "sft")
+    return sft_teacher()
 
 
 @pytest.fixture(scope="module")
