@@ -6,17 +6,22 @@ concurrent requests itself, as ``vllm serve`` does), and returns the answers' te
 request has a ``timeout``; connection failures, timeouts and 429/5xx answers are retried ``retries``
 times with exponential backoff (``backoff``, doubled each time, as FlowGRPO's UnifiedReward client
 waits between attempts). Any other answer that is not a chat completion is a ``RewardError`` at once,
-naming the endpoint and what came back. Stdlib only.
+naming the endpoint and what came back. Answers are cached (``cache_size`` most recent, in memory) by
+the request itself (model, messages, max_tokens, temperature): the same rubric, prompt and answer
+(or image) is asked once, however often a group or an evaluation repeats it. Stdlib only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -38,21 +43,28 @@ class ChatClient:
         concurrency: requests in flight at once, at most.
         max_tokens, temperature: of each completion (temperature 0: the judge's most likely answer).
         api_key_env: the environment variable holding a bearer token, if the endpoint wants one.
+        cache_size: answers kept in memory, keyed by the whole request (0: none). A judge sampling at
+            temperature > 0 then answers a repeated request as it did the first time.
     """
 
     def __init__(self, url: str, model: str, *, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
-                 concurrency: int = 8, max_tokens: int = 512, temperature: float = 0.0, api_key_env: str | None = None):
+                 concurrency: int = 8, max_tokens: int = 512, temperature: float = 0.0, api_key_env: str | None = None,
+                 cache_size: int = 4096):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise RewardError(f"judge url must start with http:// or https://, got {url!r}")
-        if timeout <= 0 or retries < 0 or backoff < 0 or concurrency < 1 or max_tokens < 1:
-            raise RewardError(f"judge {url}: timeout must be > 0, retries and backoff >= 0, concurrency and "
-                              f"max_tokens >= 1 (got {timeout}, {retries}, {backoff}, {concurrency}, {max_tokens})")
+        if timeout <= 0 or retries < 0 or backoff < 0 or concurrency < 1 or max_tokens < 1 or cache_size < 0:
+            raise RewardError(f"judge {url}: timeout must be > 0, retries, backoff and cache_size >= 0, concurrency "
+                              f"and max_tokens >= 1 (got {timeout}, {retries}, {backoff}, {cache_size}, {concurrency}, "
+                              f"{max_tokens})")
         self.endpoint = url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
         self.model, self.timeout, self.retries, self.backoff = model, float(timeout), int(retries), float(backoff)
         self.concurrency, self.max_tokens, self.temperature = int(concurrency), int(max_tokens), float(temperature)
         self.api_key = os.environ.get(api_key_env) if api_key_env else None
         if api_key_env and not self.api_key:
             raise RewardError(f"judge {url}: api_key_env={api_key_env!r} is not set in the environment")
+        self.cache_size, self.cache_hits, self.requests = int(cache_size), 0, 0  # requests: those sent to the server
+        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
 
     def ask_all(self, conversations: Sequence[list[dict]]) -> list[str]:
         """The answer to each conversation (a list of chat messages), in order."""
@@ -62,10 +74,25 @@ class ChatClient:
             return list(pool.map(self.ask, conversations))
 
     def ask(self, messages: list[dict]) -> str:
-        """The text of the first choice of one chat completion."""
+        """The text of the first choice of one chat completion (from the cache when asked before)."""
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
-                           "temperature": self.temperature}).encode()
-        answer = self._post(body)
+                           "temperature": self.temperature}, sort_keys=True).encode()
+        key = hashlib.sha256(body).hexdigest()
+        with self._lock:
+            if key in self._cache:
+                self.cache_hits += 1
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            self.requests += 1
+        text = self._completion_text(self._post(body))
+        if self.cache_size:
+            with self._lock:
+                self._cache[key] = text
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return text
+
+    def _completion_text(self, answer: dict[str, Any]) -> str:
         try:
             text = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):

@@ -66,6 +66,7 @@ BUILTIN_MODULES: list[str] = [
     "unirl.rewards.ocr",
     "unirl.rewards.reward_model",
     "unirl.rewards.judge",
+    "unirl.rewards.llm_judge",
     "unirl.rewards.geneval",
     "unirl.rewards.imagereward",
 ]
@@ -81,13 +82,17 @@ class RewardError(ValueError):
 
 class ScoresWithText(list):
     """A reward's scores (the contract's list) that carry one text per sample in ``texts``: why each
-    got its score (a judge's answer). Training reads the scores; evaluation also writes the texts."""
+    got its score (a judge's answer). Training reads the scores; evaluation also writes the texts.
+    ``failed`` (optional, one bool per sample): where the text could not be read as a score (a judge's
+    unparsable answer), logged as ``reward/<name>/parse_failed`` (the step's fraction)."""
 
-    def __init__(self, scores, texts):
+    def __init__(self, scores, texts, failed=None):
         super().__init__(scores)
         self.texts = [str(t) for t in texts]
-        if len(self.texts) != len(self):
-            raise RewardError(f"ScoresWithText: {len(self.texts)} texts for {len(self)} scores")
+        self.failed = None if failed is None else [bool(f) for f in failed]
+        if len(self.texts) != len(self) or (self.failed is not None and len(self.failed) != len(self)):
+            raise RewardError(f"ScoresWithText: {len(self.texts)} texts and "
+                              f"{'no' if failed is None else len(self.failed)} failure flags for {len(self)} scores")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def score_batch(reward_fn: RewardFn, samples: Sequence[Any], *, name: str, **col
     except Exception as err:
         raise _locate_failure(reward_fn, samples, columns, name, err) from err
     checked = _checked(scores, n, name, prompts)
-    return ScoresWithText(checked, scores.texts) if isinstance(scores, ScoresWithText) else checked
+    return ScoresWithText(checked, scores.texts, scores.failed) if isinstance(scores, ScoresWithText) else checked
 
 
 def score_requests(reward_fn: RewardFn, requests: Sequence[tuple[Sequence[Any], dict[str, Any]]], *,

@@ -20,7 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from unirl.rewards.judge import LLMJudge, VLMJudge, parse_score
+from unirl.rewards.judge import VLMJudge, parse_score
+from unirl.rewards.llm_judge import LLMJudge
 from unirl.rewards.loading import load_reward
 from unirl.rewards.registry import RewardError
 from unirl.config.schema import RewardConfig

@@ -20,7 +20,7 @@ import torch
 
 
 #: The loop's own per-sample tensors on ``Rollout`` (each None until its stage writes it).
-LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp", "policy_version")
+LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp", "policy_version", "teacher_logp")
 
 
 @dataclass
@@ -48,7 +48,9 @@ class Rollout:
     * ``rewards`` [N]; ``advantages`` [N] (one per sample) or [N, T] (per token);
     * ``values`` [N, T] (the critic's) and ``returns`` [N, T] (its target), with a critic;
     * ``old`` and ``ref``: the old policy's and the reference's ``Environment.score_actions`` outputs,
-      name -> [N, T] (``logp``, diffusion's ``mean`` ...), for the KL in the reward and in the loss.
+      name -> [N, T] (``logp``, diffusion's ``mean`` ...), for the KL in the reward and in the loss;
+    * ``teacher_logp`` [N, T]: the distillation teacher's log-probs of the sampled tokens
+      (``distill.teacher``; ``unirl.core.distill``).
 
     ``cache`` holds what an environment derives from this batch and reuses between its pieces (e.g.
     device copies scored one column at a time); never selected or copied: ``select`` and
@@ -67,6 +69,7 @@ class Rollout:
     old_logp: torch.Tensor | None = None  # [N, T]
     engine_logp: torch.Tensor | None = None  # [N, T]
     policy_version: torch.Tensor | None = None  # [N] long
+    teacher_logp: torch.Tensor | None = None  # [N, T]
     old: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]
     ref: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]
     cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -251,6 +254,14 @@ class Environment(ABC):
     def reference_model(self) -> Iterator[torch.nn.Module]:
         """Yield the frozen reference policy (a copy, or the same model with its LoRA disabled)."""
         raise NotImplementedError
+        yield  # pragma: no cover
+
+    @contextlib.contextmanager
+    def teacher_model(self) -> Iterator[torch.nn.Module]:
+        """Yield the frozen teacher of on-policy distillation, which ``score_actions`` scores like the
+        reference (text: ``distill.teacher``)."""
+        raise ValueError(f"{type(self).__name__} has no distillation teacher (on-policy distillation is text's: "
+                         f"distill.teacher)")
         yield  # pragma: no cover
 
     def sync_weights(self) -> None:

@@ -87,6 +87,9 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     critic = getattr(cfg, "critic", None)
     if known_estimator and critic is not None and critic.name_or_path and _trains_a_critic(cfg.algo.adv_estimator):
         _check_model(critic.name_or_path, report, what="critic.name_or_path")
+    teacher = getattr(getattr(cfg, "distill", None), "teacher", None)
+    if teacher:
+        _check_model(teacher, report, what="distill.teacher")
     return report
 
 
@@ -374,7 +377,7 @@ def _trains_a_critic(adv_estimator: str) -> bool:
 def _check_model(name: str, report: Report, what: str = "model.name_or_path") -> None:
     if Path(name).expanduser().is_dir():
         report.passed.append(f"{what}: {name} is a local directory")
-    elif name in ("tiny", "tiny_search") or name.startswith("tiny-"):
+    elif name in ("tiny", "tiny_search", "tiny_teacher") or name.startswith("tiny-"):
         report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
     elif name in MODELS:
         _check_named_model(what, name, report)

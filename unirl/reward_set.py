@@ -81,6 +81,8 @@ class RewardSet:
             if texts is not None and hasattr(scores, "texts"):
                 texts[name] = scores.texts
             out[name] = torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float32)  # [n]
+            if getattr(scores, "failed", None) is not None:  # a judge's unparsable answers, counted (rewards/judge.py)
+                out[f"{name}/parse_failed"] = torch.tensor(scores.failed, dtype=torch.float32)  # [n]
         return out
 
     def submit(self, samples: list[Any], *, prompts: list[str], columns: dict[str, list]) -> Future:
@@ -118,6 +120,8 @@ class RewardSet:
             if self.aggregation == "normalize_then_sum":
                 value = _group_normalise(value, applies, group_ids.cpu(), self.eps)
             total.add_(value, alpha=cfg.weight)
+            if f"{name}/parse_failed" in components:
+                metrics[f"reward/{name}/parse_failed"] = components[f"{name}/parse_failed"].float().mean().item()
         return total, metrics
 
     def __call__(self, samples: list[Any], *, prompts: list[str], columns: dict[str, list],

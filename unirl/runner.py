@@ -98,7 +98,8 @@ def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
         # descriptors themselves point at the log while it runs.
         env.setup = output.quiet(env.setup)
         trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=run_dir,
-                          config_dict=config_to_dict(cfg), critic=getattr(cfg, "critic", None))
+                          config_dict=config_to_dict(cfg), critic=getattr(cfg, "critic", None),
+                          distill=getattr(cfg, "distill", None))
         history = trainer.train()
         # Several processes leave together: one tearing the process group down while another is still
         # busy (the main process writing logs) can abort gloo ("terminate called without an active exception").

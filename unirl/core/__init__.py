@@ -1,9 +1,9 @@
 """The pure policy-gradient core shared by the text (GRPO) and diffusion (FlowGRPO) environments.
 
 Functions over tensors only: advantages from group rewards, rewards on tokens and PPO's
-critic-based advantages (GAE), KL penalties, the registered policy losses (``policy_losses``: clipped
-ratio, GSPO, DiffusionNFT's), the value loss and their aggregation.
-No config objects, no ``.item()``, no distributed calls, no I/O.
+critic-based advantages (GAE), KL penalties, on-policy distillation's reverse-KL advantages, the
+registered policy losses (``policy_losses``: clipped ratio, GSPO, DiffusionNFT's), the value loss and
+their aggregation. No config objects, no ``.item()``, no distributed calls, no I/O.
 """
 
 from unirl.core.advantages import (
@@ -16,6 +16,7 @@ from unirl.core.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from unirl.core.distill import reverse_kl_advantages
 from unirl.core.filtering import nonconstant_groups
 from unirl.core.kl import KL_ESTIMATORS, gaussian_kl, kl_divergence
 from unirl.core.rollout_correction import IS_MODES, rollout_is_weights, rollout_mismatch_metrics
@@ -71,6 +72,7 @@ __all__ = [
     "register_policy_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
+    "reverse_kl_advantages",
     "rloo_advantages",
     "rollout_is_weights",
     "rollout_mismatch_metrics",

@@ -227,6 +227,32 @@ class CriticConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (``unirl.core.distill``): a frozen teacher scores the tokens the policy
+    sampled, and the per-token reverse KL ``log pi(y_t) - log pi_teacher(y_t)`` is the advantage
+    (Thinking Machines' "On-Policy Distillation"; docs/distillation.md). The teacher must share the
+    policy's tokenizer (checked at load)."""
+
+    #: The teacher: a local directory, a hub name, a named model (``unirl models list``), or a toy
+    #: (``tiny_teacher``: the tiny model after the tiny demo's 150 GRPO steps, built once and cached).
+    #: null: no distillation.
+    teacher: Optional[str] = None
+    #: The advantage is ``-coef * reverse KL`` per token (Tinker's ``kl_penalty_coef``, default 1).
+    coef: float = 1.0
+    #: ``alone``: the reverse-KL advantage is the whole advantage (the rewards are still scored and
+    #: logged; Thinking Machines' recipe, whose environments give no reward); ``added``: it is added to
+    #: the outcome advantages of ``algo.adv_estimator`` on every token (Tinker adds it the same way).
+    mode: Literal["alone", "added"] = "alone"
+    #: Each token's advantage sums the later ones' with this discount (Tinker's ``kl_discount_factor``,
+    #: default 0: a token answers for its own KL only).
+    discount: float = 0.0
+
+    def __post_init__(self):
+        check_range(self, "coef", low=0, low_open=True)
+        check_range(self, "discount", low=0, high=1)
+
+
+@dataclass
 class TextConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -239,6 +265,8 @@ class TextConfig:
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     #: The value model of PPO (``algo.adv_estimator: gae``); unused otherwise.
     critic: CriticConfig = field(default_factory=CriticConfig)
+    #: On-policy distillation from a teacher model (off while ``distill.teacher`` is null).
+    distill: DistillConfig = field(default_factory=DistillConfig)
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/text"
 
@@ -255,6 +283,9 @@ class TextConfig:
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
         check_groups(self.algo, self.trainer)
+        if self.distill.teacher and self.distill.mode == "alone" and self.algo.adv_estimator == "gae":
+            raise ValueError("distill.mode=alone leaves out the outcome advantages, so algo.adv_estimator=gae would "
+                             "train a critic that nothing reads; use distill.mode=added or a critic-free estimator")
         if self.algo.policy_loss == "nft":
             raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
                              "text trains a loss over log-probs: clipped, gspo or one you register")

@@ -5,6 +5,7 @@ Shapes: N = B*G samples, P prompt tokens (left-padded), R response tokens (right
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ from unirl.reward_set import RewardSet
 from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
+from unirl.text.distill import load_teacher
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
@@ -42,6 +44,7 @@ class TextEnvironment(Environment):
         self.cfg = cfg
         self._model = None
         self.ref = None
+        self.teacher = None  # distill.teacher, loaded at setup
         self.engine = None
 
     # ------------------------------------------------------------------ setup
@@ -78,6 +81,8 @@ class TextEnvironment(Environment):
         elif cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
             self.ref = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
         self._model = model
+        # 2b. The distillation teacher, frozen, with the policy's tokenizer (unirl/text/distill.py).
+        self.teacher = load_teacher(cfg, self.tokenizer, dtype, accelerator) if cfg.distill.teacher else None
         # 3. Data.
         self.train_rows = self._rows(cfg.data.train, cfg.data.train_split, "train")
         self.test_rows = self._rows(cfg.data.test, cfg.data.test_split, "test") if cfg.data.test else []
@@ -333,6 +338,10 @@ class TextEnvironment(Environment):
 
     def reference_model(self):
         return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
+
+    @contextlib.contextmanager
+    def teacher_model(self):
+        yield self.teacher  # None with distill.teacher null: the trainer asks only when it is set
 
     def sync_weights(self) -> None:
         if isinstance(self.engine, VLLMEngine):

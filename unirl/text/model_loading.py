@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` (``tiny_search``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
+    """``tiny`` (``tiny_search``, ``tiny_teacher``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
     prepared directory (prepared now if needed); anything else is passed through."""
     from unirl.models.named import MODELS, resolve
 
@@ -16,6 +16,10 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
         from unirl.text.tiny_search import build_tiny_search_lm
 
         return str(build_tiny_search_lm(seed=seed))
+    if name_or_path == "tiny_teacher":  # the tiny model after the tiny demo's GRPO (unirl/text/tiny_teacher.py)
+        from unirl.text.tiny_teacher import build_tiny_teacher
+
+        return str(build_tiny_teacher(seed=seed))
     if name_or_path in MODELS:
         return resolve(name_or_path)
     return name_or_path

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core import estimate_advantages, group_stats, kl_penalized_rewards, token_scores
+from unirl.core import estimate_advantages, group_stats, kl_penalized_rewards, reverse_kl_advantages, token_scores
 from unirl.env import Rollout
 from unirl.trainer.distributed import gather_rows
 
@@ -47,6 +47,9 @@ def compute_advantages(trainer, rollout: Rollout, rewards: torch.Tensor) -> dict
                                        lam=algo.lam)
     if algo.adv_clip is not None:
         adv = adv.clamp(-algo.adv_clip, algo.adv_clip)
+    distill_figures = {}
+    if trainer.distill is not None:  # on-policy distillation: the reverse KL per token, alone or added
+        adv, distill_figures = _with_distillation(trainer, rollout, adv, all_mask)
     stats = group_stats(all_rewards, all_ids)
     per_token = adv if adv.ndim == 2 else adv.unsqueeze(-1).expand(all_mask.shape)  # [N_all, T_max]
     local = adv[rank * n:(rank + 1) * n]  # every process has N samples here (before any drop)
@@ -57,9 +60,27 @@ def compute_advantages(trainer, rollout: Rollout, rewards: torch.Tensor) -> dict
     # Every figure in one host transfer: the masked means as sums over the mask, no boolean indexing.
     masked = torch.where(all_mask, per_token, 0.0)  # [N_all, T_max]
     count = all_mask.sum().clamp_min(1)
-    names = ["adv/mean", "adv/abs_mean", *(f"adv/{k}" for k in stats)]
-    figures = torch.stack([masked.sum() / count, masked.abs().sum() / count, *(v.float() for v in stats.values())])
+    names = ["adv/mean", "adv/abs_mean", *(f"adv/{k}" for k in stats), *distill_figures]
+    figures = torch.stack([masked.sum() / count, masked.abs().sum() / count, *(v.float() for v in stats.values()),
+                           *(v.float() for v in distill_figures.values())])
     return {**dict(zip(names, figures.tolist())), **kl_metrics}
+
+
+def _with_distillation(trainer, rollout: Rollout, outcome: torch.Tensor, all_mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The advantages [N_all, T_max] of on-policy distillation (``unirl.core.distill``) over the global
+    batch: ``-distill.coef`` times the reverse KL of each trained token (the trainer's old log-probs, the
+    weights that sampled, minus the teacher's), alone or plus the ``outcome`` advantages ([N_all] or
+    [N_all, T_max]; ``distill.mode``); and the figures ``distill/reverse_kl`` (token mean) and
+    ``distill/reverse_kl_seq`` (per sample)."""
+    d, acc = trainer.distill, trainer.accelerator
+    width = rollout.old_logp.shape[1]  # the rollout's T: its loss mask's width
+    student = gather_rows(acc, rollout.old_logp.float())  # [N_all, T_max]
+    teacher = gather_rows(acc, rollout.teacher_logp[:, :width].float())  # [N_all, T_max]
+    adv, figures = reverse_kl_advantages(student, teacher, all_mask, coef=d.coef, discount=d.discount)
+    if d.mode == "added":
+        adv = adv + (outcome if outcome.ndim == 2 else outcome.unsqueeze(-1))  # [N_all, T_max]
+    return adv, {f"distill/{k}": v for k, v in figures.items()}
 
 
 def _token_rewards(trainer, rollout: Rollout, rewards: torch.Tensor, mask: torch.Tensor

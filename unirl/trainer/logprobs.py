@@ -15,9 +15,9 @@ from unirl.trainer.micro_batches import scatter_rows
 
 @torch.no_grad()
 def old_and_reference(trainer, rollout: Rollout) -> dict[str, float]:
-    """PPO's old log-probs (recomputed by the trainer unless the sampler's are the policy's) and the
-    reference outputs for the KL, stored as ``rollout.old_logp``, ``rollout.old`` (the KL in the reward)
-    and ``rollout.ref``.
+    """PPO's old log-probs (recomputed by the trainer unless the sampler's are the policy's), the
+    reference outputs for the KL and the distillation teacher's log-probs, stored as ``rollout.old_logp``,
+    ``rollout.old`` (the KL in the reward), ``rollout.ref`` and ``rollout.teacher_logp``.
 
     On-policy (one mini-batch, one epoch) the trainer does not recompute them here: the update's own
     forward runs on the same weights, so its detached log-probs are the old ones (TRL skips this pass
@@ -43,6 +43,9 @@ def old_and_reference(trainer, rollout: Rollout) -> dict[str, float]:
         with env.reference_model() as ref:
             ref_out = score_all(trainer, ref, rollout)
         rollout.ref = {k: v for k, v in ref_out.items() if k != "mask"}
+    if trainer.distill is not None:  # the teacher scores the sampled tokens as the reference does
+        with env.teacher_model() as teacher:
+            rollout.teacher_logp = score_all(trainer, teacher, rollout)["logp"]
     return metrics
 
 

@@ -55,13 +55,15 @@ __all__ = ["Preempted", "Trainer"]
 class Trainer:
     def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
                  run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None,
-                 policy_loss: str | None = None):
+                 policy_loss: str | None = None, distill: Any = None):
         """``policy_loss``: a registered policy loss (``unirl.core.policy_losses``) by name, instead of the
         configured one (``run_policy_loss``: ``algo.policy_loss``, else the environment's rollout mode's,
-        else the ratio loss at ``algo.level``)."""
+        else the ratio loss at ``algo.level``). ``distill``: the environment's ``distill`` block (text's
+        ``DistillConfig``); with a teacher, on-policy distillation (``unirl.core.distill``)."""
         self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
         self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
         self.critic: Critic | None = None  # built at setup when the advantage estimator reads values
+        self.distill = distill if distill is not None and distill.teacher else None  # read by the two stages
         k = algo.kl_ctrl  # the coefficient of the KL in the reward, when it is there
         self.kl_ctrl = build_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl,
                                            horizon=k.horizon) if algo.use_kl_in_reward else None
@@ -207,8 +209,9 @@ class Trainer:
         Returns the rollout that trained (``algo.drop_zero_adv`` may drop samples) and the figures."""
         times = {} if times is None else times
         metrics: dict[str, float] = {}
-        # The KL in the reward reads the old and reference log-probs: they come first (verl's order).
-        logprobs_first = self.kl_ctrl is not None
+        # The KL in the reward reads the old and reference log-probs: they come first (verl's order);
+        # so does distillation's advantage, which reads the student's and the teacher's.
+        logprobs_first = self.kl_ctrl is not None or self.distill is not None
         if logprobs_first:
             with _timer(times, "old_logprobs"):
                 metrics.update(self.old_and_reference(rollout))
@@ -275,8 +278,9 @@ class Trainer:
     def on_policy(self) -> bool:
         """Whether every forward of the update sees the weights that the old log-probs belong to: one
         mini-batch and one epoch, so the only optimizer step comes after all of them. (Not when the KL
-        is in the reward: the rewards need the old log-probs before the update.)"""
-        return self.cfg.ppo_epochs == 1 and self.num_mini_batches() == 1 and self.kl_ctrl is None
+        is in the reward or distilling: the rewards or advantages need the old log-probs before the update.)"""
+        return (self.cfg.ppo_epochs == 1 and self.num_mini_batches() == 1 and self.kl_ctrl is None
+                and self.distill is None)
 
     def micro_batches(self, batch: Rollout) -> list[torch.Tensor]:
         """The micro-batches of ``batch`` as index tensors (``plan_micro_batches``): ``micro_batch_size``
