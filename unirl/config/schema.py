@@ -326,6 +326,14 @@ class TrainerConfig:
     resume: bool = False
     #: Accelerate's mixed precision: no, fp16, bf16.
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    #: How the processes hold the trained models. ``ddp``: every process a whole copy, gradients
+    #: averaged (one process: the model as it is). ``fsdp2``: PyTorch's ``fully_shard`` applied by unirl
+    #: to each transformer block and then the root of the policy, the reference and the critic, so each
+    #: process holds 1/N of the parameters, gradients and optimizer state (the same code on CPU/gloo and
+    #: GPU/NCCL; with ``mixed_precision: bf16`` on a GPU, bf16 parameters and float32 gradient reduction).
+    #: Checkpoints are then written as each process's shards and resume on any number of processes
+    #: (docs/scaling.md).
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
     #: Extra trackers besides metrics.jsonl: wandb, tensorboard. They write under the run directory
     #: (wandb offline with ``WANDB_MODE=offline``) and get the same keys as metrics.jsonl, plus the
     #: evaluation's images (diffusion grids) and answers (text, as a table).

@@ -254,3 +254,63 @@ def hf_checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.T
         if peft_model:
             model.unmerge_adapter()
     return iter(out)
+
+
+def sharded_checkpoint_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """An FSDP2-sharded policy's weights under HF checkpoint names, in buckets of about ``bucket_bytes``
+    gathered whole one at a time (``unirl.trainer.fsdp.gathered_state``): every process must iterate to
+    the end. With peft, each adapted layer's merged weight ``W + scaling * B @ A`` is formed from its
+    gathered pieces (the sharded model itself is not merged and unmerged, so its weights stay bit for
+    bit what they were); the adapter's own tensors are not sent."""
+    from unirl.trainer.fsdp import gathered_state
+
+    peft_model = getattr(model, "peft_config", None) is not None
+    held: dict[str, torch.Tensor] = {}  # an adapted layer's base weight and lora_A, until its lora_B arrives
+    for bucket in gathered_state(model, bucket_bytes):
+        out = []
+        for name, tensor in bucket:
+            if peft_model:
+                layer, kind = _lora_part(name)
+                if kind is not None:
+                    held[f"{layer}.{kind}"] = tensor
+                    if kind != "lora_B":
+                        continue
+                    merged = _merged(model, layer, held.pop(f"{layer}.base"), held.pop(f"{layer}.lora_A"), tensor)
+                    name, tensor = f"{layer}.weight", merged
+                name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            out.append((name, tensor))
+        if out:
+            yield out
+
+
+def _lora_part(name: str) -> tuple[str, str | None]:
+    """``(layer, 'base' | 'lora_A' | 'lora_B')`` for an adapted layer's weight, else ``(name, None)``."""
+    for marker, kind in ((".lora_A.", "lora_A"), (".lora_B.", "lora_B")):
+        if marker in name:
+            return name.split(marker)[0], kind
+    if name.endswith(".base_layer.weight"):
+        return name.removesuffix(".base_layer.weight"), "base"
+    return name, None
+
+
+def _merged(model: torch.nn.Module, layer: str, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """peft's merge of one ``nn.Linear`` LoRA layer (``get_delta_weight``: ``B @ A * scaling``, one adapter)."""
+    module = model.get_submodule(layer)
+    (adapter,) = module.active_adapters
+    if getattr(module, "fan_in_fan_out", False):
+        raise ValueError(f"{layer}: a fan_in_fan_out LoRA layer cannot be synced from shards; use trainer.strategy=ddp")
+    delta = (b.float() @ a.float()) * module.scaling[adapter]
+    return (base.float() + delta).to(base.dtype)
+
+
+def push_weights(engine, model: torch.nn.Module, bucket_mb: int) -> None:
+    """The policy's weights into ``engine``: a whole model in one call, a sharded one bucket by bucket
+    (``rollout.sync_bucket_mb``), each bucket freed once the engine has it."""
+    from unirl.trainer.fsdp import is_sharded
+
+    if not is_sharded(model):
+        engine.load_weights(hf_checkpoint_weights(model))
+        return
+    for bucket in sharded_checkpoint_weights(model, bucket_mb << 20):
+        engine.load_weights(bucket)
+        del bucket

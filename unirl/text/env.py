@@ -17,7 +17,7 @@ from unirl.reward_set import RewardSet
 from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
-from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
+from unirl.text.engines import HFEngine, VLLMEngine, push_weights
 from unirl.text.logprobs import response_logprobs
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
@@ -336,7 +336,7 @@ class TextEnvironment(Environment):
 
     def sync_weights(self) -> None:
         if isinstance(self.engine, VLLMEngine):
-            self.engine.load_weights(hf_checkpoint_weights(self.accelerator.unwrap_model(self._model)))
+            push_weights(self.engine, self.accelerator.unwrap_model(self._model), self.cfg.rollout.sync_bucket_mb)
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         old = {"logp": rollout.old_logp}

@@ -1,0 +1,91 @@
+"""DDP and FSDP2 on the same two processes: the same updates, figures and weights.
+
+Used by ``tests/test_fsdp.py``; not a test module itself. ``--prepare`` (one process) makes a global
+batch of the tiny LM and of the toy SD3 with fixed random rewards (``tests/dist_equivalence.py``'s);
+then, under ``torchrun --nproc_per_node 2``, each case runs twice, ``trainer.strategy=ddp`` and
+``trainer.strategy=fsdp2``, from the same initial weights on the same local rows: GRPO with the KL
+to a frozen (sharded) reference, PPO with a (sharded) critic and the KL in the reward, and FlowGRPO on
+the toy SD3 with LoRA. The main process writes the logged figures and every trained weight, gathered
+whole from the shards.
+
+    python tests/fsdp_equivalence.py --prepare --batch B.pt --work DIR
+    torchrun --nproc_per_node 2 tests/fsdp_equivalence.py --batch B.pt --work DIR --out OUT.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from dist_equivalence import GROUP, PPO, local_share, make_trainer
+
+CASES = {  # name: (environment, loss aggregation, KL coefficient, overrides)
+    "grpo": ("text", "seq-mean-token-mean", 0.05, []),
+    "ppo": ("text", "token-mean", 0.0, PPO),
+    "flowgrpo-lora": ("diffusion", "token-mean", 0.05, []),
+}
+
+
+def prepare(batch_path: Path, work: Path) -> None:
+    batches = {}
+    for env_name in ("text", "diffusion"):
+        trainer = make_trainer(env_name, 1, "token-mean", 0.0, work / f"prepare-{env_name}")
+        rollout = trainer.env.rollout(trainer.env.next_prompts(0), GROUP)
+        rewards = torch.rand(len(rollout), generator=torch.Generator().manual_seed(7))
+        batches[env_name] = {"rollout": rollout, "rewards": rewards}
+        trainer.env.close()
+    torch.save(batches, batch_path)
+
+
+def trained_weights(model) -> torch.Tensor:
+    from unirl.trainer.fsdp import full
+
+    return torch.cat([full(p.detach()).flatten().float().cpu() for p in model.parameters() if p.requires_grad])
+
+
+def run(batch_path: Path, work: Path, out_path: Path) -> None:
+    from accelerate import PartialState
+
+    from unirl.trainer.distributed import cpu_processes
+    from unirl.trainer.fsdp import is_sharded
+
+    state = PartialState(cpu=cpu_processes())
+    batches = torch.load(batch_path, weights_only=False)
+    results = {}
+    for case, (env_name, agg, kl, overrides) in CASES.items():
+        for strategy in ("ddp", "fsdp2"):
+            trainer = make_trainer(env_name, state.num_processes, agg, kl, work / f"{case}-{strategy}",
+                                   [*overrides, f"trainer.strategy={strategy}"])
+            models = [trainer.env.model] + ([trainer.critic.model] if trainer.critic is not None else [])
+            assert all(is_sharded(m) == (strategy == "fsdp2") for m in models), case
+            rollout, rewards = local_share(batches[env_name]["rollout"], batches[env_name]["rewards"],
+                                           state.process_index, state.num_processes)
+            start = trained_weights(trainer.accelerator.unwrap_model(trainer.env.model))
+            steps = []
+            for _ in range(2):  # the second starts away from the reference and the sampling policy
+                _, metrics = trainer.learn(rollout, rewards)
+                steps.append(metrics)
+            results[(case, strategy)] = {
+                "steps": steps, "start": start, "weights": trained_weights(trainer.accelerator.unwrap_model(trainer.env.model)),
+                "critic": trained_weights(trainer.critic.model) if trainer.critic is not None else None,
+                "sharded_ref": getattr(trainer.env, "ref", None) is not None and is_sharded(trainer.env.ref)}
+            trainer.env.close()
+    if state.is_main_process:
+        torch.save(results, out_path)
+    state.wait_for_everyone()
+    state.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prepare", action="store_true")
+    parser.add_argument("--batch", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.prepare:
+        prepare(args.batch, args.work)
+    else:
+        run(args.batch, args.work, args.out)
