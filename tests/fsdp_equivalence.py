@@ -78,14 +78,40 @@ def run(batch_path: Path, work: Path, out_path: Path) -> None:
     state.destroy_process_group()
 
 
+def load(checkpoint: Path, strategy: str, work: Path, out_path: Path) -> None:
+    """Load ``checkpoint``'s trainer state (written by any number of processes) into a fresh tiny-LM trainer
+    under ``strategy``; the main process writes the weights and AdamW moments, gathered whole."""
+    from accelerate import PartialState
+
+    from unirl.trainer import checkpoints
+    from unirl.trainer.distributed import cpu_processes
+    from unirl.trainer.fsdp import full
+
+    state = PartialState(cpu=cpu_processes())
+    trainer = make_trainer("text", 1, "token-mean", 0.0, work, ["rollout.engine=hf", "optim.lr=5e-4", f"trainer.strategy={strategy}"])
+    checkpoints.load_trainer_state(trainer.accelerator, checkpoint / "trainer_state", step=int(checkpoint.name[5:]))
+    model = trainer.accelerator.unwrap_model(trainer.env.model)
+    weights = {name: full(t.detach()).clone() for name, t in model.state_dict().items()}
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    moments = {i: {k: full(v).clone() for k, v in trainer.optimizer.state[p].items()} for i, p in enumerate(params)}
+    if state.is_main_process:
+        torch.save({"weights": weights, "moments": moments, "world": state.num_processes}, out_path)
+    trainer.env.close()
+    state.wait_for_everyone()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--prepare", action="store_true")
-    parser.add_argument("--batch", type=Path, required=True)
+    parser.add_argument("--batch", type=Path)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--load", type=Path, help="a checkpoint (step_N) to load instead")
+    parser.add_argument("--strategy", default="fsdp2")
     args = parser.parse_args()
-    if args.prepare:
+    if args.load:
+        load(args.load, args.strategy, args.work, args.out)
+    elif args.prepare:
         prepare(args.batch, args.work)
     else:
         run(args.batch, args.work, args.out)

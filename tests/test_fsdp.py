@@ -49,3 +49,98 @@ def test_fsdp2_updates_as_ddp(ddp_and_fsdp2, case):
     if case == "grpo":  # the KL is to a frozen copy, sharded like the policy
         assert sharded["sharded_ref"] and ddp["steps"][1]["loss/kl"] > 0
         assert sharded["steps"][1]["loss/kl"] == pytest.approx(ddp["steps"][1]["loss/kl"], abs=1e-6, rel=1e-5)
+
+
+# ===================================================================== checkpoints
+RUN = ["train", "text", "--config", "tiny", "trainer.strategy=fsdp2", "rollout.engine=hf", "rollout.max_new_tokens=12",
+       "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=8",
+       "trainer.eval_every=0", "trainer.progress=false", "trainer.save_every=1", "trainer.keep_checkpoints=null"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _train(nproc: int, out, *extra: str) -> None:
+    args = ["-m", "unirl.cli", *RUN, "--output-dir", str(out), *extra]
+    if nproc == 1:
+        result = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    else:
+        _torchrun(nproc, *args)
+
+
+def _load(nproc: int, checkpoint, strategy: str, work):
+    script = str(REPO / "tests" / "fsdp_equivalence.py")
+    args = [script, "--load", str(checkpoint), "--strategy", strategy, "--work", str(work), "--out", str(work / "out.pt")]
+    if nproc == 1:
+        subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, check=True, capture_output=True, timeout=600)
+    else:
+        _torchrun(nproc, *args)
+    return torch.load(work / "out.pt", weights_only=False)
+
+
+def _saved_moments(state_dir) -> dict[int, dict[str, torch.Tensor]]:
+    """The AdamW moments of an FSDP2 checkpoint, put together here from each process's files (the format's
+    JSON read directly, each shard placed at its offset), independently of unirl's reader."""
+    import json
+
+    from safetensors.torch import load_file
+
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for meta in sorted(state_dir.glob("optimizer_0.rank*of*.json")):
+        tensors = load_file(str(meta).removesuffix(".json") + ".safetensors")
+        for index, entry in json.loads(meta.read_text())["state"]["__items__"]:
+            for key, ref in entry.items():
+                if "__shard__" in ref:
+                    whole = moments.setdefault(index, {}).setdefault(key, torch.zeros(ref["shape"]))
+                    local = tensors[ref["__shard__"]]
+                    whole.narrow(ref["dim"], ref["offset"], local.shape[ref["dim"]]).copy_(local)
+                else:
+                    moments.setdefault(index, {})[key] = tensors[ref["__tensor__"]]
+    return moments
+
+
+def _assert_loaded(loaded, checkpoint) -> None:
+    from safetensors.torch import load_file
+
+    exported = load_file(str(checkpoint / "model.safetensors"))  # gathered at save time by the main process
+    assert set(exported) <= set(loaded["weights"])
+    for name, tensor in exported.items():
+        torch.testing.assert_close(loaded["weights"][name], tensor, rtol=0, atol=0, msg=name)
+    saved = _saved_moments(checkpoint / "trainer_state")
+    assert saved and saved.keys() == loaded["moments"].keys()
+    for index, state in saved.items():
+        for key, value in state.items():
+            torch.testing.assert_close(loaded["moments"][index][key], value, rtol=0, atol=0, msg=f"{index} {key}")
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, tiny_lm_dir):
+    work = tmp_path_factory.mktemp("fsdp_ckpt")
+    _train(1, work / "straight", "trainer.total_steps=3")
+    _train(1, work / "resumed", "trainer.total_steps=2")
+    _train(1, work / "resumed", "trainer.total_steps=3", "trainer.resume=true")
+    _train(2, work / "two", "trainer.total_steps=2")
+    return work
+
+
+def test_fsdp2_resume_is_exact_on_one_process(fsdp_runs):
+    from safetensors.torch import load_file
+
+    final = "checkpoints/step_000003/model.safetensors"
+    a, b = load_file(str(fsdp_runs / "straight" / final)), load_file(str(fsdp_runs / "resumed" / final))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    state = fsdp_runs / "two" / "checkpoints" / "step_000002" / "trainer_state"
+    assert {p.name for p in state.glob("model_0.rank*")} == {f"model_0.rank{r}of2.{e}" for r in (0, 1)
+                                                             for e in ("json", "safetensors")}
+    assert not list(state.rglob("*.bin")) and not list(state.rglob("*.pt")) and not list(state.rglob("*.pkl"))
+
+
+@pytest.mark.parametrize("nproc,written_by,strategy", [(1, "two", "fsdp2"), (1, "two", "ddp"), (2, "resumed", "fsdp2")])
+def test_fsdp2_checkpoints_reshard(fsdp_runs, tmp_path, nproc, written_by, strategy):
+    """A checkpoint of 2 processes loads on 1 (sharded or whole) and one of 1 process on 2: every weight and
+    AdamW moment is the one saved."""
+    checkpoint = fsdp_runs / written_by / "checkpoints" / "step_000002"
+    loaded = _load(nproc, checkpoint, strategy, tmp_path)
+    assert loaded["world"] == nproc
+    _assert_loaded(loaded, checkpoint)

@@ -290,6 +290,17 @@ def sharded_state_dict(accelerator, model: torch.nn.Module) -> dict | None:
     each process (single process, DDP), where ``save_pretrained`` reads the module itself."""
     from accelerate.utils import DistributedType
 
+    from unirl.trainer.fsdp import full, is_sharded
+
+    unwrapped = accelerator.unwrap_model(model)
+    if is_sharded(unwrapped):  # trainer.strategy=fsdp2: one tensor gathered at a time, kept by the main process only
+        out = {}
+        for name, tensor in unwrapped.state_dict().items():
+            whole = full(tensor.detach())
+            if accelerator.is_main_process:
+                out[name] = whole.cpu()
+            del whole
+        return out if accelerator.is_main_process else None
     if accelerator.distributed_type != DistributedType.FSDP:
         return None
     return accelerator.get_state_dict(model)

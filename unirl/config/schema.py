@@ -375,6 +375,8 @@ class TrainerConfig:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
+        if self.strategy == "fsdp2" and self.mixed_precision == "fp16":  # its loss scaler does not unscale DTensor shards
+            raise ValueError("mixed_precision=fp16 with strategy=fsdp2: use bf16 (FSDP2's mixed-precision policy) or no")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
         for name in ("eval_every", "save_every", "max_nonfinite_steps"):
