@@ -8,6 +8,8 @@ sharded frozen reference, PPO with a sharded critic, FlowGRPO on the toy SD3 wit
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -144,3 +146,19 @@ def test_fsdp2_checkpoints_reshard(fsdp_runs, tmp_path, nproc, written_by, strat
     loaded = _load(nproc, checkpoint, strategy, tmp_path)
     assert loaded["world"] == nproc
     _assert_loaded(loaded, checkpoint)
+
+
+# ===================================================================== weight sync
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install -e .[cpu])")
+def test_sharded_weight_sync_gives_vllm_the_trainers_logprobs(tmp_path, tiny_lm_dir):
+    """A sharded policy (full fine-tuning, and LoRA merged from its gathered pieces) synced to vLLM in
+    buckets of 1 MiB (the tiny model: 1.3 MB, so more than one): vLLM's log-probs of its samples then
+    equal the trainer's, as tests/test_vllm_engine.py checks for a whole model."""
+    script = str(REPO / "tests" / "fsdp_sync_check.py")
+    subprocess.run([sys.executable, script, "--out", str(tmp_path / "sync.json")], cwd=REPO, env=ENV, check=True,
+                   capture_output=True, timeout=600)
+    for name, result in json.loads((tmp_path / "sync.json").read_text()).items():
+        assert result["sharded"], name
+        assert result["before"] < 1e-4 and result["stale"] > 1e-2, (name, result)  # the weights moved
+        assert result["after"] < 1e-4, (name, result)
+        assert len(result["buckets"]) > 1, (name, result)

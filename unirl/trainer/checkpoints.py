@@ -35,7 +35,7 @@ import torch
 
 from unirl.trainer.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
                                  link_out_of, links_out, trains_a_critic)
-from unirl.trainer.fsdp import is_sharded
+from unirl.trainer.fsdp import is_sharded, resharded
 from unirl.trainer.sharded_state import (has_shards, load_model_shards, load_optimizer_shards, materialise_tree,
                                          read_shards, save_shards)
 from unirl.trainer.state_files import StateFileError, load_state, read_json, save_state
@@ -170,7 +170,7 @@ def save_trainer_state(accelerator, directory: Path, loop_state: dict[str, Any],
     if sharded:  # every process writes its shards of the models, optimizers and registered objects
         rank, world = accelerator.process_index, accelerator.num_processes
         for i, model in enumerate(accelerator._models):
-            save_shards(model.state_dict(), directory / f"model_{i}", rank, world)
+            save_shards(resharded(model).state_dict(), directory / f"model_{i}", rank, world)
         for kind in ("optimizer", "custom"):
             for i, obj in enumerate(_stateful(accelerator)[kind]):
                 save_shards(obj.state_dict(), directory / f"{kind}_{i}", rank, world)

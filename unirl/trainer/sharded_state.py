@@ -237,8 +237,10 @@ def load_model_shards(model: torch.nn.Module, stem: Path) -> None:
     """Copy a saved state (sharded, from any number of processes) into ``model``'s parameters and
     buffers in place, each process reading only its rows. Raises ``ValueError`` naming a key or shape
     that does not fit."""
+    from unirl.trainer.fsdp import resharded
+
     tree = read_shards(stem)
-    current = model.state_dict()
+    current = resharded(model).state_dict()
     missing, unexpected = sorted(set(current) - set(tree)), sorted(set(tree) - set(current))
     if missing or unexpected:
         raise ValueError(f"keys differ: missing {missing[:3]}, unexpected {unexpected[:3]}")
