@@ -26,6 +26,12 @@ CASES = {  # name: (environment, loss aggregation, KL coefficient, overrides)
     "ppo": ("text", "token-mean", 0.0, PPO),
     "flowgrpo-lora": ("diffusion", "token-mean", 0.05, []),
 }
+# Each case under DDP and FSDP2; GRPO also with FSDP2's host offload and with activation checkpointing.
+RUNS = [(case, strategy) for case in CASES for strategy in ("ddp", "fsdp2")] + [("grpo", "fsdp2-offload"),
+                                                                                  ("grpo", "fsdp2-checkpointing")]
+VARIANTS = {"ddp": ["trainer.strategy=ddp"], "fsdp2": ["trainer.strategy=fsdp2"],
+            "fsdp2-offload": ["trainer.strategy=fsdp2", "trainer.fsdp.offload=params"],
+            "fsdp2-checkpointing": ["trainer.strategy=fsdp2", "model.gradient_checkpointing=true"]}
 
 
 def prepare(batch_path: Path, work: Path) -> None:
@@ -54,24 +60,24 @@ def run(batch_path: Path, work: Path, out_path: Path) -> None:
     state = PartialState(cpu=cpu_processes())
     batches = torch.load(batch_path, weights_only=False)
     results = {}
-    for case, (env_name, agg, kl, overrides) in CASES.items():
-        for strategy in ("ddp", "fsdp2"):
-            trainer = make_trainer(env_name, state.num_processes, agg, kl, work / f"{case}-{strategy}",
-                                   [*overrides, f"trainer.strategy={strategy}"])
-            models = [trainer.env.model] + ([trainer.critic.model] if trainer.critic is not None else [])
-            assert all(is_sharded(m) == (strategy == "fsdp2") for m in models), case
-            rollout, rewards = local_share(batches[env_name]["rollout"], batches[env_name]["rewards"],
-                                           state.process_index, state.num_processes)
-            start = trained_weights(trainer.accelerator.unwrap_model(trainer.env.model))
-            steps = []
-            for _ in range(2):  # the second starts away from the reference and the sampling policy
-                _, metrics = trainer.learn(rollout, rewards)
-                steps.append(metrics)
-            results[(case, strategy)] = {
-                "steps": steps, "start": start, "weights": trained_weights(trainer.accelerator.unwrap_model(trainer.env.model)),
-                "critic": trained_weights(trainer.critic.model) if trainer.critic is not None else None,
-                "sharded_ref": getattr(trainer.env, "ref", None) is not None and is_sharded(trainer.env.ref)}
-            trainer.env.close()
+    for case, strategy in RUNS:
+        env_name, agg, kl, overrides = CASES[case]
+        trainer = make_trainer(env_name, state.num_processes, agg, kl, work / f"{case}-{strategy}",
+                               [*overrides, *VARIANTS[strategy]])
+        models = [trainer.env.model] + ([trainer.critic.model] if trainer.critic is not None else [])
+        assert all(is_sharded(m) == (strategy != "ddp") for m in models), case
+        rollout, rewards = local_share(batches[env_name]["rollout"], batches[env_name]["rewards"],
+                                       state.process_index, state.num_processes)
+        start = trained_weights(trainer.accelerator.unwrap_model(trainer.env.model))
+        steps = []
+        for _ in range(2):  # the second starts away from the reference and the sampling policy
+            _, metrics = trainer.learn(rollout, rewards)
+            steps.append(metrics)
+        results[(case, strategy)] = {
+            "steps": steps, "start": start, "weights": trained_weights(trainer.accelerator.unwrap_model(trainer.env.model)),
+            "critic": trained_weights(trainer.critic.model) if trainer.critic is not None else None,
+            "sharded_ref": getattr(trainer.env, "ref", None) is not None and is_sharded(trainer.env.ref)}
+        trainer.env.close()
     if state.is_main_process:
         torch.save(results, out_path)
     state.wait_for_everyone()

@@ -36,9 +36,12 @@ def ddp_and_fsdp2(tmp_path_factory, tiny_lm_dir):
     return torch.load(work / "two.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("case", ["grpo", "ppo", "flowgrpo-lora"])
-def test_fsdp2_updates_as_ddp(ddp_and_fsdp2, case):
-    ddp, sharded = ddp_and_fsdp2[(case, "ddp")], ddp_and_fsdp2[(case, "fsdp2")]
+@pytest.mark.parametrize("case,variant", [("grpo", "fsdp2"), ("ppo", "fsdp2"), ("flowgrpo-lora", "fsdp2"),
+                                          ("grpo", "fsdp2-offload"), ("grpo", "fsdp2-checkpointing")])
+def test_fsdp2_updates_as_ddp(ddp_and_fsdp2, case, variant):
+    """``fsdp2-offload``: trainer.fsdp.offload=params (on the CPU the same memory; the step runs through
+    CPUOffloadPolicy's code); ``fsdp2-checkpointing``: model.gradient_checkpointing under FSDP2."""
+    ddp, sharded = ddp_and_fsdp2[(case, "ddp")], ddp_and_fsdp2[(case, variant)]
     for step, (a, b) in enumerate(zip(ddp["steps"], sharded["steps"])):
         for name in FIGURES + (("critic/vf_loss", "critic/grad_norm") if case == "ppo" else ()):
             assert b[name] == pytest.approx(a[name], abs=1e-5, rel=1e-5), (case, step, name)

@@ -253,6 +253,10 @@ class Environment(ABC):
         raise NotImplementedError
         yield  # pragma: no cover
 
+    def release_rollout_memory(self) -> None:
+        """After the rollout, before the trainer's passes: free what sampling holds on the device (text:
+        vLLM's sleep, ``rollout.sleep_level``); the next ``sync_weights`` brings it back."""
+
     def sync_weights(self) -> None:
         """Push the trainer's weights to the rollout engine (no-op when sampling uses the trainer)."""
 

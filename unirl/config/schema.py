@@ -293,6 +293,20 @@ class RewardConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """Memory settings of ``trainer.strategy: fsdp2``."""
+
+    #: ``params``: each process's parameter shards, their gradients and the AdamW state live in host
+    #: memory (torch's ``CPUOffloadPolicy``): each block's shards are copied to the device for its
+    #: forward and backward, and the optimizer steps on the host. Saves all of that device memory for
+    #: a host-to-device copy of the model per forward and backward and a CPU AdamW step. ``none``:
+    #: everything on the device. On a CPU run both are the same (everything is in host memory
+    #: already). There is no optimizer-only setting: FSDP2 keeps the optimizer state beside the
+    #: parameter shards it updates.
+    offload: Literal["none", "params"] = "none"
+
+
+@dataclass
 class TrainerConfig:
     """The loop: how many samples per step and how they are cut for the update."""
 
@@ -334,6 +348,8 @@ class TrainerConfig:
     #: Checkpoints are then written as each process's shards and resume on any number of processes
     #: (docs/scaling.md).
     strategy: Literal["ddp", "fsdp2"] = "ddp"
+    #: FSDP2's memory settings (read with ``strategy: fsdp2``).
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     #: Extra trackers besides metrics.jsonl: wandb, tensorboard. They write under the run directory
     #: (wandb offline with ``WANDB_MODE=offline``) and get the same keys as metrics.jsonl, plus the
     #: evaluation's images (diffusion grids) and answers (text, as a table).

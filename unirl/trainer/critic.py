@@ -46,7 +46,8 @@ class Critic:
         self.seed = seed
         model = env.value_model(cfg)
         if fsdp.uses_fsdp2(trainer_cfg):  # sharded like the policy, before its optimizer sees the parameters
-            fsdp.shard(model, accelerator, mixed_precision=trainer_cfg.mixed_precision, what="critic")
+            fsdp.shard(model, accelerator, mixed_precision=trainer_cfg.mixed_precision,
+                       offload=trainer_cfg.fsdp.offload, what="critic")
         optimizer = build_optimizer(model, cfg.optim, what="critic")
         # Its optimizer steps over the run: every training step's passes of mini-batches.
         self.scheduler = build_scheduler(optimizer, cfg.optim, total_steps=total_steps * self.epochs * num_mini_batches)

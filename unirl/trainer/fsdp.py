@@ -54,11 +54,12 @@ def block_classes(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def shard(model: torch.nn.Module, accelerator, *, mixed_precision: str = "no", what: str = "model") -> torch.nn.Module:
+def shard(model: torch.nn.Module, accelerator, *, mixed_precision: str = "no", offload: str = "none",
+          what: str = "model") -> torch.nn.Module:
     """``fully_shard`` each transformer block of ``model`` and then its root; returns ``model`` (the same
     object, now an ``FSDPModule``). A model without declared blocks is refused: sharding only the root
     would gather the whole model at every forward, which is DDP's memory with FSDP's traffic."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
         return model
@@ -66,10 +67,12 @@ def shard(model: torch.nn.Module, accelerator, *, mixed_precision: str = "no", w
     if not blocks:
         raise ValueError(f"trainer.strategy=fsdp2: the {what} ({type(model).__name__}) declares no transformer "
                          f"blocks (_no_split_modules), so unirl cannot shard it block by block; use trainer.strategy=ddp")
-    model.to(accelerator.device)
+    model.to(accelerator.device)  # with offload, fully_shard moves the shards to the host
     kwargs = {"mesh": device_mesh(accelerator)}
     if accelerator.device.type != "cpu" and mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload == "params":  # shards, gradients and AdamW state in host memory (pinned for fast copies on GPUs)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator.device.type == "cuda")
     found = [m for m in model.modules() if m is not model and type(m).__name__ in blocks]
     if not found:
         raise ValueError(f"trainer.strategy=fsdp2: none of the {what}'s blocks ({', '.join(sorted(blocks))}) is "

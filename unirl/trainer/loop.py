@@ -91,9 +91,11 @@ class Trainer:
         self.env.setup(self.accelerator)
         if uses_fsdp2(cfg):  # the policy and the reference sharded before the optimizer sees their parameters
             fsdp.ensure_process_group(self.accelerator)
-            fsdp.shard(self.env.model, self.accelerator, mixed_precision=cfg.mixed_precision, what="policy")
+            fsdp.shard(self.env.model, self.accelerator, mixed_precision=cfg.mixed_precision, offload=cfg.fsdp.offload,
+                       what="policy")
             if getattr(self.env, "ref", None) is not None:
-                fsdp.shard(self.env.ref, self.accelerator, mixed_precision=cfg.mixed_precision, what="reference")
+                fsdp.shard(self.env.ref, self.accelerator, mixed_precision=cfg.mixed_precision, offload=cfg.fsdp.offload,
+                           what="reference")
         model = self.env.model
         optimizer = build_optimizer(model, self.optim_cfg, what="environment's model")
         scheduler = build_scheduler(optimizer, self.optim_cfg,
@@ -176,6 +178,9 @@ class Trainer:
                     saved = self.save_checkpoint()
                 if not last and self.signals.requested(self.accelerator):
                     raise self.signals.preempted(self.step, saved or self.save_checkpoint(), self.run_dir)
+            # Every process is done with collectives before any closes its engine: vLLM's shutdown destroys
+            # the default process group (torchrun's, which it joined), so a process still evaluating would lose it.
+            self.accelerator.wait_for_everyone()
         finally:
             self.signals.restore()
             progress.close()
@@ -213,6 +218,8 @@ class Trainer:
         Returns the rollout that trained (``algo.drop_zero_adv`` may drop samples) and the figures."""
         times = {} if times is None else times
         metrics: dict[str, float] = {}
+        if self.cfg.critic_warmup <= self.step + 1:  # vLLM asleep during the passes (rollout.sleep_level) until the sync
+            self.env.release_rollout_memory()
         # The KL in the reward reads the old and reference log-probs: they come first (verl's order).
         logprobs_first = self.kl_ctrl is not None
         if logprobs_first:
