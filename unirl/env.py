@@ -294,7 +294,7 @@ def sharded_state_dict(accelerator, model: torch.nn.Module) -> dict | None:
     each process (single process, DDP), where ``save_pretrained`` reads the module itself."""
     from accelerate.utils import DistributedType
 
-    from unirl.trainer.fsdp import full, is_sharded, resharded
+    from unirl.sharding import full, is_sharded, resharded
 
     unwrapped = accelerator.unwrap_model(model)
     if is_sharded(unwrapped):  # trainer.strategy=fsdp2: one tensor gathered at a time, kept by the main process only

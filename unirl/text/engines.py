@@ -282,7 +282,7 @@ def sharded_checkpoint_weights(model: torch.nn.Module, bucket_bytes: int) -> Ite
     the end. With peft, each adapted layer's merged weight ``W + scaling * B @ A`` is formed from its
     gathered pieces (the sharded model itself is not merged and unmerged, so its weights stay bit for
     bit what they were); the adapter's own tensors are not sent."""
-    from unirl.trainer.fsdp import gathered_state
+    from unirl.sharding import gathered_state
 
     peft_model = getattr(model, "peft_config", None) is not None
     held: dict[str, torch.Tensor] = {}  # an adapted layer's base weight and lora_A, until its lora_B arrives
@@ -326,7 +326,7 @@ def _merged(model: torch.nn.Module, layer: str, base: torch.Tensor, a: torch.Ten
 def push_weights(engine, model: torch.nn.Module, bucket_mb: int) -> None:
     """The policy's weights into ``engine``: a whole model in one call, a sharded one bucket by bucket
     (``rollout.sync_bucket_mb``), each bucket freed once the engine has it."""
-    from unirl.trainer.fsdp import is_sharded
+    from unirl.sharding import is_sharded
 
     if not is_sharded(model):
         engine.load_weights(hf_checkpoint_weights(model))

@@ -209,8 +209,9 @@ def materialise(leaf: Any, like: Any = None) -> Any:
     if not is_saved_tensor(leaf):
         return leaf
     if isinstance(like, DTensor) and saved_shape(leaf) == tuple(like.shape):
-        (placement,) = like.placements
-        assert isinstance(placement, Shard)
+        (placement,) = like.placements  # FSDP2's Shard(dim) over one mesh dimension (shard_layout's check)
+        if not isinstance(placement, Shard):
+            raise TypeError(f"a DTensor placed {like.placements} cannot be loaded into")
         mesh = like.device_mesh
         start, stop = chunk_range(like.shape[placement.dim], mesh.size(), mesh.get_local_rank())
         local = _read_rows(leaf, placement.dim, start, stop).to(like.device, like.dtype)
@@ -274,10 +275,8 @@ def optimizer_like(optimizer) -> dict:
 def load_optimizer_shards(stem: Path, optimizer) -> Any:
     """The saved optimizer state (``optimizer.state_dict()`` form) resharded for this run."""
     tree = read_shards(stem)
-    like = optimizer_like(optimizer)
-    state = tree.get("state", {}) if isinstance(tree, dict) else {}
-    out = dict(tree) if isinstance(tree, dict) else tree
-    if isinstance(tree, dict):
-        out["state"] = {k: materialise_tree(v, like["state"].get(k)) for k, v in state.items()}
-        out = {k: (materialise_tree(v) if k != "state" else out["state"]) for k, v in out.items()}
-    return out
+    if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict):
+        raise StateFileError(f"{stem}.rank*: not an optimizer's state (no 'state' mapping)")
+    like = optimizer_like(optimizer)["state"]
+    state = {k: materialise_tree(v, like.get(k)) for k, v in tree["state"].items()}
+    return {**{k: materialise_tree(v) for k, v in tree.items() if k != "state"}, "state": state}
