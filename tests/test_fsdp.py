@@ -103,10 +103,20 @@ def _saved_moments(state_dir) -> dict[int, dict[str, torch.Tensor]]:
     return moments
 
 
-def _assert_loaded(loaded, checkpoint) -> None:
+def _exported(checkpoint) -> dict[str, torch.Tensor]:
+    """The exported HF directory's weights: FSDP2 writes them bucket by bucket, listed in the index."""
     from safetensors.torch import load_file
 
-    exported = load_file(str(checkpoint / "model.safetensors"))  # gathered at save time by the main process
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(checkpoint / file)))
+    assert out.keys() == index["weight_map"].keys()
+    return out
+
+
+def _assert_loaded(loaded, checkpoint) -> None:
+    exported = _exported(checkpoint)  # gathered at save time, a bucket at a time, written by the main process
     assert set(exported) <= set(loaded["weights"])
     for name, tensor in exported.items():
         torch.testing.assert_close(loaded["weights"][name], tensor, rtol=0, atol=0, msg=name)
@@ -128,13 +138,17 @@ def fsdp_runs(tmp_path_factory, tiny_lm_dir):
 
 
 def test_fsdp2_resume_is_exact_on_one_process(fsdp_runs):
-    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
-    final = "checkpoints/step_000003/model.safetensors"
-    a, b = load_file(str(fsdp_runs / "straight" / final)), load_file(str(fsdp_runs / "resumed" / final))
+    final = "checkpoints/step_000003"
+    a, b = _exported(fsdp_runs / "straight" / final), _exported(fsdp_runs / "resumed" / final)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    # The export is a plain HF directory: from_pretrained reads it as the trained weights.
+    model = AutoModelForCausalLM.from_pretrained(fsdp_runs / "straight" / final)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, a[name if name in a else "model.embed_tokens.weight"], rtol=0, atol=0)
     state = fsdp_runs / "two" / "checkpoints" / "step_000002" / "trainer_state"
     assert {p.name for p in state.glob("model_0.rank*")} == {f"model_0.rank{r}of2.{e}" for r in (0, 1)
                                                              for e in ("json", "safetensors")}

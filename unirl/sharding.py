@@ -13,10 +13,20 @@ from typing import Iterator
 import torch
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
+def fsdp_unit(model: torch.nn.Module):
+    """The FSDP2 unit that holds ``model``'s top-level parameters: the model itself, or the model a PEFT
+    wrapper wraps (``unirl.trainer.fsdp.shard`` shards that one, since ``generate`` calls it past the
+    wrapper); None when the model is not sharded."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    if isinstance(model, FSDPModule):
+        return model
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else None
+    return inner if isinstance(inner, FSDPModule) else None
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return fsdp_unit(model) is not None
 
 
 def resharded(model: torch.nn.Module) -> torch.nn.Module:
@@ -24,8 +34,9 @@ def resharded(model: torch.nn.Module) -> torch.nn.Module:
     embeddings, the head) gathered after a forward, expecting a backward to follow; after a no-grad
     forward (old log-probs, evaluation) they would stay whole, and ``state_dict()`` would hand out
     whole tensors. A model that is not sharded is returned as it is."""
-    if is_sharded(model):
-        model.reshard()
+    unit = fsdp_unit(model)
+    if unit is not None:
+        unit.reshard()
     return model
 
 
@@ -45,11 +56,12 @@ def gathered_state(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[t
 
     # A bucket ends only between blocks: an inference engine fuses a block's weights (vLLM's qkv_proj,
     # gate_up_proj), and a reload that sees part of a fused weight would leave the rest unset.
-    blocks = [name + "." for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
+    root = fsdp_unit(model)
+    blocks = [name + "." for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not root]
     bucket: list[tuple[str, torch.Tensor]] = []
     size, group = 0, None
     for name, tensor in resharded(model).state_dict().items():
-        here = next((b for b in blocks if name.startswith(b)), name)
+        here = max((b for b in blocks if name.startswith(b)), key=len, default=name)  # its innermost unit
         if bucket and size >= bucket_bytes and here != group:
             yield bucket
             bucket, size = [], 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -336,3 +337,43 @@ def push_weights(engine, model: torch.nn.Module, bucket_mb: int) -> None:
             del bucket
     if isinstance(engine, VLLMEngine):
         engine.wake_up()  # the KV cache, after the weights (rollout.sleep_level)
+
+
+def export_sharded(model: torch.nn.Module, directory: Path, *, main: bool, bucket_mb: int) -> None:
+    """An FSDP2-sharded policy written as a plain Hugging Face directory, piece by piece: the weights
+    vLLM would receive (``sharded_checkpoint_weights``: HF names, LoRA merged), gathered one bucket
+    at a time and written by the main process (``main``) as ``model-<k>.safetensors`` with
+    ``model.safetensors.index.json``, then the config; no process ever holds the whole model. With peft,
+    the adapter's own tensors (small) go to ``adapter/`` as peft saves them. Every process must call it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from unirl.sharding import full, resharded
+
+    peft_model = getattr(model, "peft_config", None) is not None
+    base = model.get_base_model() if peft_model else model
+    tied = bool(getattr(base.config, "tie_word_embeddings", False))
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, bucket in enumerate(sharded_checkpoint_weights(model, bucket_mb << 20)):
+        if main:
+            # The head tied to the embedding is not written, as save_pretrained leaves it out.
+            tensors = {name: t.detach().cpu().contiguous() for name, t in bucket if not (tied and name == "lm_head.weight")}
+            file = f"model-{k + 1:05d}.safetensors"
+            save_file(tensors, str(directory / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del bucket
+    adapter = {}
+    if peft_model:  # gathered on every process (a collective), kept by the main one
+        adapter = {name: full(t.detach()).cpu() for name, t in resharded(model).state_dict().items() if "lora_" in name}
+    if not main:
+        return
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    base.config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
+    if peft_model:
+        model.save_pretrained(directory / "adapter", state_dict=adapter)

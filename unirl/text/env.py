@@ -17,7 +17,8 @@ from unirl.reward_set import RewardSet
 from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
-from unirl.text.engines import HFEngine, VLLMEngine, push_weights
+from unirl.sharding import is_sharded
+from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, push_weights
 from unirl.text.logprobs import response_logprobs
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
@@ -430,6 +431,13 @@ class TextEnvironment(Environment):
         model beside it) and the tokenizer. Called on every process: the full state dict is gathered
         from all of them (FSDP shards it); the main process writes."""
         acc = self.accelerator
+        if is_sharded(acc.unwrap_model(self._model)):  # trainer.strategy=fsdp2: gathered and written piece by piece
+            if acc.is_main_process:
+                directory.mkdir(parents=True, exist_ok=True)
+                self.tokenizer.save_pretrained(directory)
+            export_sharded(acc.unwrap_model(self._model), directory, main=acc.is_main_process,
+                           bucket_mb=self.cfg.rollout.sync_bucket_mb)
+            return
         state = sharded_state_dict(acc, self._model)  # collective under FSDP, None otherwise
         if not acc.is_main_process:
             return

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from unirl.sharding import full, gathered_state, is_sharded, resharded  # noqa: F401 (also the trainer's names)
+from unirl.sharding import fsdp_unit, full, gathered_state, is_sharded, resharded  # noqa: F401 (also the trainer's names)
 
 
 def uses_fsdp2(trainer_cfg) -> bool:
@@ -61,9 +61,9 @@ def shard(model: torch.nn.Module, accelerator, *, mixed_precision: str = "no", o
     """``fully_shard`` each transformer block of ``model`` and then its root; returns ``model`` (the same
     object, now an ``FSDPModule``). A model without declared blocks is refused: sharding only the root
     would gather the whole model at every forward, which is DDP's memory with FSDP's traffic."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
         return model
     blocks = block_classes(model)
     if not blocks:
@@ -81,7 +81,9 @@ def shard(model: torch.nn.Module, accelerator, *, mixed_precision: str = "no", o
                          f"among its modules; use trainer.strategy=ddp")
     for block in found:
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    # A PEFT wrapper's generate() calls the wrapped model directly, past the wrapper's forward: the
+    # wrapped model (which holds every parameter) is the root, so it gathers whichever way it is called.
+    fully_shard(model.get_base_model() if hasattr(model, "get_base_model") else model, **kwargs)
     return model
 
 
@@ -93,11 +95,12 @@ def hold_gradients(accelerator, model: torch.nn.Module) -> Iterator[None]:
         with accelerator.no_sync(model):
             yield
         return
-    model.set_requires_gradient_sync(False)
+    unit = fsdp_unit(model)
+    unit.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        unit.set_requires_gradient_sync(True)
 
 
 def prepare(accelerator, model: torch.nn.Module, optimizer, trainer_cfg):
