@@ -1,9 +1,18 @@
-"""``trainer.strategy: fsdp2`` against DDP on two real gloo processes (``tests/fsdp_equivalence.py``).
+"""``trainer.strategy: fsdp2`` on real gloo processes.
 
-The same rows on the same two processes, from the same initial weights, give the same logged losses,
-gradient norms and trained weights (to 1e-5 in float32) whether each process holds a whole model
-(DDP's all-reduce) or a shard of it (FSDP2's all-gather and reduce-scatter): GRPO with the KL to a
-sharded frozen reference, PPO with a sharded critic, FlowGRPO on the toy SD3 with LoRA.
+Parity (``tests/fsdp_equivalence.py``): the same rows on the same two processes, from the same initial
+weights, give the same logged losses, gradient norms and trained weights (to 1e-5 in float32) whether
+each process holds a whole model (DDP's all-reduce) or a shard of it (FSDP2's all-gather and
+reduce-scatter): GRPO with the KL to a sharded frozen reference, PPO with a sharded critic, FlowGRPO on
+the toy SD3 with LoRA, and GRPO with host offload and with activation checkpointing.
+
+Checkpoints: a 1-process FSDP2 run resumed from its checkpoint ends with the weights of an uninterrupted
+run; a checkpoint written by 2 processes loads on 1 (sharded, or whole under DDP) and one written by 1
+loads on 2, every weight and AdamW moment as saved (the moments put together here from the files'
+documented format, not with unirl's reader); the export is a plain HF directory.
+
+Weight sync (``tests/fsdp_sync_check.py``): vLLM's log-probs equal the trainer's after a bucketed sync
+from shards, with and without LoRA.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ same code runs over gloo on CPUs and NCCL on GPUs, with one process too (a world
 On a GPU with ``trainer.mixed_precision: bf16``, the blocks compute in bfloat16 and reduce gradients in
 float32 (``MixedPrecisionPolicy``); on the CPU and otherwise, no policy: parameters, compute and
 reduction in the model's dtype (float32 runs match DDP to 1e-5, ``tests/test_fsdp.py``).
+``trainer.fsdp.offload: params`` adds torch's ``CPUOffloadPolicy``. A PEFT model's wrapped model is the
+root (its ``generate`` calls that model past the wrapper). The sharded model is not given to
+Accelerate's ``prepare`` (on CPU processes it would wrap it in DDP): only its optimizer is.
 """
 
 from __future__ import annotations
