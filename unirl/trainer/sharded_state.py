@@ -238,6 +238,8 @@ def load_model_shards(model: torch.nn.Module, stem: Path) -> None:
     """Copy a saved state (sharded, from any number of processes) into ``model``'s parameters and
     buffers in place, each process reading only its rows. Raises ``ValueError`` naming a key or shape
     that does not fit."""
+    from torch.distributed.tensor import DTensor
+
     from unirl.trainer.fsdp import resharded
 
     tree = read_shards(stem)
@@ -250,7 +252,7 @@ def load_model_shards(model: torch.nn.Module, stem: Path) -> None:
             if saved_shape(tree[name]) != tuple(target.shape):
                 raise ValueError(f"{name}: saved shape {saved_shape(tree[name])}, this model's {tuple(target.shape)}")
             value = materialise(tree[name], target)
-            if isinstance(target, torch.distributed.tensor.DTensor):
+            if isinstance(target, DTensor):
                 target.to_local().copy_(value.to_local())
             else:
                 target.copy_(value)
