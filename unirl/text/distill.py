@@ -33,10 +33,9 @@ def load_teacher(cfg, policy_tokenizer, dtype: torch.dtype, accelerator) -> torc
 
 def place_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """A frozen model's place in the run: eval mode, no gradients, whole on this process's device, as
-    the text reference copy is today. The hook for sharding: when the policy is sharded (FSDP2), a
-    frozen teacher as large as the policy should be sharded the same way, here, so that each process
-    holds its shard and ``score_actions`` runs the collective forward on every process (the loop already
-    runs as many micro-batches on each, ``Trainer.micro_batches``)."""
+    the text reference copy is today. Under ``trainer.strategy=fsdp2`` the trainer then shards it as it
+    shards the reference (``Trainer.setup``), so each process holds its shard and ``score_actions`` runs
+    the collective forward on every process (each runs as many micro-batches, ``Trainer.micro_batches``)."""
     return model.eval().requires_grad_(False).to(accelerator.device)
 
 

@@ -18,8 +18,9 @@ from unirl.reward_set import RewardSet
 from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
+from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
-from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
+from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, push_weights
 from unirl.text.logprobs import response_logprobs
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
@@ -100,6 +101,7 @@ class TextEnvironment(Environment):
                 self.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
                 seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
+                sleep_level=r.sleep_level,
             )
         else:
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
@@ -343,9 +345,13 @@ class TextEnvironment(Environment):
     def teacher_model(self):
         yield self.teacher  # None with distill.teacher null: the trainer asks only when it is set
 
+    def release_rollout_memory(self) -> None:
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.sleep()  # rollout.sleep_level (0: nothing)
+
     def sync_weights(self) -> None:
         if isinstance(self.engine, VLLMEngine):
-            self.engine.load_weights(hf_checkpoint_weights(self.accelerator.unwrap_model(self._model)))
+            push_weights(self.engine, self.accelerator.unwrap_model(self._model), self.cfg.rollout.sync_bucket_mb)
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         old = {"logp": rollout.old_logp}
@@ -431,6 +437,13 @@ class TextEnvironment(Environment):
         model beside it) and the tokenizer. Called on every process: the full state dict is gathered
         from all of them (FSDP shards it); the main process writes."""
         acc = self.accelerator
+        if is_sharded(acc.unwrap_model(self._model)):  # trainer.strategy=fsdp2: gathered and written piece by piece
+            if acc.is_main_process:
+                directory.mkdir(parents=True, exist_ok=True)
+                self.tokenizer.save_pretrained(directory)
+            export_sharded(acc.unwrap_model(self._model), directory, main=acc.is_main_process,
+                           bucket_mb=self.cfg.rollout.sync_bucket_mb)
+            return
         state = sharded_state_dict(acc, self._model)  # collective under FSDP, None otherwise
         if not acc.is_main_process:
             return

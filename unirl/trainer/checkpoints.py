@@ -35,6 +35,9 @@ import torch
 
 from unirl.trainer.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
                                  link_out_of, links_out, trains_a_critic)
+from unirl.trainer.fsdp import is_sharded, resharded
+from unirl.trainer.sharded_state import (has_shards, load_model_shards, load_optimizer_shards, materialise_tree,
+                                         read_shards, save_shards)
 from unirl.trainer.state_files import StateFileError, load_state, read_json, save_state
 
 
@@ -97,9 +100,9 @@ def check_supported(accelerator) -> None:
 
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise CheckpointError(
-            f"checkpoints: {accelerator.distributed_type.value} shards the optimizer state, and unirl's pickle-free "
-            f"trainer state (tensors + JSON) is written only for whole models (one process, DDP); run without "
-            f"FSDP/DeepSpeed")
+            f"checkpoints: Accelerate's {accelerator.distributed_type.value} plugin shards the state in ways unirl's "
+            f"pickle-free checkpoints do not read; shard with trainer.strategy=fsdp2 instead (unirl applies FSDP2 "
+            f"itself and writes each process's shards), without an Accelerate FSDP/DeepSpeed config")
 
 
 # ===================================================================== save
@@ -126,6 +129,7 @@ def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {final} failed: {_why(e)}; removed the partial {tmp.name}; "
                               f"{last_checkpoint_hint(run_dir)}") from e
+    accelerator.wait_for_everyone()  # every process's files (its shards, its RNG states) are in before the rename
     if accelerator.is_main_process:
         if final.is_symlink():  # removing the link deletes nothing it points to
             print(f"checkpoints: {final} was a link to {final.resolve()}; replaced by this run's checkpoint")
@@ -162,12 +166,21 @@ def save_trainer_state(accelerator, directory: Path, loop_state: dict[str, Any],
     if accelerator.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    sharded = _sharded(accelerator)
+    if sharded:  # every process writes its shards of the models, optimizers and registered objects
+        rank, world = accelerator.process_index, accelerator.num_processes
         for i, model in enumerate(accelerator._models):
+            save_shards(resharded(model).state_dict(), directory / f"model_{i}", rank, world)
+        for kind in ("optimizer", "custom"):
+            for i, obj in enumerate(_stateful(accelerator)[kind]):
+                save_shards(obj.state_dict(), directory / f"{kind}_{i}", rank, world)
+    if accelerator.is_main_process:
+        for i, model in enumerate(accelerator._models if not sharded else []):
             save_model(accelerator.unwrap_model(model), str(directory / f"model_{i}.safetensors"))
         for kind, objects in _stateful(accelerator).items():
             for i, obj in enumerate(objects):
-                save_state(obj.state_dict(), directory / f"{kind}_{i}")
+                if not (sharded and kind in ("optimizer", "custom")):
+                    save_state(obj.state_dict(), directory / f"{kind}_{i}")
         if accelerator.scaler is not None:
             save_state(accelerator.scaler.state_dict(), directory / "scaler")
         (directory / "config.json").write_text(json.dumps(config, default=str))
@@ -302,6 +315,12 @@ def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, 
     check_loop_state(loop_state, loop_file, step)
     for i, model in enumerate(accelerator._models):
         file = directory / f"model_{i}.safetensors"
+        if has_shards(directory / f"model_{i}"):  # an FSDP2 run's, from any number of processes
+            _load_model_shards(model, directory / f"model_{i}", i)
+            continue
+        if is_sharded(model):
+            raise CheckpointError(f"{file}: written by a run holding whole models (trainer.strategy=ddp), which an "
+                                  f"FSDP2 run does not read; resume with trainer.strategy=ddp")
         try:
             load_model(accelerator.unwrap_model(model), str(file))
         except RuntimeError as e:  # strict loading: the keys or shapes differ
@@ -313,7 +332,7 @@ def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, 
     for kind, objects in _stateful(accelerator).items():
         for i, obj in enumerate(objects):
             stem = directory / f"{kind}_{i}"
-            _load_into(obj, load_state(stem), stem)
+            _load_into(obj, _saved_state(obj, stem, kind), stem)
             if kind == "optimizer":
                 check_optimizer(obj, stem)
             else:  # a schedule, prepared or registered (the loop registers its own); other objects pass
@@ -324,9 +343,37 @@ def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, 
                                   f"the restored state would silently keep the saved settings")
     if accelerator.scaler is not None:
         _load_into(accelerator.scaler, load_state(directory / "scaler"), directory / "scaler")
+    written_by = len(list(directory.glob("rng_*.json")))
+    if written_by != accelerator.num_processes:  # re-sharded: no process's random stream continues
+        accelerator.print(f"resume: {directory} was written by {written_by} process(es), this run has "
+                          f"{accelerator.num_processes}: weights and optimizer state re-sharded, random states "
+                          f"not restored (sampling differs from an uninterrupted run)")
+        return loop_state
     stem = directory / f"rng_{accelerator.process_index}"
     _set_rng_states(load_state(stem), stem)
     return loop_state
+
+
+def _sharded(accelerator) -> bool:
+    return any(is_sharded(m) for m in accelerator._models)
+
+
+def _load_model_shards(model, stem: Path, i: int) -> None:
+    try:
+        load_model_shards(model, stem)
+    except ValueError as e:
+        raise CheckpointError(f"{stem}.rank*: does not fit this run's model {i} (was it saved with other model "
+                              f"settings, e.g. model.lora.enabled?): {str(e)[:300]}") from e
+
+
+def _saved_state(obj, stem: Path, kind: str) -> Any:
+    """What ``save_trainer_state`` wrote for ``obj``: per-process shards (FSDP2, re-sharded for this run)
+    or one file."""
+    if not has_shards(stem):
+        return load_state(stem)
+    if kind == "optimizer":
+        return load_optimizer_shards(stem, obj)
+    return materialise_tree(read_shards(stem), obj.state_dict())
 
 
 def _load_into(obj, state: Any, stem: Path) -> None:

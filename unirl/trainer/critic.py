@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from unirl.trainer import fsdp
 from unirl.trainer.micro_batches import scatter_rows
 from unirl.core import explained_variance, value_loss
 from unirl.trainer.distributed import gather_rows
@@ -38,18 +39,21 @@ class Critic:
     mini-batch shuffle (with the step)."""
 
     def __init__(self, cfg: Any, *, env: Environment, accelerator, micro_batches: Callable[[Rollout], list],
-                 num_mini_batches: int, ppo_epochs: int, seed: int, total_steps: int):
+                 num_mini_batches: int, ppo_epochs: int, seed: int, total_steps: int, trainer_cfg=None):
         self.cfg, self.env, self.accelerator = cfg, env, accelerator
         self.micro_batches, self.num_mini = micro_batches, num_mini_batches
         self.epochs = cfg.ppo_epochs or ppo_epochs
         self.seed = seed
         model = env.value_model(cfg)
+        if fsdp.uses_fsdp2(trainer_cfg):  # sharded like the policy, before its optimizer sees the parameters
+            fsdp.shard(model, accelerator, mixed_precision=trainer_cfg.mixed_precision,
+                       offload=trainer_cfg.fsdp.offload, what="critic")
         optimizer = build_optimizer(model, cfg.optim, what="critic")
         # Its optimizer steps over the run: every training step's passes of mini-batches.
         self.scheduler = build_scheduler(optimizer, cfg.optim, total_steps=total_steps * self.epochs * num_mini_batches)
         # The scheduler is not prepared (Accelerate's wrapper would step it once per process); the
         # loop registers it for checkpointing beside the actor's.
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = fsdp.prepare(accelerator, model, optimizer, trainer_cfg)
 
     @torch.no_grad()
     def compute_values(self, rollout: Rollout) -> None:
@@ -97,8 +101,9 @@ class Critic:
     def _micro_backward(self, micro: Rollout, denominator: torch.Tensor, sync: bool) -> dict[str, float]:
         acc = self.accelerator
         device = acc.device
-        hold_back = (acc.num_processes > 1 or acc.is_fsdp2) and not sync  # DDP syncs in the mini-batch's last backward
-        with acc.no_sync(self.model) if hold_back else contextlib.nullcontext():
+        # DDP and FSDP2 reduce the gradients in the mini-batch's last backward.
+        hold_back = (acc.num_processes > 1 or fsdp.is_sharded(self.model)) and not sync
+        with fsdp.hold_gradients(acc, self.model) if hold_back else contextlib.nullcontext():
             values = self.env.values(self.model, micro)  # [n, T']
             mask = self.env.loss_mask(micro).to(device).bool()  # [n, T']
             old, returns = (getattr(micro, k)[:, : values.shape[1]].to(device) for k in ("values", "returns"))
@@ -116,7 +121,7 @@ class Critic:
         acc, max_norm = self.accelerator, self.cfg.optim.max_grad_norm
         grad_norm = float("nan")
         if max_norm is not None:
-            grad_norm = float(acc.clip_grad_norm_(self.model.parameters(), max_norm))
+            grad_norm = float(fsdp.full(acc.clip_grad_norm_(self.model.parameters(), max_norm)))
         if math.isfinite(grad_norm) or max_norm is None:
             self.optimizer.step()
         else:

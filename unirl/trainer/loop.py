@@ -33,13 +33,14 @@ from unirl.core.policy_losses import POLICY_LOSSES, LossSettings
 from unirl.env import Environment, Rollout
 from unirl.rewards.registry import RewardError
 from unirl.config.schema import AlgoConfig, OptimConfig, TrainerConfig
-from unirl.trainer import checkpoints
+from unirl.trainer import checkpoints, fsdp
 from unirl.trainer import advantages as advantages_stage
 from unirl.trainer import logprobs as logprobs_stage
 from unirl.trainer import update as update_stage
 from unirl.trainer import zero_advantage
 from unirl.trainer.critic import Critic
 from unirl.trainer.distributed import cpu_processes, gather_rows, sum_over_processes
+from unirl.trainer.fsdp import prepare as fsdp_prepare, uses_fsdp2
 from unirl.trainer.dynamic_sampling import FilteredBatch, SamplingStopped, sample_filtered
 from unirl.trainer.kl_control import build_kl_controller
 from unirl.trainer.nonfinite import NonFiniteWatch, skip_save_line
@@ -90,13 +91,21 @@ class Trainer:
         set_seed(cfg.seed)
         self._guard_run_dir()
         self.env.setup(self.accelerator)
+        if uses_fsdp2(cfg):  # the policy and the reference sharded before the optimizer sees their parameters
+            fsdp.ensure_process_group(self.accelerator)
+            fsdp.shard(self.env.model, self.accelerator, mixed_precision=cfg.mixed_precision, offload=cfg.fsdp.offload,
+                       what="policy")
+            for frozen in ("ref", "teacher"):  # the reference copy and distillation's teacher, no optimizer
+                if getattr(self.env, frozen, None) is not None:
+                    fsdp.shard(getattr(self.env, frozen), self.accelerator, mixed_precision=cfg.mixed_precision,
+                               offload=cfg.fsdp.offload, what="reference" if frozen == "ref" else "teacher")
         model = self.env.model
         optimizer = build_optimizer(model, self.optim_cfg, what="environment's model")
         scheduler = build_scheduler(optimizer, self.optim_cfg,
                                     total_steps=cfg.total_steps * cfg.ppo_epochs * self.num_mini_batches())
         # The scheduler is not prepared: Accelerate's wrapper steps it once per process at every call
         # (it assumes a dataloader split over processes), so 2 processes would warm up twice as fast.
-        model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        model, self.optimizer = fsdp_prepare(self.accelerator, model, optimizer, cfg)
         self.scheduler = scheduler
         self.env.model = model
         checkpoints.check_supported(self.accelerator)
@@ -122,7 +131,7 @@ class Trainer:
                              f"{type(self.env).__name__} has no critic config")
         return Critic(self.critic_cfg, env=self.env, accelerator=self.accelerator, micro_batches=self.micro_batches,
                       num_mini_batches=self.num_mini_batches(), ppo_epochs=self.cfg.ppo_epochs, seed=self.cfg.seed,
-                      total_steps=self.cfg.total_steps)
+                      total_steps=self.cfg.total_steps, trainer_cfg=self.cfg)
 
     def _guard_run_dir(self) -> None:
         if (self.run_dir / "metrics.jsonl").exists() and not self.cfg.resume:
@@ -172,6 +181,9 @@ class Trainer:
                     saved = self.save_checkpoint()
                 if not last and self.signals.requested(self.accelerator):
                     raise self.signals.preempted(self.step, saved or self.save_checkpoint(), self.run_dir)
+            # Every process is done with collectives before any closes its engine: vLLM's shutdown destroys
+            # the default process group (torchrun's, which it joined), so a process still evaluating would lose it.
+            self.accelerator.wait_for_everyone()
         finally:
             self.signals.restore()
             progress.close()
@@ -209,6 +221,8 @@ class Trainer:
         Returns the rollout that trained (``algo.drop_zero_adv`` may drop samples) and the figures."""
         times = {} if times is None else times
         metrics: dict[str, float] = {}
+        if self.cfg.critic_warmup <= self.step + 1:  # vLLM asleep during the passes (rollout.sleep_level) until the sync
+            self.env.release_rollout_memory()
         # The KL in the reward reads the old and reference log-probs: they come first (verl's order);
         # so does distillation's advantage, which reads the student's and the teacher's.
         logprobs_first = self.kl_ctrl is not None or self.distill is not None

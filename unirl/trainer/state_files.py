@@ -75,12 +75,19 @@ def _first_line(error: BaseException) -> str:
 
 # A JSON object of ours is tagged by one of these keys; a dict whose keys are all strings and none of
 # them a tag is written as a plain JSON object.
-_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__items__", "__npscalar__")
+_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__items__", "__npscalar__", "__shard__")
 
 
 def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if _is_dtensor(value):  # FSDP2: this process's rows, and where they sit in the whole (unirl.trainer.sharded_state)
+        from unirl.trainer.sharded_state import shard_layout
+
+        dim, offset = shard_layout(value, path)
+        key = str(len(tensors))
+        tensors[key] = value.to_local().detach().to("cpu", copy=True).contiguous()
+        return {"__shard__": key, "dim": dim, "offset": offset, "shape": list(value.shape)}
     if isinstance(value, torch.Tensor):
         key = str(len(tensors))
         # A copy on the CPU, contiguous and owning its memory (safetensors refuses shared storage).
@@ -113,6 +120,10 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return value
     if "__tensor__" in value:
         return tensors[value["__tensor__"]]
+    if "__shard__" in value:
+        from unirl.trainer.sharded_state import Piece
+
+        return Piece(tensors[value["__shard__"]], int(value["dim"]), int(value["offset"]), tuple(map(int, value["shape"])))
     if "__ndarray__" in value:
         return tensors[value["__ndarray__"]].numpy().astype(np.dtype(value["dtype"]))
     if "__npscalar__" in value:
@@ -122,3 +133,15 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if "__items__" in value:
         return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
     return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def decode_lazily(plain: Any, tensors: Any) -> Any:
+    """``plain`` (a state's JSON) with each tensor reference replaced by ``tensors[key]`` (any mapping:
+    the sharded reader passes references that read rows on demand)."""
+    return _decode(plain, tensors)

@@ -22,6 +22,7 @@ import torch
 from unirl.core import aggregate, aggregate_denominator, policy_loss_metrics, rollout_is_weights
 from unirl.core.policy_losses import LossInputs
 from unirl.env import Rollout
+from unirl.trainer.fsdp import full, hold_gradients, is_sharded
 from unirl.trainer.metrics import MetricLog, reduce_over_processes
 from unirl.trainer.micro_batches import scatter_rows
 
@@ -99,14 +100,14 @@ def micro_backward(trainer, model, micro: Rollout, denominator: torch.Tensor, sy
     seq_lengths = None
     if len(pieces) > 1 and algo.loss_agg == "seq-mean-token-mean":  # it divides by each whole sequence's length
         seq_lengths = trainer.env.loss_mask(micro).to(acc.device).sum(dim=-1)
-    hold_back = acc.num_processes > 1 or acc.is_fsdp2  # gradient sync deferred to the last piece
+    hold_back = acc.num_processes > 1 or is_sharded(model)  # gradient sync deferred to the last piece
     shares: dict[str, list[torch.Tensor]] = {}  # loss/* and actor/entropy of each piece (they add up)
     parts: dict[str, list[torch.Tensor]] = {}  # logp, old_logp, advantages, mask of each piece, [n, T']
     for k, columns in enumerate(pieces):
         last = sync and k == len(pieces) - 1
         # One process (without FSDP2's sharded gradients) holds nothing back, and accelerate's
         # no_sync costs ~0.1 ms a piece.
-        with acc.no_sync(model) if not last and hold_back else contextlib.nullcontext():
+        with hold_gradients(acc, model) if not last and hold_back else contextlib.nullcontext():
             loss, piece_shares, piece_parts = micro_loss(trainer, model, micro, denominator, columns, seq_lengths)
             # DDP's gradient average divides by the number of processes again.
             acc.backward(loss * acc.num_processes if acc.num_processes > 1 else loss)
@@ -204,7 +205,7 @@ def optimizer_step(trainer) -> float:
     acc, optim_cfg = trainer.accelerator, trainer.optim_cfg
     grad_norm = float("nan")
     if optim_cfg.max_grad_norm is not None:
-        grad_norm = float(acc.clip_grad_norm_(trainer.env.model.parameters(), optim_cfg.max_grad_norm))
+        grad_norm = float(full(acc.clip_grad_norm_(trainer.env.model.parameters(), optim_cfg.max_grad_norm)))
     if math.isfinite(grad_norm) or optim_cfg.max_grad_norm is None:
         trainer.optimizer.step()
     else:
