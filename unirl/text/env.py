@@ -43,6 +43,7 @@ class TextEnvironment(Environment):
         self._model = None
         self.ref = None
         self.engine = None
+        self.sampler_model = None  # the transformers engine's own copy, with asynchronous rollouts
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
@@ -96,6 +97,9 @@ class TextEnvironment(Environment):
                 seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
             )
+        elif cfg.rollout.max_staleness:  # asynchronous: sample from a copy the trainer's updates do not touch
+            self.sampler_model = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
+            self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer)
         else:
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
@@ -337,6 +341,23 @@ class TextEnvironment(Environment):
     def sync_weights(self) -> None:
         if isinstance(self.engine, VLLMEngine):
             self.engine.load_weights(hf_checkpoint_weights(self.accelerator.unwrap_model(self._model)))
+        elif self.sampler_model is not None:
+            self.load_policy_snapshot(self.policy_snapshot())
+
+    def policy_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of the policy's weights for asynchronous rollouts (the trainer changes its own in place):
+        under HF checkpoint names for vLLM, the module's own state for the transformers engine's copy."""
+        model = self.accelerator.unwrap_model(self._model)
+        if self.sampler_model is not None:
+            return [(name, t.detach().clone()) for name, t in model.state_dict().items()]
+        return [(name, t.clone()) for name, t in hf_checkpoint_weights(model)]
+
+    def load_policy_snapshot(self, snapshot: list[tuple[str, torch.Tensor]]) -> None:
+        """Put a ``policy_snapshot`` into the rollout engine (asynchronous rollouts, between generations)."""
+        if self.sampler_model is not None:
+            self.sampler_model.load_state_dict(dict(snapshot))
+        else:
+            self.engine.load_weights(iter(snapshot))
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         old = {"logp": rollout.old_logp}
