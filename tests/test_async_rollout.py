@@ -172,3 +172,41 @@ def test_staleness_one_samples_with_the_weights_one_step_back_and_resumes_exactl
     assert [item["batch"] for item in saved["batches"]] == [2]
     _, resumed = _run(tmp_path, "split", "trainer.total_steps=4", "rollout.max_staleness=1", "trainer.resume=true")
     assert _figures(resumed) == _figures(rows[2:])
+
+
+def _versions_follow_the_schedule(rows: list[dict], k: int) -> None:
+    """With one optimizer step a step, batch s's staleness is min(s, k) optimizer steps."""
+    assert [r["rollout/staleness_max"] for r in rows] == [float(min(s, k)) for s in range(len(rows))]
+    assert [r["rollout/staleness_mean"] for r in rows] == [float(min(s, k)) for s in range(len(rows))]
+
+
+def test_dynamic_sampling_runs_ahead_with_its_prompt_batches_counted(tmp_path, tiny_lm_dir):
+    extra = ["trainer.total_steps=3", "rollout.max_staleness=2", "algo.filter_groups.max_num_gen_batches=4",
+             "algo.filter_groups.on_exhausted=train"]
+    trainer, rows = _run(tmp_path, "dapo", *extra, config="tiny_dapo")
+    _versions_follow_the_schedule(rows, 2)
+    assert all("filter/kept_groups" in r for r in rows)
+    # The producer drew the prompt batches of all three steps, in order, and counted them for the checkpoint.
+    assert trainer.prompt_batches == sum(r["filter/gen_batches"] for r in rows)
+
+
+@pytest.mark.slow  # builds the tiny search model once a session (test_tiny_search_e2e shares it)
+@pytest.mark.imports_numba
+def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
+    extra = ["trainer.total_steps=3", "rollout.max_staleness=1", "trainer.prompts_per_step=4", "trainer.group_size=4"]
+    trainer, rows = _run(tmp_path, "tools", *extra, config="tiny_search")
+    _versions_follow_the_schedule(rows, 1)
+    assert all("rollout/tool_calls_mean" in r for r in rows)
+
+
+@pytest.mark.slow  # the run that proves learning: ~40 s of training once vLLM has started
+@pytest.mark.requires("vllm")
+def test_staleness_one_learns_the_tiny_task(tmp_path, tiny_lm_dir):
+    """The shipped tiny recipe, one step off-policy, the gap corrected by truncated importance sampling."""
+    _, rows = _run(tmp_path, "learn", "rollout.engine=vllm", "trainer.prompts_per_step=16", "trainer.group_size=8",
+                   "trainer.mini_batch_size=128", "trainer.micro_batch_size=64", "trainer.total_steps=40",
+                   "rollout.max_staleness=1", "algo.tis_cap=2.0")
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.05, f"reward/mean: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    _versions_follow_the_schedule(rows, 1)

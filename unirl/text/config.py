@@ -120,6 +120,8 @@ class RolloutConfig:
     engine: Literal["vllm", "hf", "server"] = "vllm"
     #: With ``engine: server``: the rollout server's address (``http://127.0.0.1:8100``).
     server_url: Optional[str] = None
+    #: With ``engine: server``: seconds one request (a batch's generation, a weight push) may take.
+    server_timeout_s: float = 600.0
     #: Asynchronous rollouts (docs/async.md): 0 is the synchronous loop (each step samples with the
     #: weights it trains); k >= 1 generates step s's batch with the weights after step s-k in a
     #: producer thread while the trainer updates (verl's one-step-off at 1, TRL's ``max_staleness``).
@@ -178,6 +180,7 @@ class RolloutConfig:
             check_range(self, name, low=1, optional=True)
         check_range(self, "tool_timeout_s", low=0, low_open=True)
         check_range(self, "max_staleness", low=0)
+        check_range(self, "server_timeout_s", low=0, low_open=True)
         if self.engine == "server" and not self.server_url:
             raise ValueError("rollout.engine=server needs rollout.server_url (the address `unirl serve-rollout` printed)")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):

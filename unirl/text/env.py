@@ -19,6 +19,7 @@ from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.text.engines import HFEngine, VLLMEngine, hf_checkpoint_weights
 from unirl.text.logprobs import response_logprobs
+from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
@@ -72,7 +73,7 @@ class TextEnvironment(Environment):
             from peft import LoraConfig, get_peft_model
 
             lora = cfg.model.lora
-            if cfg.rollout.engine == "vllm":  # the transformers engine samples from this very model
+            if cfg.rollout.engine in ("vllm", "server"):  # the transformers engine samples from this very model
                 check_lora_targets(lora.target_modules, model.config)
             model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
@@ -97,6 +98,11 @@ class TextEnvironment(Environment):
                 seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
             )
+        elif cfg.rollout.engine == "server":  # `unirl serve-rollout` in its own process (unirl/text/rollout_server.py)
+            if accelerator.num_processes > 1:
+                raise ValueError("rollout.engine=server takes one trainer process at present (each would push its "
+                                 "weights to the one server); use rollout.engine=vllm with several processes")
+            self.engine = ServerEngine(cfg.rollout.server_url, timeout_s=cfg.rollout.server_timeout_s)
         elif cfg.rollout.max_staleness:  # asynchronous: sample from a copy the trainer's updates do not touch
             self.sampler_model = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
             self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer)
@@ -339,7 +345,7 @@ class TextEnvironment(Environment):
         return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
 
     def sync_weights(self) -> None:
-        if isinstance(self.engine, VLLMEngine):
+        if isinstance(self.engine, (VLLMEngine, ServerEngine)):
             self.engine.load_weights(hf_checkpoint_weights(self.accelerator.unwrap_model(self._model)))
         elif self.sampler_model is not None:
             self.load_policy_snapshot(self.policy_snapshot())

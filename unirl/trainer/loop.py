@@ -166,6 +166,8 @@ class Trainer:
                     metrics = self.train_step()
                 except RewardError as e:  # say what a crash leaves behind, with the reward's message
                     raise RewardError(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
+                except ConnectionError as e:  # a rollout server gone mid-run: one line and where to resume from
+                    raise type(e)(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from None
                 except SamplingStopped:  # a signal while DAPO drew batches: the step is given up, the state saved
                     raise self.signals.preempted(self.step, self.save_checkpoint(), self.run_dir) from None
                 history.append(metrics)
