@@ -13,8 +13,12 @@ push never lands inside a generation, and generations queue.
 - ``POST /generate`` (the trainer's): ``{"prompt_ids": [[int]], "n", "max_new_tokens", "temperature",
   "top_p", "top_k", "greedy", "stop", "seed"}`` -> ``{"generations": [[{"response_ids", "logprobs",
   "text", "finished"}]]}``, the engine's ``generate`` (log-probs of the tempered distribution).
-- ``POST /weights``: a safetensors file of the policy's weights under HF checkpoint names -> the
-  engine reloads them in place (``VLLMEngine.load_weights``); ``X-Unirl-Weights-Version`` names them.
+- ``POST /weights/connect`` ``{"host", "port"}``: join the trainer's two-process gloo group
+  (``unirl.text.weight_channel``); ``POST /weights/receive`` ``{"tensors": [{"name", "shape", "dtype"}],
+  "version"}``: receive the tensors the trainer broadcasts over it and reload them in place
+  (``VLLMEngine.load_weights``). What the trainer uses: ~10x faster than a file over HTTP here.
+- ``POST /weights``: the same from a safetensors file in the body (HF checkpoint names), for a pusher
+  that is no torch program; ``X-Unirl-Weights-Version`` names them.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes
   (``model``, ``prompt`` / ``messages``, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``,
   ``seed``, ``logprobs``: the sampled tokens' log-probs; top alternatives are not returned).
@@ -72,6 +76,29 @@ class RolloutService:
             self.weights_version = version
         return len(weights)
 
+    def connect(self, request: dict) -> dict:
+        """Join a trainer's weight group (``unirl.text.weight_channel``); a new trainer replaces the old one."""
+        from unirl.text.weight_channel import WeightGroup
+
+        host, port = request.get("host"), request.get("port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            raise BadRequest("POST /weights/connect takes {\"host\": str, \"port\": int}")
+        self.group = WeightGroup(host, port, rank=1, timeout_s=float(request.get("timeout_s") or 600))
+        return {"connected": True}
+
+    def receive_weights(self, request: dict) -> dict:
+        """The tensors a trainer broadcasts over its group, loaded into the engine between generations."""
+        specs = request.get("tensors")
+        if getattr(self, "group", None) is None:
+            raise BadRequest("no trainer connected its weight group: POST /weights/connect first")
+        if not isinstance(specs, list) or not all(isinstance(s, dict) and {"name", "shape", "dtype"} <= set(s) for s in specs):
+            raise BadRequest("POST /weights/receive takes {\"tensors\": [{\"name\", \"shape\", \"dtype\"}], \"version\"}")
+        with self.lock:
+            weights = self.group.receive(specs)
+            self.engine.load_weights(iter(weights))
+            self.weights_version = request.get("version")
+        return {"loaded": len(weights), "weights_version": self.weights_version}
+
 
 def make_app(service: RolloutService, guards: Guards, weight_guards: Guards) -> FastAPI:
     """The ASGI app over ``service``; ``weight_guards`` carry the larger body limit of ``POST /weights``."""
@@ -125,6 +152,14 @@ def make_app(service: RolloutService, guards: Guards, weight_guards: Guards) -> 
             return {"loaded": count, "weights_version": version}
 
         return await guarded(request, load, weight_guards)
+
+    @app.post("/weights/connect")
+    async def weights_connect(request: Request):
+        return await guarded(request, lambda body, _: asyncio.to_thread(service.connect, _json(body)))
+
+    @app.post("/weights/receive")
+    async def weights_receive(request: Request):
+        return await guarded(request, lambda body, _: asyncio.to_thread(service.receive_weights, _json(body)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
