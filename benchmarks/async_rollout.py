@@ -57,7 +57,7 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path) -> list[dict]:
     else:
         model = next((a.split("=", 1)[1] for a in extra if a.startswith("model.name_or_path=")), "tiny")
         server = subprocess.Popen(["taskset", "-c", "0", PY, "-m", "unirl.cli", "serve-rollout", model, "--dtype", "float32",
-                                   "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                   "--port", "0", "--gpu-memory-utilization", "0.1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                   env={**env, "OMP_NUM_THREADS": "1"})
         line = server.stdout.readline()
         if not line.startswith("serving rollouts"):

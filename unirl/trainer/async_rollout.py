@@ -145,13 +145,14 @@ class AsyncRollouts:
         return {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item(),
                 "perf/wait_for_data_s": waited_for_data, "perf/wait_for_weights_s": waited_for_weights}
 
-    def close(self) -> None:
-        """Stop the producer after its current generation (it is given up, not saved)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the producer after its current generation (given up, not saved). ``wait=False`` (a run
+        ending on an error or a second signal) does not wait for that generation: the thread is a daemon."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=600)
+        if self._thread is not None and wait:
+            self._thread.join()
 
     # ------------------------------------------------------------ producer side
     def _can_produce(self) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ class Trainer:
             progress.close()
             self.run_log.finish()
             if self.rollouts is not None:
-                self.rollouts.close()  # before the engine it samples with
+                self.rollouts.close(wait=sys.exc_info()[0] is None)  # before the engine it samples with
             self.env.close()
         return history
 
