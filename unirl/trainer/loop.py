@@ -167,8 +167,6 @@ class Trainer:
                     metrics = self.train_step()
                 except RewardError as e:  # say what a crash leaves behind, with the reward's message
                     raise RewardError(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
-                except ConnectionError as e:  # a rollout server gone mid-run: one line and where to resume from
-                    raise type(e)(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from None
                 except SamplingStopped:  # a signal while DAPO drew batches: the step is given up, the state saved
                     raise self.signals.preempted(self.step, self.save_checkpoint(), self.run_dir) from None
                 history.append(metrics)
@@ -185,6 +183,8 @@ class Trainer:
                     saved = self.save_checkpoint()
                 if not last and self.signals.requested(self.accelerator):
                     raise self.signals.preempted(self.step, saved or self.save_checkpoint(), self.run_dir)
+        except ConnectionError as e:  # a rollout server gone (in a step, or its checkpoint's drain): where to resume
+            raise type(e)(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
         finally:
             self.signals.restore()
             progress.close()
