@@ -47,7 +47,7 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path) -> list[dict]:
     out = root / f"run-{mode}"
     args = [PY, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(out),
             f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
-            "algo.tis_cap=2.0", *extra]
+            "algo.tis_cap=2.0", "rollout.gpu_memory_utilization=0.1", *extra]  # on a CPU: the RAM share of the KV cache
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     server = None
     if mode == "sync":

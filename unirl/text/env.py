@@ -99,10 +99,8 @@ class TextEnvironment(Environment):
                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
             )
         elif cfg.rollout.engine == "server":  # `unirl serve-rollout` in its own process (unirl/text/rollout_server.py)
-            if accelerator.num_processes > 1:
-                raise ValueError("rollout.engine=server takes one trainer process at present (each would push its "
-                                 "weights to the one server); use rollout.engine=vllm with several processes")
-            self.engine = ServerEngine(cfg.rollout.server_url, timeout_s=cfg.rollout.server_timeout_s)
+            self.engine = ServerEngine(cfg.rollout.server_url, timeout_s=cfg.rollout.server_timeout_s,
+                                       processes=accelerator.num_processes)
         elif cfg.rollout.max_staleness:  # asynchronous: sample from a copy the trainer's updates do not touch
             self.sampler_model = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
             self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer)
@@ -351,15 +349,14 @@ class TextEnvironment(Environment):
             self.load_policy_snapshot(self.policy_snapshot())
 
     def policy_snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of the policy's weights for asynchronous rollouts (the trainer changes its own in place):
-        under HF checkpoint names for vLLM, the module's own state for the transformers engine's copy."""
+        """A copy of the policy's weights for asynchronous rollouts: HF checkpoint names for vLLM and the
+        server, the module's own state for the transformers engine's copy."""
         model = self.accelerator.unwrap_model(self._model)
         if self.sampler_model is not None:
             return [(name, t.detach().clone()) for name, t in model.state_dict().items()]
         return [(name, t.clone()) for name, t in hf_checkpoint_weights(model)]
 
     def load_policy_snapshot(self, snapshot: list[tuple[str, torch.Tensor]]) -> None:
-        """Put a ``policy_snapshot`` into the rollout engine (asynchronous rollouts, between generations)."""
         if self.sampler_model is not None:
             self.sampler_model.load_state_dict(dict(snapshot))
         else:

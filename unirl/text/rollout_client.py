@@ -31,7 +31,10 @@ class RolloutServerError(ConnectionError):
 class ServerEngine:
     """Samples from, and pushes weights to, ``unirl serve-rollout`` at ``url``."""
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, token: str | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 600.0, token: str | None = None, processes: int = 1):
+        if processes > 1:
+            raise ValueError("rollout.engine=server takes one trainer process at present (each would push its "
+                             "weights to the one server); use rollout.engine=vllm with several processes")
         self.url, self.timeout = url.rstrip("/"), timeout_s
         self.token = token or os.environ.get(TOKEN_ENV) or None
         self.version = 0
