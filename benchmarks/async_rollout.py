@@ -4,6 +4,7 @@ side by side in one run: seconds a step and reward a step.
     python benchmarks/async_rollout.py                         # the tiny recipe (it learns), 40 steps each
     python benchmarks/async_rollout.py --model toy22m --steps 12   # the 22.6M-parameter Qwen2 shape (compare_trl.py's)
     python benchmarks/async_rollout.py --modes sync,async --steps 20
+    python benchmarks/async_rollout.py --modes sync,async,server,sync,async,server --steps 30   # twice, interleaved
 
 Each mode is a ``unirl train text`` child process on the same two cores:
 
@@ -45,6 +46,7 @@ def model_args(model: str, root: Path) -> list[str]:
 
 def run_mode(mode: str, steps: int, extra: list[str], root: Path) -> list[dict]:
     out = root / f"run-{mode}"
+    root.mkdir(parents=True, exist_ok=True)
     args = [PY, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(out),
             f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
             "algo.tis_cap=2.0", "rollout.gpu_memory_utilization=0.1", *extra]  # on a CPU: the RAM share of the KV cache
@@ -89,13 +91,13 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="unirl-async-bench-"))
     extra = model_args(args.model, root)
-    results = {mode: run_mode(mode, args.steps, extra, root) for mode in args.modes.split(",")}
+    results = [(mode, run_mode(mode, args.steps, extra, root / str(i))) for i, mode in enumerate(args.modes.split(","))]
     base = None
     print(f"\n{args.model}, {args.steps} steps | s/step (median, steps 3+) | throughput vs sync | wait for data s | "
           f"reward first 10 -> last 10")
-    for mode, rows in results.items():
+    for mode, rows in results:
         step = statistics.median(r["time/step"] for r in rows[2:])
-        base = base or (step if mode == "sync" else None)
+        base = step if mode == "sync" else base  # against the sync run just before (a mode may repeat)
         k = min(10, len(rows) // 2)
         first = sum(r["reward/mean"] for r in rows[:k]) / k
         last = sum(r["reward/mean"] for r in rows[-k:]) / k
