@@ -19,6 +19,7 @@ from unirl.config import config_to_dict
 from unirl.env import Rollout
 from unirl.text.env import TextEnvironment
 from unirl.trainer.async_rollout import AsyncRollouts
+from unirl.trainer.checkpoints import CheckpointError
 from unirl.trainer.loop import Preempted, Trainer
 
 
@@ -170,6 +171,8 @@ def test_staleness_one_samples_with_the_weights_one_step_back_and_resumes_exactl
         stopped.train()
     saved = json.loads((tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state" / "custom_1.json").read_text())
     assert [item["batch"] for item in saved["batches"]] == [2]
+    with pytest.raises(CheckpointError, match="rollout.max_staleness: 1 in the checkpoint, 0 now"):
+        _run(tmp_path, "split", "trainer.total_steps=4", "rollout.max_staleness=0", "trainer.resume=true")
     _, resumed = _run(tmp_path, "split", "trainer.total_steps=4", "rollout.max_staleness=1", "trainer.resume=true")
     assert _figures(resumed) == _figures(rows[2:])
 
