@@ -144,22 +144,7 @@ def make_app(service: RolloutService, guards: Guards, weight_guards: Guards) -> 
     async def generate(request: Request):
         return await guarded(request, lambda body, _: _generate(service, _json(body)))
 
-    @app.post("/weights")
-    async def weights(request: Request):
-        async def load(body: bytes, req: Request) -> dict:
-            version = req.headers.get("x-unirl-weights-version")
-            count = await asyncio.to_thread(service.load_weights, body, version)
-            return {"loaded": count, "weights_version": version}
-
-        return await guarded(request, load, weight_guards)
-
-    @app.post("/weights/connect")
-    async def weights_connect(request: Request):
-        return await guarded(request, lambda body, _: asyncio.to_thread(service.connect, _json(body)))
-
-    @app.post("/weights/receive")
-    async def weights_receive(request: Request):
-        return await guarded(request, lambda body, _: asyncio.to_thread(service.receive_weights, _json(body)))
+    _weight_routes(app, service, guarded, weight_guards)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -177,6 +162,28 @@ def make_app(service: RolloutService, guards: Guards, weight_guards: Guards) -> 
                                    f"/v1/models, POST /generate, /weights, /v1/completions or /v1/chat/completions")
 
     return app
+
+
+def _weight_routes(app: FastAPI, service: RolloutService, guarded, weight_guards: Guards) -> None:
+    """``POST /weights`` (a safetensors body, under ``weight_guards``' larger limit), ``/weights/connect``
+    and ``/weights/receive`` (the trainer's gloo group)."""
+
+    @app.post("/weights")
+    async def weights(request: Request):
+        async def load(body: bytes, req: Request) -> dict:
+            version = req.headers.get("x-unirl-weights-version")
+            count = await asyncio.to_thread(service.load_weights, body, version)
+            return {"loaded": count, "weights_version": version}
+
+        return await guarded(request, load, weight_guards)
+
+    @app.post("/weights/connect")
+    async def weights_connect(request: Request):
+        return await guarded(request, lambda body, _: asyncio.to_thread(service.connect, _json(body)))
+
+    @app.post("/weights/receive")
+    async def weights_receive(request: Request):
+        return await guarded(request, lambda body, _: asyncio.to_thread(service.receive_weights, _json(body)))
 
 
 def _json(body: bytes) -> dict:
