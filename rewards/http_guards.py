@@ -43,15 +43,17 @@ class Guards:
     token: str | None = None
     #: The server's bound kwargs, which a request may not name.
     settings: frozenset[str] = frozenset()
+    #: The environment variable the token defaults to (``unirl serve-rollout``: ``UNIRL_ROLLOUT_TOKEN``).
+    token_env: str = TOKEN_ENV
 
     @classmethod
     def from_settings(cls, command: str, *, max_body_mb: float, body_timeout_s: float, token: str | None,
-                      settings: Iterable[str] = ()) -> "Guards":
-        """Checked settings; ``token`` defaults to ``$UNIRL_REWARD_TOKEN`` (none when unset or empty)."""
+                      settings: Iterable[str] = (), token_env: str = TOKEN_ENV) -> "Guards":
+        """Checked settings; ``token`` defaults to ``$<token_env>`` (``$UNIRL_REWARD_TOKEN``; none when unset or empty)."""
         if not max_body_mb > 0 or not body_timeout_s > 0:
             raise ValueError(f"{command}: max_body_mb and body_timeout_s must be > 0, got {max_body_mb}, {body_timeout_s}")
-        return cls(command, int(max_body_mb * 2**20), float(body_timeout_s), token or os.environ.get(TOKEN_ENV) or None,
-                   frozenset(settings))
+        return cls(command, int(max_body_mb * 2**20), float(body_timeout_s), token or os.environ.get(token_env) or None,
+                   frozenset(settings), token_env)
 
     def check_token(self, request: Request) -> None:
         """Refused (401) unless the request carries the token (when the server has one)."""
@@ -60,7 +62,7 @@ class Guards:
         sent = request.headers.get("authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
             raise Refused(401, "missing or wrong token: send 'Authorization: Bearer <token>' (the client sends "
-                               f"kwargs.token or ${TOKEN_ENV})")
+                               f"kwargs.token or ${self.token_env})")
 
     async def read_body(self, request: Request) -> bytes:
         """The token checked, then the body, refused when too large (413) or too slow (408)."""

@@ -23,7 +23,7 @@ from unirl.cli.train import load_run_config
 __all__ = ["COMMANDS", "load_run_config", "main"]
 
 #: The command groups, in the order ``unirl --help`` lists them (module ``unirl.cli.<name>``).
-COMMANDS = ["train", "eval", "plot", "config", "rewards", "tools", "data", "models"]
+COMMANDS = ["train", "eval", "plot", "config", "rewards", "tools", "data", "models", "serve_rollout"]
 
 EXAMPLES = """examples:
   unirl train text --config tiny                       # GRPO on the embedded tiny model, a few minutes on CPU
@@ -36,6 +36,7 @@ EXAMPLES = """examples:
   unirl config show text --config tiny                 # every key, its value and its default
   unirl rewards list | unirl tools list | unirl data list
   unirl serve-reward gsm8k --port 8000                 # a reward over HTTP (rewards: [http://127.0.0.1:8000])
+  unirl serve-rollout tiny --dtype float32             # vLLM in its own process (rollout.engine=server, /v1/chat/completions)
 
 --config takes a shipped name (unirl config list) or a YAML path; key=value overrides win over the file.
 Docs: docs/running.md, docs/configs.md, docs/rewards.md."""

@@ -115,8 +115,17 @@ class ToolConfig:
 class RolloutConfig:
     """Sampling the answers: the engine and its sampling settings."""
 
-    #: ``vllm`` (colocated, weights synced every step) or ``hf`` (transformers ``generate``).
-    engine: Literal["vllm", "hf"] = "vllm"
+    #: ``vllm`` (colocated, weights synced every step), ``hf`` (transformers ``generate``) or ``server``
+    #: (a ``unirl serve-rollout`` process at ``server_url``; docs/async.md).
+    engine: Literal["vllm", "hf", "server"] = "vllm"
+    #: With ``engine: server``: the rollout server's address (``http://127.0.0.1:8100``).
+    server_url: Optional[str] = None
+    #: With ``engine: server``: seconds one request (a batch's generation, a weight push) may take.
+    server_timeout_s: float = 600.0
+    #: Asynchronous rollouts (docs/async.md): 0 is the synchronous loop (each step samples with the
+    #: weights it trains); k >= 1 generates step s's batch with the weights after step s-k in a
+    #: producer thread while the trainer updates (verl's one-step-off at 1, TRL's ``max_staleness``).
+    max_staleness: int = 0
     #: Longest answer sampled, in tokens.
     max_new_tokens: int = 256
     #: Sampling temperature (> 0); the log-probs are those of the tempered distribution.
@@ -180,6 +189,12 @@ class RolloutConfig:
             check_range(self, name, low=1, optional=True)
         check_range(self, "tool_timeout_s", low=0, low_open=True)
         check_range(self, "sleep_level", low=0, high=2)
+        check_range(self, "max_staleness", low=0)
+        check_range(self, "server_timeout_s", low=0, low_open=True)
+        if self.engine == "server" and not self.server_url:
+            raise ValueError("rollout.engine=server needs rollout.server_url (the address `unirl serve-rollout` printed)")
+        if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout.server_url must start with http:// or https://, got {self.server_url!r}")
         from unirl.tools.calling import check_error_text
 
         check_error_text(self.tool_error_text, key="tool_error_text")

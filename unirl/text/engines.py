@@ -102,8 +102,9 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
-                 stop: list[str] | None = None) -> list[list[Generation]]:
-        """``stop``: strings at which a sample stops, kept in its output (a multi-turn rollout's calls)."""
+                 stop: list[str] | None = None, seed: int | None = None) -> list[list[Generation]]:
+        """``stop``: strings at which a sample stops, kept in its output (a multi-turn rollout's calls).
+        ``seed``: each request's own sampling seed (vLLM's per-request generator; None: the engine's)."""
         from vllm import SamplingParams
 
         params = SamplingParams(
@@ -115,6 +116,7 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's log-prob only
             stop=list(stop) if stop else None,
             include_stop_str_in_output=True,
+            seed=seed,
         )
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         self.keep_trainer_threads()
@@ -203,9 +205,16 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
-                 stop: list[str] | None = None) -> list[list[Generation]]:
+                 stop: list[str] | None = None, seed: int | None = None) -> list[list[Generation]]:
         """``stop``: strings at which a sample stops, kept in its output (transformers' ``stop_strings``;
-        the positions after a stopped sample are padding, cut here)."""
+        the positions after a stopped sample are padding, cut here). ``seed``: sample from this seed,
+        leaving the global RNG as it was (None: from the global RNG, which checkpoints save)."""
+        if seed is not None:
+            device = next(self.model_fn().parameters()).device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                return self.generate(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, greedy=greedy, stop=stop)
         from transformers import LogitsProcessorList
 
         model = self.model_fn()

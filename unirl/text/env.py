@@ -20,8 +20,9 @@ from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
-from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, push_weights
+from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, push_weights
 from unirl.text.logprobs import response_logprobs
+from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
@@ -47,6 +48,7 @@ class TextEnvironment(Environment):
         self.ref = None
         self.teacher = None  # distill.teacher, loaded at setup
         self.engine = None
+        self.sampler_model = None  # the transformers engine's own copy, with asynchronous rollouts
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
@@ -75,7 +77,7 @@ class TextEnvironment(Environment):
             from peft import LoraConfig, get_peft_model
 
             lora = cfg.model.lora
-            if cfg.rollout.engine == "vllm":  # the transformers engine samples from this very model
+            if cfg.rollout.engine in ("vllm", "server"):  # the transformers engine samples from this very model
                 check_lora_targets(lora.target_modules, model.config)
             model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=lora.target_modules, task_type="CAUSAL_LM"))
@@ -103,6 +105,12 @@ class TextEnvironment(Environment):
                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
                 sleep_level=r.sleep_level,
             )
+        elif cfg.rollout.engine == "server":  # `unirl serve-rollout` in its own process (unirl/text/rollout_server.py)
+            self.engine = ServerEngine(cfg.rollout.server_url, timeout_s=cfg.rollout.server_timeout_s,
+                                       processes=accelerator.num_processes)
+        elif cfg.rollout.max_staleness:  # asynchronous: sample from a copy the trainer's updates do not touch
+            self.sampler_model = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
+            self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer)
         else:
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
@@ -350,8 +358,24 @@ class TextEnvironment(Environment):
             self.engine.sleep()  # rollout.sleep_level (0: nothing)
 
     def sync_weights(self) -> None:
-        if isinstance(self.engine, VLLMEngine):
+        if isinstance(self.engine, (VLLMEngine, ServerEngine)):  # a sharded policy bucket by bucket (FSDP2)
             push_weights(self.engine, self.accelerator.unwrap_model(self._model), self.cfg.rollout.sync_bucket_mb)
+        elif self.sampler_model is not None:
+            self.load_policy_snapshot(self.policy_snapshot())
+
+    def policy_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of the policy's weights for asynchronous rollouts: HF checkpoint names for vLLM and the
+        server, the module's own state for the transformers engine's copy."""
+        model = self.accelerator.unwrap_model(self._model)
+        if self.sampler_model is not None:
+            return [(name, t.detach().clone()) for name, t in model.state_dict().items()]
+        return [(name, t.clone()) for name, t in hf_checkpoint_weights(model)]
+
+    def load_policy_snapshot(self, snapshot: list[tuple[str, torch.Tensor]]) -> None:
+        if self.sampler_model is not None:
+            self.sampler_model.load_state_dict(dict(snapshot))
+        else:
+            self.engine.load_weights(iter(snapshot))
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         old = {"logp": rollout.old_logp}

@@ -271,13 +271,14 @@ def check_config(directory: Path, config: dict[str, Any] | None) -> None:
     if changed:
         what = ", ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in changed)
         raise CheckpointError(
-            f"resume: {what}; the checkpoint's optimizer and model carry the saved value, so the change would be "
-            f"ignored. Resume with the saved value, or start a new run (another --output-dir)")
+            f"resume: {what}; the checkpoint's state (optimizer, model, batches in flight) carries the saved value, so "
+            f"the change would be ignored. Resume with the saved value, or start a new run (another --output-dir)")
 
 
 def _state_bearing(key: str) -> bool:
     parts = key.split(".")
-    return "lora" in parts or ("optim" in parts[:-1] and parts[-1] in OPTIMIZER_KEYS)
+    # rollout.max_staleness: the batches in flight were saved for that schedule (unirl.trainer.async_rollout)
+    return "lora" in parts or ("optim" in parts[:-1] and parts[-1] in OPTIMIZER_KEYS) or key == "rollout.max_staleness"
 
 
 def _optimizer_settings(accelerator) -> list[list[dict]]:

@@ -6,6 +6,10 @@ of ``unirl.trainer``:
     rollout -> score -> advantages -> old_logprobs (+ reference) -> update -> sync -> log
     (+ evaluate and checkpoint every N steps)
 
+With ``rollout.max_staleness: k >= 1`` the rollout and score stages run ahead in a producer thread
+(``unirl.trainer.async_rollout``): a step takes its batch, sampled with weights up to k steps old, and
+publishes its weights for the batch k steps ahead instead of syncing the engine.
+
 PPO with a critic (``algo.adv_estimator: gae``) and the KL in the reward run verl's order, where the
 rewards on tokens read the old and reference log-probs and the advantages read the critic's values:
 
@@ -21,7 +25,7 @@ advantages, old/reference log-probs ...). Shapes: N = B*G samples, T tokens or t
 from __future__ import annotations
 
 import contextlib
-import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ from unirl.rewards.registry import RewardError
 from unirl.config.schema import AlgoConfig, OptimConfig, TrainerConfig
 from unirl.trainer import checkpoints, fsdp
 from unirl.trainer import advantages as advantages_stage
+from unirl.trainer.async_rollout import AsyncRollouts, build_async_rollouts
 from unirl.trainer import logprobs as logprobs_stage
 from unirl.trainer import update as update_stage
 from unirl.trainer import zero_advantage
@@ -78,6 +83,8 @@ class Trainer:
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
         self.prompt_batches = 0  # prompt batches drawn by dynamic sampling (without it, batch k is step k's)
         self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
+        self.max_staleness = rollout_staleness(env)  # 0: the synchronous loop
+        self.rollouts: AsyncRollouts | None = None  # the producer, with max_staleness >= 1
         self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
 
     # ================================================================ setup
@@ -115,12 +122,17 @@ class Trainer:
         self.accelerator.register_for_checkpointing(scheduler)  # after the environment's: their files keep their numbers
         if self.critic is not None:
             self.accelerator.register_for_checkpointing(self.critic.scheduler)
+        if self.max_staleness:  # last: the files of the objects before keep their numbers
+            self.rollouts = build_async_rollouts(self, self.max_staleness)
+            self.accelerator.register_for_checkpointing(self.rollouts)
         self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
         if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
             self._resume()
         self.run_log.start(self.config_dict)
         self.perf = PerfMeter.start(self.accelerator, self.env.model, self.run_dir, cfg.ppo_epochs)  # run_info.json
         self.env.sync_weights()
+        if self.rollouts is not None:
+            self.rollouts.start(self.step, self.env.policy_snapshot(), self.optimizer_steps)
 
     def _build_critic(self) -> Critic | None:
         """A critic when the advantage estimator reads values (``reads_values``: ``gae``), else None."""
@@ -184,14 +196,20 @@ class Trainer:
             # Every process is done with collectives before any closes its engine: vLLM's shutdown destroys
             # the default process group (torchrun's, which it joined), so a process still evaluating would lose it.
             self.accelerator.wait_for_everyone()
+        except ConnectionError as e:  # a rollout server gone (in a step, or its checkpoint's drain): where to resume
+            raise type(e)(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
         finally:
             self.signals.restore()
             progress.close()
             self.run_log.finish()
+            if self.rollouts is not None:
+                self.rollouts.close(wait=sys.exc_info()[0] is None)  # before the engine it samples with
             self.env.close()
         return history
 
     def train_step(self) -> dict[str, float]:
+        if self.rollouts is not None:
+            return self.async_train_step()
         start = time.perf_counter()
         times: dict[str, float] = {}
         filtered = None
@@ -212,6 +230,27 @@ class Trainer:
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
         metrics.update(self.perf.step_metrics(rollout, metrics["time/step"]))  # perf/*: memory, throughput, MFU
+        return metrics
+
+    def async_train_step(self) -> dict[str, float]:
+        """``train_step`` with the batch from the producer (sampled and scored ahead, with weights up to
+        ``max_staleness`` steps old); the weights are published for the batches still to sample."""
+        start = time.perf_counter()
+        times: dict[str, float] = {}
+        if self.rollouts.needs_weights(self.step):  # the weights after self.step steps, before they change
+            with _timer(times, "publish"):
+                self.rollouts.publish(self.step, self.env.policy_snapshot(), self.optimizer_steps)
+        with _timer(times, "rollout"):
+            produced, waited = self.rollouts.get(self.step)
+        rollout, trained_from = produced.rollout, self.optimizer_steps  # staleness: against the weights this step starts from
+        rollout, learn_metrics = self.learn(rollout, produced.rewards, times)
+        self.step += 1
+        metrics = {"step": self.step, **self._global_reward_metrics(produced.rewards, produced.reward_metrics, rollout),
+                   **learn_metrics, **(produced.filter_metrics or {}),
+                   **self.rollouts.step_metrics(produced, trained_from, waited)}
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics["time/step"] = time.perf_counter() - start
+        metrics.update(self.perf.step_metrics(rollout, metrics["time/step"]))
         return metrics
 
     def learn(self, rollout: Rollout, rewards: torch.Tensor, times: dict[str, float] | None = None
@@ -248,13 +287,15 @@ class Trainer:
         if self.cfg.critic_warmup <= self.step + 1:
             with _timer(times, "update"):
                 metrics.update(self.update(rollout))
-            with _timer(times, "sync"):
-                self.env.sync_weights()
+            if self.rollouts is None:  # asynchronous: the producer loads published weights between generations
+                with _timer(times, "sync"):
+                    self.env.sync_weights()
         return rollout, metrics
 
-    def dynamic_sampling(self) -> FilteredBatch:
+    def dynamic_sampling(self, stop: bool = True) -> FilteredBatch:
         """Rollout and score for DAPO's dynamic sampling (``unirl.trainer.dynamic_sampling``): batches of
-        prompts drawn in order (``prompt_batches`` counts them, checkpointed) until the step's groups are kept."""
+        prompts drawn in order (``prompt_batches`` counts them, checkpointed) until the step's groups are kept.
+        ``stop=False`` (the asynchronous producer): a signal does not give the batch up; it is finished and saved."""
 
         def next_rows() -> list[dict]:
             self.prompt_batches += 1
@@ -262,7 +303,7 @@ class Trainer:
 
         return sample_filtered(self.env, self.accelerator, self.algo.filter_groups, prompts_per_step=self.cfg.prompts_per_step,
                                group_size=self.cfg.group_size, next_rows=next_rows,
-                               stop=lambda: self.signals.requested(self.accelerator))
+                               stop=(lambda: self.signals.requested(self.accelerator)) if stop else None)
 
     # ================================================= the stages, each in its own module
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
@@ -313,7 +354,12 @@ class Trainer:
     def _evaluate_and_log(self) -> None:
         """``evaluate`` and its row in the logs; a failure says where the last checkpoint is."""
         try:
-            self.run_log.log({"step": self.step, **self.evaluate()})
+            if self.rollouts is None:
+                self.run_log.log({"step": self.step, **self.evaluate()})
+            else:  # the engine is shared with the producer: drained, then given the current weights
+                with self.rollouts.exclusive_engine():
+                    self.env.sync_weights()
+                    self.run_log.log({"step": self.step, **self.evaluate()})
         except RewardError as e:
             raise RewardError(f"evaluation at step {self.step}: {e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
         except Exception as e:
@@ -355,6 +401,8 @@ class Trainer:
         if why is not None:
             self.accelerator.print(skip_save_line(self.step, why, self.run_dir))
             return (checkpoints.checkpoint_dirs(self.run_dir) or [None])[-1]
+        if self.rollouts is not None:  # the in-flight batches finished (saved with the state), prompt_batches settled
+            self.rollouts.drain()
         state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
         if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
             state["kl_ctrl"] = self.kl_ctrl.state_dict()
@@ -384,6 +432,11 @@ def loss_settings(env: Environment | None, algo: AlgoConfig) -> LossSettings:
     extra = {} if nft is None else dict(nft_beta=nft.beta, nft_adv_clip=nft.adv_clip, nft_kl_coef=nft.kl_coef)
     return LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                         loss_agg=algo.loss_agg, **extra)
+
+
+def rollout_staleness(env: Environment | None) -> int:
+    """``rollout.max_staleness`` of the environment's config (text's), 0 where it has none (diffusion)."""
+    return getattr(getattr(getattr(env, "cfg", None), "rollout", None), "max_staleness", 0)
 
 
 @contextlib.contextmanager

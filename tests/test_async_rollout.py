@@ -1,0 +1,215 @@
+"""Asynchronous rollouts (``rollout.max_staleness``, ``unirl.trainer.async_rollout``): the version
+bookkeeping of the producer, the staleness bound, weight loads never inside a generation, the drained
+state a checkpoint saves, and the tiny text run: staleness 0 is the synchronous loop, k >= 1 samples
+batch s with the weights after step max(0, s - k) and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from unirl.cli import load_run_config
+from unirl.config import config_to_dict
+from unirl.env import Rollout
+from unirl.text.env import TextEnvironment
+from unirl.trainer.async_rollout import AsyncRollouts
+from unirl.trainer.checkpoints import CheckpointError
+from unirl.trainer.loop import Preempted, Trainer
+
+
+# ------------------------------------------------------------ the producer alone (no model)
+class Engine:
+    """A stand-in for a rollout engine: which weights it holds, and whether a load ever landed during a
+    generation (what ``engine_lock`` prevents)."""
+
+    def __init__(self):
+        self.weights, self.generating, self.overlaps, self.loads = None, False, 0, []
+
+    def load(self, snapshot):
+        self.overlaps += self.generating
+        self.loads.append(snapshot)
+        time.sleep(random.random() * 0.002)
+        self.weights = snapshot
+
+    def produce(self, batch: int):
+        self.generating = True
+        time.sleep(random.random() * 0.004)
+        held = self.weights
+        self.generating = False
+        rollout = Rollout(tensors={"held": torch.full((2,), held)}, group_ids=torch.tensor([0, 0]), prompts=["p", "p"],
+                          samples=[str(batch)] * 2, columns={"batch": [batch, batch]})
+        return rollout, torch.tensor([float(batch), 0.0]), {"reward/x": float(batch)}, None
+
+
+def _train(rollouts: AsyncRollouts, steps: range, updates_per_step: int) -> list[tuple[int, int, int]]:
+    """The trainer's side: publish the weights at each step's start, take the batch, 'update'."""
+    seen = []
+    for step in steps:
+        if rollouts.needs_weights(step):
+            rollouts.publish(step, step, step * updates_per_step)
+        produced, _ = rollouts.get(step)
+        seen.append((step, int(produced.rollout.tensors["held"][0]), int(produced.rollout.policy_version[0])))
+        assert produced.rollout.samples[0] == str(step)
+        time.sleep(random.random() * 0.004)  # the update
+    return seen
+
+
+@pytest.mark.parametrize("k,updates", [(1, 1), (2, 1), (3, 2)])
+def test_each_batch_is_sampled_with_the_weights_k_steps_back_and_no_load_lands_in_a_generation(k, updates):
+    random.seed(k)
+    engine = Engine()
+    rollouts = AsyncRollouts(k, 12, engine.produce, engine.load)
+    rollouts.start(0, 0, 0)
+    try:
+        seen = _train(rollouts, range(12), updates)
+    finally:
+        rollouts.close()
+    # Batch s holds the weights after max(0, s - k) steps, and its version counts their optimizer steps.
+    assert seen == [(s, max(0, s - k), max(0, s - k) * updates) for s in range(12)]
+    staleness = [s * updates - version for s, _, version in seen]  # optimizer steps, against the step's own weights
+    assert max(staleness) == k * updates and min(staleness) == 0
+    assert engine.overlaps == 0
+    assert engine.loads == sorted(set(engine.loads))  # each version loaded once, in order
+
+
+def _producer(k: int, total: int) -> AsyncRollouts:
+    engine = Engine()
+    return AsyncRollouts(k, total, engine.produce, engine.load)
+
+
+def test_a_drained_state_resumes_to_the_batches_of_the_uninterrupted_run():
+    random.seed(0)
+    k, total, stop = 2, 9, 4
+    whole = _producer(k, total)
+    whole.start(0, 0, 0)
+    expected = _train(whole, range(total), 1)
+    whole.close()
+
+    first = _producer(k, total)
+    first.start(0, 0, 0)
+    seen = _train(first, range(stop), 1)
+    state = first.state_dict()  # drained: batches stop .. stop+k-1, sampled with weights before step stop
+    first.close()
+    assert [item["batch"] for item in state["batches"]] == list(range(stop, stop + k))
+
+    resumed = _producer(k, total)
+    resumed.load_state_dict(state)
+    resumed.start(stop, stop, stop)  # the checkpoint's weights: version stop
+    seen += _train(resumed, range(stop, total), 1)
+    resumed.close()
+    assert seen == expected
+
+    wrong = _producer(k + 1, total)
+    with pytest.raises(ValueError, match="rollout.max_staleness=2, this run has 3"):
+        wrong.load_state_dict(state)
+
+
+def test_a_producer_error_reaches_the_trainer():
+    def produce(batch):
+        raise RuntimeError(f"reward server down at batch {batch}")
+
+    rollouts = AsyncRollouts(1, 4, produce, lambda snapshot: None)
+    rollouts.start(0, 0, 0)
+    with pytest.raises(RuntimeError, match="reward server down at batch 0"):
+        rollouts.get(0)
+    rollouts.close()
+
+
+# ------------------------------------------------------------ the tiny text run
+ARGS = ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.prompts_per_step=4", "trainer.group_size=4",
+        "trainer.mini_batch_size=16", "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.save_every=0",
+        "trainer.progress=false"]
+
+
+def _run(tmp_path, name: str, *extra: str, config: str = "tiny") -> tuple[Trainer, list[dict]]:
+    cfg = load_run_config("text", config, [*ARGS, *extra], output_dir=str(tmp_path / name))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    return trainer, trainer.train()
+
+
+def _figures(rows: list[dict]) -> list[dict]:
+    """The figures a run's math gives (wall-clock and machine figures left out)."""
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))} for row in rows]
+
+
+def test_staleness_zero_is_the_synchronous_loop(tmp_path, tiny_lm_dir):
+    trainer, explicit = _run(tmp_path, "zero", "trainer.total_steps=2", "rollout.max_staleness=0")
+    assert trainer.rollouts is None
+    _, default = _run(tmp_path, "default", "trainer.total_steps=2")
+    assert _figures(explicit) == _figures(default)
+    assert not any(k.startswith("rollout/staleness") for k in explicit[0])
+
+
+def test_staleness_one_samples_with_the_weights_one_step_back_and_resumes_exactly(tmp_path, tiny_lm_dir):
+    trainer, rows = _run(tmp_path, "whole", "trainer.total_steps=4", "rollout.max_staleness=1")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # batch 0 and 1 both from the start
+    assert all(r["perf/wait_for_data_s"] >= 0 and r["perf/wait_for_weights_s"] >= 0 for r in rows)
+    assert not trainer.rollouts._thread.is_alive()
+
+    # SIGTERM during step 2: the step finishes, the producer is drained and batch 2 (sampled with the
+    # weights after step 1) is saved with the checkpoint; the resumed run trains on it.
+    cfg = load_run_config("text", "tiny", [*ARGS, "trainer.total_steps=4", "rollout.max_staleness=1"],
+                          output_dir=str(tmp_path / "split"))
+    stopped = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    step = stopped.train_step
+
+    def signalled_at_step_two():
+        if stopped.step == 1:
+            stopped.signals.signal = signal.SIGTERM
+        return step()
+
+    stopped.train_step = signalled_at_step_two
+    with pytest.raises(Preempted, match="stopped by SIGTERM after step 2"):
+        stopped.train()
+    saved = json.loads((tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state" / "custom_1.json").read_text())
+    assert [item["batch"] for item in saved["batches"]] == [2]
+    with pytest.raises(CheckpointError, match="rollout.max_staleness: 1 in the checkpoint, 0 now"):
+        _run(tmp_path, "split", "trainer.total_steps=4", "rollout.max_staleness=0", "trainer.resume=true")
+    _, resumed = _run(tmp_path, "split", "trainer.total_steps=4", "rollout.max_staleness=1", "trainer.resume=true")
+    assert _figures(resumed) == _figures(rows[2:])
+
+
+def _versions_follow_the_schedule(rows: list[dict], k: int) -> None:
+    """With one optimizer step a step, batch s's staleness is min(s, k) optimizer steps."""
+    assert [r["rollout/staleness_max"] for r in rows] == [float(min(s, k)) for s in range(len(rows))]
+    assert [r["rollout/staleness_mean"] for r in rows] == [float(min(s, k)) for s in range(len(rows))]
+
+
+def test_dynamic_sampling_runs_ahead_with_its_prompt_batches_counted(tmp_path, tiny_lm_dir):
+    extra = ["trainer.total_steps=3", "rollout.max_staleness=2", "algo.filter_groups.max_num_gen_batches=4",
+             "algo.filter_groups.on_exhausted=train"]
+    trainer, rows = _run(tmp_path, "dapo", *extra, config="tiny_dapo")
+    _versions_follow_the_schedule(rows, 2)
+    assert all("filter/kept_groups" in r for r in rows)
+    # The producer drew the prompt batches of all three steps, in order, and counted them for the checkpoint.
+    assert trainer.prompt_batches == sum(r["filter/gen_batches"] for r in rows)
+
+
+@pytest.mark.slow  # builds the tiny search model once a session (test_tiny_search_e2e shares it)
+@pytest.mark.imports_numba
+def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
+    extra = ["trainer.total_steps=3", "rollout.max_staleness=1", "trainer.prompts_per_step=4", "trainer.group_size=4"]
+    trainer, rows = _run(tmp_path, "tools", *extra, config="tiny_search")
+    _versions_follow_the_schedule(rows, 1)
+    assert all("rollout/tool_calls_mean" in r for r in rows)
+
+
+@pytest.mark.slow  # the run that proves learning: ~40 s of training once vLLM has started
+@pytest.mark.requires("vllm")
+def test_staleness_one_learns_the_tiny_task(tmp_path, tiny_lm_dir):
+    """The shipped tiny recipe, one step off-policy, the gap corrected by truncated importance sampling."""
+    _, rows = _run(tmp_path, "learn", "rollout.engine=vllm", "trainer.prompts_per_step=16", "trainer.group_size=8",
+                   "trainer.mini_batch_size=128", "trainer.micro_batch_size=64", "trainer.total_steps=40",
+                   "rollout.max_staleness=1", "algo.tis_cap=2.0")
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.05, f"reward/mean: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    _versions_follow_the_schedule(rows, 1)
