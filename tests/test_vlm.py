@@ -1,0 +1,107 @@
+"""The tiny vision-language model, image rows and the image path of the log-prob recompute (issue 35)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from unirl.text.logprobs import response_logprobs
+from unirl.text.tiny_vlm import build_tiny_vlm
+from unirl.text.vlm import VLMProcessor, image_token_mask, row_images, vision_inputs
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    from transformers import AutoModelForImageTextToText
+
+    path = build_tiny_vlm()
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    return path, model, VLMProcessor.from_pretrained(path)
+
+
+def _picture(colour, size=(64, 48)):
+    return Image.new("RGB", size, colour)
+
+
+def test_tiny_vlm_is_a_real_qwen2_vl_directory(vlm):
+    path, model, processor = vlm
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert model.config.vision_config.embed_dim // model.config.vision_config.num_heads == 64  # vLLM CPU floor
+    text = processor.prompt_text("what colour?", 2)
+    assert text.count("<|vision_start|><|image_pad|><|vision_end|>") == 2 and text.endswith("<|im_start|>assistant\n")
+    enc = processor.encode(text, [_picture("red"), _picture("blue", (30, 90))])
+    # About 56*56 pixels each, aspect kept in multiples of 28: 64x48 -> 56x56, a 4x4 grid of 14-pixel
+    # patches merged 2x2 into 4 image tokens; 30x90 -> 56 wide x 112 high, 4x8 patches, 8 tokens.
+    assert enc["image_grid_thw"].tolist() == [[1, 4, 4], [1, 8, 4]]
+    assert enc["pixel_values"].shape == (16 + 32, 3 * 2 * 14 * 14)
+    ids = torch.tensor(enc["input_ids"])
+    assert int(image_token_mask(ids, model.config.image_token_id).sum()) == 4 + 8
+
+
+def test_processor_matches_transformers_qwen2_vl_processor(vlm):
+    pytest.importorskip("torchvision")  # transformers 5 builds Qwen2VLProcessor only with torchvision
+    from transformers import AutoProcessor
+
+    path, _, processor = vlm
+    text = processor.prompt_text("what colour?", 2)
+    enc = processor.encode(text, [_picture("red"), _picture("blue", (30, 90))])
+    reference = AutoProcessor.from_pretrained(path)(text=[text], images=[_picture("red"), _picture("blue", (30, 90))])
+    assert reference["input_ids"][0].tolist() == enc["input_ids"]
+    torch.testing.assert_close(reference["pixel_values"], enc["pixel_values"])
+
+
+def test_row_images_accepts_paths_pil_bytes_and_dicts_and_names_the_bad_row(tmp_path):
+    _picture("green").save(tmp_path / "a.png")
+    buffer = io.BytesIO()
+    _picture("red").save(buffer, format="PNG")
+    row = {"prompt": "x", "images": ["a.png", _picture("blue"), buffer.getvalue(), {"bytes": buffer.getvalue(), "path": None}]}
+    images = row_images(row, 0, base_dir=tmp_path)
+    assert [im.getpixel((0, 0)) for im in images] == [(0, 128, 0), (0, 0, 255), (255, 0, 0), (255, 0, 0)]
+    assert row_images({"prompt": "x"}, 0) == []
+    assert len(row_images({"images": str(tmp_path / "a.png")}, 0)) == 1  # one image, not in a list
+    with pytest.raises(FileNotFoundError, match=r"row 7: images\[0\]: image file .*missing.png"):
+        row_images({"images": ["missing.png"]}, 7, base_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"row 3: images\[1\]: 5 bytes is not a readable image"):
+        row_images({"images": [buffer.getvalue(), b"hello"]}, 3)
+    with pytest.raises(TypeError, match=r"row 2: images\[0\]: expected an image path.*got int"):
+        row_images({"images": [5]}, 2)
+
+
+def test_processor_refuses_a_prompt_whose_images_do_not_match(vlm):
+    _, _, processor = vlm
+    with pytest.raises(ValueError, match="places 1 image.*row has 2"):
+        processor.encode(processor.prompt_text("q", 1), [_picture("red"), _picture("red")])
+
+
+def test_recomputed_logprobs_with_images_equal_the_samplers_and_use_the_image(vlm):
+    """The trainer's path (``response_logprobs`` with the pixel values as model kwargs and Qwen2-VL's own
+    3-D positions) gives the log-probs the HF sampler drew with; another picture changes them."""
+    _, model, processor = vlm
+    text = processor.prompt_text("what colour?", 1)
+    enc = processor.encode(text, [_picture("red")])
+    ids = torch.tensor([enc["input_ids"]])
+    image_id = model.config.image_token_id
+    # The sampler must get mm_token_type_ids too: without them transformers' generate silently gives the
+    # prompt 1-D text positions (its log-probs then differ from the 3-D ones by ~3e-3 on this model).
+    pixels = vision_inputs(ids, enc["pixel_values"], enc["image_grid_thw"], image_id)
+    torch.manual_seed(0)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels, max_new_tokens=6,
+                         do_sample=True, min_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+    response = out.sequences[:, ids.shape[1]:]  # [1, R]
+    sampler = torch.stack([torch.log_softmax(s.float(), -1) for s in out.logits], 1)  # [1, R, V]
+    sampler = sampler.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+    full = out.sequences
+    pixels = vision_inputs(full, enc["pixel_values"], enc["image_grid_thw"], image_id)
+    head = model.get_output_embeddings()
+    for chunk in (None, 4):
+        logp, _ = response_logprobs(model, head, full, torch.ones_like(full), None, response, temperature=1.0,
+                                    chunk_size=chunk, model_kwargs=pixels)
+        torch.testing.assert_close(logp, sampler, atol=1e-4, rtol=0)
+    other = processor.encode(text, [_picture("blue")])
+    logp_blue, _ = response_logprobs(model, head, full, torch.ones_like(full), None, response, temperature=1.0,
+                                     chunk_size=None, model_kwargs=vision_inputs(
+                                         full, other["pixel_values"], other["image_grid_thw"], image_id))
+    assert (logp_blue - sampler).abs().max() > 1e-3
