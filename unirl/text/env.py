@@ -25,6 +25,7 @@ from unirl.text.model_loading import check_lora_targets, resolve_model_path  # n
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
+from unirl.text.vlm import refuse_images_for_text_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,6 +113,7 @@ class TextEnvironment(Environment):
                 raise ValueError("data.train/test='tiny' needs model.name_or_path='tiny' (the task ships with the tiny model)")
         rows = load_rows(source, split=split, hub_config=self.cfg.data.hub_config)
         rows = to_prompt_rows(rows, adapter=self.cfg.data.adapter, prompt_key=self.cfg.data.prompt_key, source=source)
+        refuse_images_for_text_model(rows, source, self.model_path)  # unirl/text/vlm.py
         return self._within_prompt_length(rows, source, which)
 
     def _within_prompt_length(self, rows: list[dict], source: str, which: str) -> list[dict]:

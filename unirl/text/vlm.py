@@ -63,6 +63,16 @@ def row_images(row: dict, index: int, *, base_dir: str | Path | None = None, key
     return images
 
 
+def refuse_images_for_text_model(rows: list[dict], source: str, model_path: str, key: str = IMAGES_KEY) -> None:
+    """Rows that carry images given to the text trainer (a text-only policy) stop the run naming the first
+    such row, rather than training on their prompts with the pictures silently dropped."""
+    for i, row in enumerate(rows):
+        if row.get(key) not in (None, [], ()):
+            raise ValueError(f"{source}: row {i} carries {key!r}, but the text trainer's policy {model_path!r} reads "
+                             f"text only: images are not used by unirl's text environment yet (docs/vlm.md); "
+                             f"drop the {key!r} column to train on the prompts alone")
+
+
 def image_messages(prompt: str, n_images: int) -> list[dict]:
     """One user turn: the row's images first, then its prompt (Qwen2-VL's and verl's order)."""
     return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
