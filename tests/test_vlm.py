@@ -123,3 +123,48 @@ def test_text_trainer_refuses_rows_with_images_instead_of_dropping_them(tmp_path
                               for extra in ({}, {"images": ["a.png"]})) + "\n")
     with pytest.raises(ValueError, match=r"rows.jsonl: row 1 carries 'images'.*reads text only"):
         text_env(tmp_path, f"data.train={rows}", f"data.test={rows}")
+
+
+def _image_rows(tmp_path, n=4):
+    colours = ["red", "green", "blue", "yellow"]
+    lines = []
+    for i in range(n):
+        _picture(colours[i % 4]).save(tmp_path / f"p{i}.png")
+        lines.append(json.dumps({"question": "count?", "answer": f"#### {i % 3}", "images": [f"p{i}.png"]}))
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_vlm_environment_rollout_logprobs_equal_the_trainers_and_image_tokens_are_not_trained(tmp_path):
+    """Through the text environment: the HF engine samples with the rows' images, the trainer's
+    recompute (score_actions) gives the engine's log-probs, no trained token is an image token, the
+    vision tower is frozen, and rewards receive the opened images."""
+    from unirl.text.vlm_env import VLMEnvironment
+
+    rows = _image_rows(tmp_path)
+    env = text_env(tmp_path, "model.name_or_path=tiny_vlm", "model.share_prompt=false", f"data.train={rows}",
+                   f"data.test={rows}", "rollout.max_new_tokens=5", "data.max_prompt_length=64")
+    assert isinstance(env, VLMEnvironment)
+    assert not any(p.requires_grad for p in env.model.model.visual.parameters())
+    assert any(p.requires_grad for p in env.model.model.language_model.parameters())
+    torch.manual_seed(0)
+    batch = env.rollout(env.train_rows[:2], group_size=2)
+    assert [len(v) for v in batch.columns["images"]] == [1, 1, 1, 1]
+    assert isinstance(batch.columns["images"][0][0], Image.Image)
+    with torch.no_grad():
+        scored = env.score_actions(env.model, batch)
+        t = batch.tensors  # the model's own full distribution, to check the engine's renormalisation
+        ids = torch.cat([t["prompt_ids"], t["response_ids"]], 1)
+        _, vision = env._model_inputs(batch, ids, None, None)
+        attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], 1)
+        logits = env.model(input_ids=ids, attention_mask=attn, **vision).logits[:, -t["response_ids"].shape[1] - 1:-1]
+    p_vision = torch.softmax(logits.float(), -1)[..., env.processor.vision_token_ids].sum(-1)  # [n, R]
+    mask = scored["mask"].bool()
+    assert mask.any() and p_vision[mask].min() > 1e-3  # the random model does put mass on them
+    # The engine never samples a vision token: its log-probs are the policy's renormalised without them.
+    expected = scored["logp"] - torch.log1p(-p_vision)
+    torch.testing.assert_close(batch.engine_logp[mask], expected[mask], atol=1e-4, rtol=0)
+    image_id = env.processor.image_token_id
+    assert image_token_mask(batch.tensors["prompt_ids"], image_id).sum() == 4 * 4  # 4 samples x 4 tokens
+    assert not image_token_mask(batch.tensors["response_ids"], image_id)[mask].any()

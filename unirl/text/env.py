@@ -41,6 +41,13 @@ class TextEnvironment(Environment):
     recompute_old_logprobs = True
     left_padded = ("prompt_ids", "prompt_mask")
 
+    def __new__(cls, cfg: TextConfig, *args, **kwargs):
+        if cls is TextEnvironment:  # a vision-language model: its subclass (unirl/text/vlm_env.py)
+            from unirl.text.vlm_env import VLMEnvironment, vlm_model
+
+            cls = VLMEnvironment if vlm_model(cfg.model.name_or_path) else cls
+        return super().__new__(cls)
+
     def __init__(self, cfg: TextConfig):
         self.cfg = cfg
         self._model = None
@@ -63,8 +70,7 @@ class TextEnvironment(Environment):
         if cfg.model.share_prompt and cfg.model.attn_implementation != "sdpa":
             raise ValueError(f"model.share_prompt=true packs rows with sdpa-based block attention; with "
                              f"model.attn_implementation={cfg.model.attn_implementation} set model.share_prompt=false")
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
-                                                     attn_implementation=cfg.model.attn_implementation)
+        model = self._load_policy(AutoModelForCausalLM, dtype)
         if cfg.model.share_prompt:  # block attention for packed rows, sdpa otherwise (unirl/text/packing.py)
             check_packable(model.config)
             use_packed_attention(model)
@@ -106,6 +112,9 @@ class TextEnvironment(Environment):
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
+    def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
+        return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
+
     def _rows(self, source: str, split: str, which: str) -> list[dict]:
         if source == "tiny":
             source = str(Path(self.model_path) / f"{which}.jsonl") if self.cfg.model.name_or_path == "tiny" else source
@@ -113,8 +122,11 @@ class TextEnvironment(Environment):
                 raise ValueError("data.train/test='tiny' needs model.name_or_path='tiny' (the task ships with the tiny model)")
         rows = load_rows(source, split=split, hub_config=self.cfg.data.hub_config)
         rows = to_prompt_rows(rows, adapter=self.cfg.data.adapter, prompt_key=self.cfg.data.prompt_key, source=source)
-        refuse_images_for_text_model(rows, source, self.model_path)  # unirl/text/vlm.py
+        self._check_images(rows, source)
         return self._within_prompt_length(rows, source, which)
+
+    def _check_images(self, rows: list[dict], source: str) -> None:  # a VLM opens them (unirl/text/vlm_env.py)
+        refuse_images_for_text_model(rows, source, self.model_path)
 
     def _within_prompt_length(self, rows: list[dict], source: str, which: str) -> list[dict]:
         """Every prompt measured once before training: the rows longer than ``data.max_prompt_length``
@@ -246,6 +258,7 @@ class TextEnvironment(Environment):
             ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
             attn = torch.cat([t["prompt_mask"], tokens.long()], dim=1)
             positions, source, extra = (attn.cumsum(-1) - 1).clamp(min=0), None, None
+            positions, extra = self._model_inputs(batch, ids, positions, extra)
         logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
                                           temperature=self.cfg.rollout.temperature,
                                           chunk_size=self.cfg.model.logprob_chunk_size,
@@ -256,6 +269,10 @@ class TextEnvironment(Environment):
         if entropy is not None:
             out["entropy"] = entropy
         return out
+
+    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
+        """The positions and extra model inputs of an unpacked forward over ``ids`` (a VLM: its own)."""
+        return positions, extra
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return self._trained_tokens(batch.tensors)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 IMAGES_KEY = "images"
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def row_images(row: dict, index: int, *, base_dir: str | Path | None = None, key: str = IMAGES_KEY) -> list:
@@ -87,6 +88,8 @@ class VLMProcessor:
         self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
         if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
             raise ValueError(f"the tokenizer has no image token {image_token!r}: not a Qwen2-VL-style model")
+        #: Qwen2-VL's vision special tokens the tokenizer has (never sampled: unirl/text/vlm_env.py).
+        self.vision_token_ids = sorted({tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS} - {None, tokenizer.unk_token_id})
         if tokenizer.chat_template is None:
             raise ValueError("the model directory has no chat template; a VLM prompt needs one to place its images")
 
