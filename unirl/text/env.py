@@ -117,7 +117,7 @@ class TextEnvironment(Environment):
 
     def _rows(self, source: str, split: str, which: str) -> list[dict]:
         if source == "tiny":
-            source = str(Path(self.model_path) / f"{which}.jsonl") if self.cfg.model.name_or_path == "tiny" else source
+            source = str(Path(self.model_path) / f"{which}.jsonl") if self.cfg.model.name_or_path in ("tiny", "tiny_vlm") else source
             if source == "tiny":
                 raise ValueError("data.train/test='tiny' needs model.name_or_path='tiny' (the task ships with the tiny model)")
         rows = load_rows(source, split=split, hub_config=self.cfg.data.hub_config)
