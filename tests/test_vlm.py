@@ -168,3 +168,22 @@ def test_vlm_environment_rollout_logprobs_equal_the_trainers_and_image_tokens_ar
     image_id = env.processor.image_token_id
     assert image_token_mask(batch.tensors["prompt_ids"], image_id).sum() == 4 * 4  # 4 samples x 4 tokens
     assert not image_token_mask(batch.tensors["response_ids"], image_id)[mask].any()
+
+
+@pytest.mark.slow
+def test_tiny_vlm_demo_reward_rises(tmp_path):
+    """``unirl train text --config tiny_vlm`` for 30 steps (about 15 s on 2 idle cores): the sampled
+    reward rises by at least 0.15 (0.07 -> 0.23 measured, first vs last 10 steps). What it learns in so
+    few steps is the answer format; held-out counting accuracy stays near chance (docs/vlm.md)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny_vlm", "--output-dir",
+                           str(run), "trainer.total_steps=30", "trainer.eval_every=30", "trainer.save_every=15",
+                           "trainer.progress=false"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rewards = [m["reward/mean"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "reward/mean" in m]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.15, f"reward did not rise enough: first-10 {first:.3f}, last-10 {last:.3f}"
