@@ -187,3 +187,15 @@ def test_tiny_vlm_demo_reward_rises(tmp_path):
                if "reward/mean" in m]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= first + 0.15, f"reward did not rise enough: first-10 {first:.3f}, last-10 {last:.3f}"
+
+
+def test_lora_on_the_language_model_of_a_vlm_trains_only_the_adapters(tmp_path):
+    rows = _image_rows(tmp_path)
+    env = text_env(tmp_path, "model.name_or_path=tiny_vlm", "model.share_prompt=false", f"data.train={rows}",
+                   f"data.test={rows}", "rollout.max_new_tokens=4", "data.max_prompt_length=64",
+                   "model.lora.enabled=true", "model.lora.target_modules=[q_proj,v_proj]")
+    batch = env.rollout(env.train_rows[:2], group_size=2)
+    scored = env.score_actions(env.model, batch)
+    (scored["logp"] * scored["mask"]).sum().backward()
+    trained = {name for name, p in env.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert trained and all("lora_" in name and "language_model" in name for name in trained), sorted(trained)[:4]
