@@ -143,8 +143,8 @@ def _text_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
             report.notes.append(f"{what}: null, so no evaluation")
             continue
         if source == "tiny":
-            if cfg.model.name_or_path == "tiny":
-                report.passed.append(f"{what}: tiny (the addition task built with the tiny model at start-up)")
+            if cfg.model.name_or_path in ("tiny", "tiny_vlm"):
+                report.passed.append(f"{what}: tiny (the {cfg.model.name_or_path} model's task, built with it at start-up)")
             else:
                 report.problems.append(f"{what}: 'tiny' needs model.name_or_path: tiny (the task ships with the tiny model)")
             continue
@@ -377,7 +377,7 @@ def _trains_a_critic(adv_estimator: str) -> bool:
 def _check_model(name: str, report: Report, what: str = "model.name_or_path") -> None:
     if Path(name).expanduser().is_dir():
         report.passed.append(f"{what}: {name} is a local directory")
-    elif name in ("tiny", "tiny_search", "tiny_teacher") or name.startswith("tiny-"):
+    elif name in ("tiny", "tiny_search", "tiny_teacher", "tiny_vlm") or name.startswith("tiny-"):
         report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
     elif name in MODELS:
         _check_named_model(what, name, report)

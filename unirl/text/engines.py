@@ -205,16 +205,19 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
-                 stop: list[str] | None = None, seed: int | None = None) -> list[list[Generation]]:
+                 stop: list[str] | None = None, seed: int | None = None,
+                 extra_inputs=None) -> list[list[Generation]]:
         """``stop``: strings at which a sample stops, kept in its output (transformers' ``stop_strings``;
         the positions after a stopped sample are padding, cut here). ``seed``: sample from this seed,
-        leaving the global RNG as it was (None: from the global RNG, which checkpoints save)."""
+        leaving the global RNG as it was (None: from the global RNG, which checkpoints save).
+        ``extra_inputs(ids)``: more model inputs for the left-padded prompts ``ids`` [P, width] (a VLM's
+        pixels, ``unirl/text/vlm_env.py``)."""
         if seed is not None:
             device = next(self.model_fn().parameters()).device
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 return self.generate(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, greedy=greedy, stop=stop)
+                                     top_p=top_p, top_k=top_k, greedy=greedy, stop=stop, extra_inputs=extra_inputs)
         from transformers import LogitsProcessorList
 
         model = self.model_fn()
@@ -239,6 +242,7 @@ class HFEngine:
             max_new_tokens=max_new_tokens, num_return_sequences=n,
             pad_token_id=pad, eos_token_id=sorted(eos), logits_processor=LogitsProcessorList([keep]),
             **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
+            **(extra_inputs(ids.to(device)) if extra_inputs else {}),
         )
         model.train(was_training)
         seqs = seqs[:, width:]  # [P*n, R]

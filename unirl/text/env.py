@@ -27,6 +27,7 @@ from unirl.text.model_loading import check_lora_targets, resolve_model_path  # n
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
+from unirl.text.vlm import refuse_images_for_text_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +42,13 @@ def response_tokens(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 class TextEnvironment(Environment):
     recompute_old_logprobs = True
     left_padded = ("prompt_ids", "prompt_mask")
+
+    def __new__(cls, cfg: TextConfig, *args, **kwargs):
+        if cls is TextEnvironment:  # a vision-language model: its subclass (unirl/text/vlm_env.py)
+            from unirl.text.vlm_env import VLMEnvironment, vlm_model
+
+            cls = VLMEnvironment if vlm_model(cfg.model.name_or_path) else cls
+        return super().__new__(cls)
 
     def __init__(self, cfg: TextConfig):
         self.cfg = cfg
@@ -65,8 +73,7 @@ class TextEnvironment(Environment):
         if cfg.model.share_prompt and cfg.model.attn_implementation != "sdpa":
             raise ValueError(f"model.share_prompt=true packs rows with sdpa-based block attention; with "
                              f"model.attn_implementation={cfg.model.attn_implementation} set model.share_prompt=false")
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
-                                                     attn_implementation=cfg.model.attn_implementation)
+        model = self._load_policy(AutoModelForCausalLM, dtype)
         if cfg.model.share_prompt:  # block attention for packed rows, sdpa otherwise (unirl/text/packing.py)
             check_packable(model.config)
             use_packed_attention(model)
@@ -115,14 +122,21 @@ class TextEnvironment(Environment):
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
+    def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
+        return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
+
     def _rows(self, source: str, split: str, which: str) -> list[dict]:
         if source == "tiny":
-            source = str(Path(self.model_path) / f"{which}.jsonl") if self.cfg.model.name_or_path == "tiny" else source
+            source = str(Path(self.model_path) / f"{which}.jsonl") if self.cfg.model.name_or_path in ("tiny", "tiny_vlm") else source
             if source == "tiny":
                 raise ValueError("data.train/test='tiny' needs model.name_or_path='tiny' (the task ships with the tiny model)")
         rows = load_rows(source, split=split, hub_config=self.cfg.data.hub_config)
         rows = to_prompt_rows(rows, adapter=self.cfg.data.adapter, prompt_key=self.cfg.data.prompt_key, source=source)
+        self._check_images(rows, source)
         return self._within_prompt_length(rows, source, which)
+
+    def _check_images(self, rows: list[dict], source: str) -> None:  # a VLM opens them (unirl/text/vlm_env.py)
+        refuse_images_for_text_model(rows, source, self.model_path)
 
     def _within_prompt_length(self, rows: list[dict], source: str, which: str) -> list[dict]:
         """Every prompt measured once before training: the rows longer than ``data.max_prompt_length``
@@ -254,6 +268,7 @@ class TextEnvironment(Environment):
             ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
             attn = torch.cat([t["prompt_mask"], tokens.long()], dim=1)
             positions, source, extra = (attn.cumsum(-1) - 1).clamp(min=0), None, None
+            positions, extra = self._model_inputs(batch, ids, positions, extra)
         logp, entropy = response_logprobs(model, head, ids, attn, positions, t["response_ids"],
                                           temperature=self.cfg.rollout.temperature,
                                           chunk_size=self.cfg.model.logprob_chunk_size,
@@ -264,6 +279,10 @@ class TextEnvironment(Environment):
         if entropy is not None:
             out["entropy"] = entropy
         return out
+
+    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
+        """The positions and extra model inputs of an unpacked forward over ``ids`` (a VLM: its own)."""
+        return positions, extra
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return self._trained_tokens(batch.tensors)

