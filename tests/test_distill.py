@@ -9,7 +9,6 @@ The teacher of these tests is the tiny model trained further, supervised, on the
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -230,15 +229,15 @@ def test_distillation_lowers_the_reverse_kl_and_raises_accuracy(tmp_path, teache
 # ------------------------------------------------------------------------------------ 1 vs 2 processes
 @pytest.mark.slow
 def test_one_and_two_processes_distil_alike(tmp_path, teacher_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from test_distributed import _torchrun, cpu_env
+
+    env = cpu_env()
     script, batch = str(REPO / "tests" / "dist_distill.py"), tmp_path / "batch.pt"
     common = ["--teacher", str(teacher_dir), "--batch", str(batch)]
     subprocess.run([sys.executable, script, "--prepare", *common, "--work", str(tmp_path / "prep")], check=True,
                    cwd=REPO, env=env, capture_output=True, timeout=600)
     subprocess.run([sys.executable, script, *common, "--work", str(tmp_path / "one"), "--out", str(tmp_path / "one.json")],
                    check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
-    from tests.test_distributed import _torchrun
-
     _torchrun(2, script, *common, "--work", str(tmp_path / "two"), "--out", str(tmp_path / "two.json"))
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert one.keys() == two.keys() and len(one) == 2

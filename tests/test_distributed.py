@@ -29,8 +29,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_env() -> dict[str, str]:
+    """The environment of these tests' child processes: CPU processes over gloo, one thread each. CUDA is
+    hidden so a GPU machine runs the same comparison (two ranks on its one GPU would need NCCL, which
+    refuses two ranks on one device, and a GPU rank beside a CPU one would not compare to 1e-5)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 def _torchrun(nproc: int, *args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", *args]
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -43,7 +50,7 @@ def one_and_two(tmp_path_factory, tiny_lm_dir):
     work = tmp_path_factory.mktemp("dist")
     script = str(REPO / "tests" / "dist_equivalence.py")
     batch = work / "batch.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     subprocess.run([sys.executable, script, "--prepare", "--batch", str(batch), "--work", str(work / "prep")],
                    check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
     subprocess.run([sys.executable, script, "--batch", str(batch), "--work", str(work / "one"), "--out",

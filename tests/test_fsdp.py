@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from test_distributed import REPO, _torchrun
+from test_distributed import REPO, _torchrun, cpu_env
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +37,7 @@ def ddp_and_fsdp2(tmp_path_factory, tiny_lm_dir):
     work = tmp_path_factory.mktemp("fsdp")
     script = str(REPO / "tests" / "fsdp_equivalence.py")
     batch = work / "batch.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cpu_env()
     subprocess.run([sys.executable, script, "--prepare", "--batch", str(batch), "--work", str(work / "prep")],
                    check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
     _torchrun(2, script, "--batch", str(batch), "--work", str(work / "two"), "--out", str(work / "two.pt"))
@@ -69,7 +68,7 @@ def test_fsdp2_updates_as_ddp(ddp_and_fsdp2, case, variant):
 RUN = ["train", "text", "--config", "tiny", "trainer.strategy=fsdp2", "rollout.engine=hf", "rollout.max_new_tokens=12",
        "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=8",
        "trainer.eval_every=0", "trainer.progress=false", "trainer.save_every=1", "trainer.keep_checkpoints=null"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = cpu_env()
 
 
 def _train(nproc: int, out, *extra: str) -> None:
