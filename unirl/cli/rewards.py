@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from unirl.cli.serving import serve_until_interrupted
+
 
 def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     """Add ``rewards list`` and ``serve-reward`` to ``subparsers`` (from ``add_subparsers()``)."""
@@ -81,14 +83,7 @@ def serve_command(args: argparse.Namespace) -> int:
     except (RewardError, ValueError, OSError, OverflowError) as err:
         print(f"unirl serve-reward: {err}", file=sys.stderr)
         return 1
-    host, port = server.server_address[:2]
-    print(f"serving reward {args.name!r} at http://{host}:{port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_interrupted(server, f"reward {args.name!r}")
     return _leave(0)
 
 

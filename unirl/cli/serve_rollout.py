@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from unirl.cli.serving import serve_until_interrupted
+
 
 def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser("serve-rollout", parents=[common],
@@ -46,12 +48,5 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError, OverflowError) as err:
         print(f"unirl serve-rollout: {err}", file=sys.stderr)
         return 1
-    host, port = server.server_address[:2]
-    print(f"serving rollouts of {args.model!r} at http://{host}:{port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_interrupted(server, f"rollouts of {args.model!r}")
     return 0

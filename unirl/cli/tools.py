@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from unirl.cli.serving import serve_until_interrupted
+
 
 def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p_tools = subparsers.add_parser("tools", help="the tools a config's rollout.tools can name", parents=[common])
@@ -70,12 +72,5 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ToolError, ValueError, OSError) as err:
         print(f"unirl serve-tool: {err}", file=sys.stderr)
         return 1
-    host, port = server.server_address[:2]
-    print(f"serving tool {args.name!r} at http://{host}:{port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_interrupted(server, f"tool {args.name!r}")
     return 0
