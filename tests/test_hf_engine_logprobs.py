@@ -77,3 +77,38 @@ def test_responses_of_different_lengths_are_compared(tiny_lm_dir):
                                                           max_new_tokens=8, temperature=1.3)
     ends = {gen.finished for g in groups for gen in g}
     assert ends == {True, False}, ends
+
+
+def test_the_models_own_sampling_defaults_do_not_change_what_the_rollout_samples(tiny_lm_dir):
+    """A model's generation_config.json may switch on processors (Qwen2.5-Instruct ships a repetition
+    penalty); the rollout samples from ``softmax(logits / T)`` under rollout.* only, so the recorded
+    log-probs equal a teacher-forced forward's, and a minimum length it asks for is not imposed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32).eval()
+    for field, value in dict(repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=8, top_k=2,
+                             top_p=0.5, temperature=0.1).items():
+        setattr(model.generation_config, field, value)
+    prompts = _prompts(tiny_lm_dir, tokenizer)
+    torch.manual_seed(0)
+    groups = HFEngine(lambda: model, tokenizer).generate(prompts, n=3, max_new_tokens=8, temperature=1.3)
+    assert any(gen.finished and len(gen.response_ids) < 8 for g in groups for gen in g), "min_new_tokens was imposed"
+    for prompt, group in zip(prompts, groups):
+        for gen in group:
+            ids = torch.tensor([prompt + gen.response_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+            expected = torch.log_softmax(logits / 1.3, dim=-1).gather(-1, torch.tensor(gen.response_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(gen.logprobs), expected, rtol=0, atol=1e-5)
+
+
+def test_a_model_config_processor_that_cannot_be_switched_off_is_refused(tiny_lm_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32)
+    model.generation_config.suppress_tokens = [5]
+    with pytest.raises(ValueError, match=r"generation_config.json sets suppress_tokens=\[5\].*rollout.engine=vllm"):
+        HFEngine(lambda: model, tokenizer).generate(_prompts(tiny_lm_dir, tokenizer), n=2, max_new_tokens=4,
+                                                    temperature=1.0)

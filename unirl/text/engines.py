@@ -43,6 +43,39 @@ def eos_token_ids(tokenizer, generation_config=None) -> frozenset[int]:
     return frozenset(ids)
 
 
+#: Logits processors a model's own ``generation_config.json`` can switch on in transformers' ``generate``
+#: (Qwen2.5-Instruct ships ``repetition_penalty: 1.05``), with the value that switches each off. The
+#: rollout samples from ``log_softmax(logits / rollout.temperature)`` under ``rollout.top_p/top_k`` only,
+#: as vLLM does with explicit ``SamplingParams`` and TRL does by overriding the model's config
+#: (transformers#42762); a penalty applied here would also enter the recorded log-probs.
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "typical_p": 1.0,
+                    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": 0.0, "guidance_scale": 1.0, "num_beams": 1,
+                    "renormalize_logits": False, "remove_invalid_values": False}
+#: Ones with no value that switches them off: a model whose config sets them is refused.
+UNNEUTRAL_SAMPLING = ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+                      "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+                      "watermarking_config", "top_h")
+
+
+def neutral_sampling_overrides(generation_config) -> dict:
+    """``generate`` keyword arguments that switch off every logits processor ``generation_config`` (the
+    model's own) would add beyond the rollout's settings; a ValueError naming the field for one that
+    cannot be switched off."""
+    overrides = {}
+    for field, neutral in NEUTRAL_SAMPLING.items():
+        value = getattr(generation_config, field, None)
+        if value is not None and value != neutral:
+            overrides[field] = neutral
+    for field in UNNEUTRAL_SAMPLING:
+        if getattr(generation_config, field, None) not in (None, [], {}):
+            raise ValueError(f"the model's generation_config.json sets {field}={getattr(generation_config, field)!r}, "
+                             f"which transformers' generate would apply on top of rollout.* (and into the recorded "
+                             f"log-probs) with rollout.engine=hf: remove it from the model directory's "
+                             f"generation_config.json, or use rollout.engine=vllm")
+    return overrides
+
+
 def _generation_config(model_dir: str):
     """The directory's ``generation_config.json``, or None when it has none."""
     from transformers import GenerationConfig
@@ -164,8 +197,8 @@ class SampledTokenLogprobs:
     28 GiB at 128 x 128 tokens of a 151936-word vocabulary in float32, against ``[N, V]`` here).
 
     Appended after ``generate``'s own processors and before its temperature/top-k/top-p warpers, it sees
-    the float32 logits that ``output_logits`` would return (the tiny and shipped models' generation
-    configs add no processor of their own; a repetition penalty there would be seen here). Step k's
+    the float32 logits that ``output_logits`` would return (``HFEngine`` switches off the processors a
+    model's own generation config would add: ``neutral_sampling_overrides``). Step k's
     token is only known at call k+1 (the last column of ``input_ids``), so each call keeps the step's
     ``[N, V]`` log-softmax until then, and ``finish`` gathers the last one from the final sequences.
     """
@@ -239,7 +272,7 @@ class HFEngine:
             input_ids=ids.to(device), attention_mask=attn.to(device),
             do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy else top_p, top_k=None if greedy or top_k < 0 else top_k,
-            max_new_tokens=max_new_tokens, num_return_sequences=n,
+            max_new_tokens=max_new_tokens, num_return_sequences=n, **neutral_sampling_overrides(model.generation_config),
             pad_token_id=pad, eos_token_id=sorted(eos), logits_processor=LogitsProcessorList([keep]),
             **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
             **(extra_inputs(ids.to(device)) if extra_inputs else {}),
