@@ -16,6 +16,8 @@ import pytest
 import unirl
 from unirl.cli import main
 
+from machine import repo_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: A short text run on the transformers engine: 3 steps of 4 prompts x 4 answers, evaluated at the end.
@@ -187,7 +189,7 @@ def test_the_python_example_of_the_docs_runs_as_written(tmp_path, tiny_lm_dir):
     readme = (REPO / "README.md").read_text()
     assert readme.split("```python\n", 1)[1].split("```", 1)[0] == example, "README's Python example is docs/python.md's"
     proc = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=repo_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last, checkpoint = proc.stdout.splitlines()[-1].split()
     assert 0 <= float(first) <= 1 and 0 <= float(last) <= 1

@@ -229,6 +229,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_every_process_keeps_the_same_number_of_groups(tmp_path, tiny_lm_dir, nproc):
+    from test_distributed import cpu_env
+
     reward = tmp_path / "scripted.py"
     reward.write_text(SCRIPTED)
     out = tmp_path / "run"
@@ -239,7 +241,7 @@ def test_every_process_keeps_the_same_number_of_groups(tmp_path, tiny_lm_dir, np
            "trainer.progress=false", f"rewards=[{{name: '{reward}:scripted'}}]", "algo.filter_groups.enabled=true",
            "algo.filter_groups.metric=scripted", "algo.filter_groups.max_num_gen_batches=0"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=cpu_env())  # gloo on the CPU: two ranks on one GPU would meet under NCCL
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]

@@ -21,6 +21,8 @@ from unirl.rewards.registry import RewardError
 from unirl.config.schema import RewardConfig
 from unirl.reward_set import RewardSet
 
+from machine import repo_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -120,7 +122,7 @@ def test_a_hung_tool_times_out_naming_it_and_the_process_still_exits(tmp_path):
         "print('still running:', runner.still_running())\n"
         "runner.close()\n"
         "print('done')\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     start = time.monotonic()
     try:
         out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)

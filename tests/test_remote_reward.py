@@ -24,6 +24,8 @@ from unirl.rewards.remote import RemoteReward, make_server
 from unirl.config.schema import RewardConfig
 from unirl.reward_set import RewardSet
 
+from machine import repo_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 IMAGE_REWARD = '''
@@ -61,7 +63,7 @@ def served():
 
 def test_serve_reward_command_end_to_end_text():
     """The real command in a subprocess, on a free port, used through a RewardSet like a run does."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "unirl.cli", "serve-reward", "gsm8k", "--port", "0",
          "--kwargs", '{"method": "flexible"}'],

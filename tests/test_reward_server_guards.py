@@ -24,6 +24,8 @@ import pytest
 from unirl.rewards.registry import RewardError
 from unirl.rewards.remote import RemoteReward, make_server
 
+from machine import repo_env
+
 REPO = Path(__file__).resolve().parents[1]
 REWARD = '''
 import pathlib, time
@@ -126,7 +128,7 @@ def test_serve_reward_exits_on_sigterm_while_a_call_hangs(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "unirl.cli", "serve-reward", f"{tmp_path / 'guarded.py'}:hang", "--port", "0",
          "--grace-s", "0.5", "--kwargs", json.dumps({"marker": str(marker)})],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=repo_env())
     try:
         url = proc.stdout.readline().split(" at ")[1].strip()
         body = json.dumps({"samples": ["a"]}).encode()

@@ -17,6 +17,8 @@ import pytest
 from unirl.tools import ToolError, load_tool
 from unirl.tools.remote_client import RemoteTool
 
+from machine import repo_env
+
 # Builds BM25 indexes in this process, importing numba: see conftest.pytest_collection_modifyitems.
 pytestmark = pytest.mark.imports_numba
 
@@ -66,7 +68,7 @@ def test_dry_run_names_a_missing_corpus_an_unknown_tool_and_a_bad_kwarg(tmp_path
 
 
 def _serve(corpus: Path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     proc = subprocess.Popen([sys.executable, "-m", "unirl.cli", "serve-tool", "search", "--corpus", str(corpus),
                              "--port", "0", "--max-wait-ms", "20"], stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
@@ -167,7 +169,7 @@ def test_the_write_your_own_tool_example_of_docs_tools_md_runs(tmp_path):
     module, snippet = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     command = re.search(r"```console\n\$ (.*?)\n```", section, re.DOTALL).group(1)
     (tmp_path / "my_tools.py").write_text(module)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     ran = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert ran.returncode == 0, ran.stderr[-2000:]
     expected = [line.split("# ", 1)[1].strip() for line in snippet.splitlines() if line.startswith("print(")]

@@ -10,6 +10,8 @@ from unirl.config.environments import ENVIRONMENTS
 from unirl.config.environments import import_object as _import
 from unirl.config import CONFIGS_ROOT, load_config
 
+from machine import config_param
+
 SHIPPED = sorted(CONFIGS_ROOT.rglob("*.yaml"))
 
 
@@ -18,7 +20,7 @@ def test_configs_are_shipped():
     assert {"text/tiny.yaml", "text/gsm8k.yaml"} <= names
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(CONFIGS_ROOT).as_posix())
+@pytest.mark.parametrize("path", [config_param(p) for p in SHIPPED], ids=lambda p: p.relative_to(CONFIGS_ROOT).as_posix())
 def test_shipped_config_validates(path: Path):
     env = path.relative_to(CONFIGS_ROOT).parts[0]
     assert env in ENVIRONMENTS, f"{path}: configs/<env>/ must be one of {sorted(ENVIRONMENTS)}"
