@@ -6,7 +6,13 @@
 #   summary.txt   the card, the versions, each part's exit status and seconds, the key figures
 #   compare.log, compare.json   benchmarks/compare_trl.py's table and results
 #   tiny.log      the two tiny runs' last metrics rows and run_info.json
+#   profile.log, profile.json   benchmarks/generate_profile.py: TRL's generate call against HFEngine's
 #   suite.log, suite.xml        pytest's output and its JUnit report
+#
+# The suite rarely fits beside the rest: SUITE names what to run (default: tests), SUITE_REST=FILE.xml
+# runs every collected test that FILE.xml (an earlier part's JUnit report) does not list, and PARTS
+# (default "compare profile tiny suite") picks the parts. A prebuilt toy cache (UNIRL_CACHE, e.g. a copy
+# of a CPU session's test cache carried in .gpu/cache) saves each worker its toy builds.
 #
 # Wheels the GPU machine lacks (diffusers, trl, datasets ...) are installed from $WHEELS (default .gpu/,
 # see ../shared/gpu-wheels/README.md). Run from the repository's root:  bash benchmarks/gpu_check.sh
@@ -41,13 +47,27 @@ part() {
   echo "$name: exit $rc in $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$S"
 }
 
+PARTS=" ${PARTS:-compare profile tiny suite} "
+W=${TMPDIR:-/tmp}/compare-trl
+
 # 1. The 0.5B-shape comparison with TRL: HF generate in both, bf16 weights, 16 prompts x 8, 128 new tokens.
-part compare 200 "$OUT/compare.log" python3 benchmarks/compare_trl.py --device cuda --dtype bfloat16 \
-  --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps 4 --runs unirl-hf,trl-hf \
-  --work "${TMPDIR:-/tmp}/compare-trl" --json "$OUT/compare.json"
+if [[ $PARTS == *" compare "* ]]; then
+part compare ${COMPARE_SECONDS:-200} "$OUT/compare.log" python3 benchmarks/compare_trl.py --device cuda --dtype bfloat16 \
+  --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${COMPARE_STEPS:-4} --runs unirl-hf,trl-hf \
+  --work "$W" --json "$OUT/compare.json"
 tail -n 6 "$OUT/compare.log" >>"$S"
+fi
+
+# 1b. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed).
+if [[ $PARTS == *" profile "* ]]; then
+part profile ${PROFILE_SECONDS:-120} "$OUT/profile.log" python3 benchmarks/generate_profile.py --device cuda \
+  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --repeats 2 --profile \
+  --variants trl,trl+logprobs,unirl,unirl-packed --work "$W" --json "$OUT/profile.json"
+tail -n 7 "$OUT/profile.log" >>"$S"
+fi
 
 # 2. The tiny configs on CUDA (vLLM is not on this machine: the transformers engine).
+if [[ $PARTS == *" tiny "* ]]; then
 R=${TMPDIR:-/tmp}/unirl-runs
 rm -rf "$R"
 part tiny-text 90 "$OUT/tiny.log" python3 -m unirl.cli train text --config tiny --output-dir "$R/text" \
@@ -60,13 +80,21 @@ for run in text diffusion; do
 done
 grep -h '"eval/accuracy"' "$R/text/metrics.jsonl" 2>/dev/null | python3 -c "import sys, json; \
 print('tiny text eval/accuracy:', [round(json.loads(l)['eval/accuracy'], 3) for l in sys.stdin])" >>"$S" 2>&1
+fi
 
-# 3. The suite, on 8 workers, in whatever time is left (up to 7 minutes in all). On an H100 that was 4
-# minutes and 494 of ~1,300 tests (2026-11-26): SUITE names a part to run instead (a second call for the rest).
-LEFT=$((410 - ($(date +%s) - T0)))
-part suite "$((LEFT > 60 ? LEFT : 60))" "$OUT/suite.log" python3 -m pytest -n 8 -p no:cacheprovider -q -rfEs \
-  --timeout 240 --junitxml="$OUT/suite.xml" ${SUITE:-tests}
+# 3. The suite, on 8 workers of 2 threads, in whatever time is left (TOTAL_SECONDS in all, default 7
+# minutes). On an H100 that was 4 minutes and 494 of ~1,300 tests (2026-11-26).
+if [[ $PARTS == *" suite "* ]]; then
+TARGETS=${SUITE:-tests}
+if [[ -n ${SUITE_REST:-} ]]; then  # the tests an earlier part did not reach
+  TARGETS=$(python3 benchmarks/suite_rest.py "$SUITE_REST") || TARGETS=tests
+fi
+export OMP_NUM_THREADS=2
+LEFT=$((${TOTAL_SECONDS:-410} - ($(date +%s) - T0)))
+[[ -n $TARGETS ]] && part suite "$((LEFT > 60 ? LEFT : 60))" "$OUT/suite.log" python3 -m pytest -n 8 -p no:cacheprovider \
+  -q -rfEs --timeout 240 --junitxml="$OUT/suite.xml" $TARGETS
 tail -n 3 "$OUT/suite.log" >>"$S"
 grep -E "^(FAILED|ERROR) " "$OUT/suite.log" >>"$S"
+fi
 echo "total: $(($(date +%s) - T0)) s" >>"$S"
 cat "$S"

@@ -1,0 +1,38 @@
+"""The test ids that an earlier, cut-short pytest run did not report, for ``gpu_check.sh``'s SUITE_REST.
+
+    python benchmarks/suite_rest.py suite.xml [tests]    # prints the missing node ids, space-separated
+
+Collects ``tests`` (default ``tests``) with ``pytest --collect-only -q`` and leaves out every test case the
+JUnit report lists (passed, failed, errored or skipped alike)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+
+def reported(xml_path: str) -> set[str]:
+    """Node ids (``tests/test_x.py::test_y[param]``) of the JUnit report's test cases."""
+    done = set()
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        module = case.get("classname", "").split(".")  # tests.test_x or tests.test_x.TestClass
+        path = "/".join(module[:2]) + ".py"
+        name = "::".join(module[2:] + [case.get("name", "")])
+        done.add(f"{path}::{name}")
+    return done
+
+
+def main() -> None:
+    xml_path, target = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "tests")
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", target],
+                         capture_output=True, text=True)
+    collected = [line.strip() for line in out.stdout.splitlines() if "::" in line]
+    rest = [node for node in collected if node not in reported(xml_path)]
+    if not collected:
+        sys.exit(f"collected nothing from {target}: {out.stderr.strip()[-300:]}")
+    print(" ".join(rest))  # nothing when the report has them all
+
+
+if __name__ == "__main__":
+    main()
