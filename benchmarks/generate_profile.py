@@ -13,7 +13,8 @@ Variants, each timed over ``--repeats`` calls after one warm-up call (same promp
   unirl        ``HFEngine.generate`` (what ``rollout.engine=hf`` runs), model on transformers' sdpa
   unirl-packed the same after ``use_packed_attention`` (what ``model.share_prompt=true`` installs)
 Random weights never sample EOS, so every variant generates ``--new-tokens`` tokens for every row.
-``--profile`` adds torch.profiler's top operators for ``trl`` and ``unirl``. Results: a markdown table
+``--profile`` adds torch.profiler's top operators for ``trl`` and the last unirl variant (at the 0.5B shape on an H200,
+~60 s each: run the timings first). Results: a markdown table
 (median seconds, ms per generated step, peak memory) and ``--json``.
 """
 
@@ -140,7 +141,9 @@ def main() -> None:
         results[name] = timed(fns[name], args.device, args.repeats)
         r = results[name]
         print(f"{name}: {r['median_s']:.3f} s ({1000 * r['median_s'] / T:.1f} ms/step)", flush=True)
-        if args.profile and name in ("trl", "unirl"):
+    # After every timing (a cut-short run keeps them); the model's attention is packed once unirl-packed ran.
+    for name in ("trl", "unirl-packed" if "unirl-packed" in results else "unirl") if args.profile else ():
+        if name in results:
             profiles[name] = profile_top(fns[name], args.device)
             print(f"== profile {name}\n{profiles[name]}", flush=True)
 

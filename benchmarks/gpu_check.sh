@@ -58,10 +58,11 @@ part compare ${COMPARE_SECONDS:-200} "$OUT/compare.log" python3 benchmarks/compa
 tail -n 6 "$OUT/compare.log" >>"$S"
 fi
 
-# 1b. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed).
+# 1b. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed), ~80 s.
+# PROFILE_FLAGS=--profile adds torch.profiler tables for two variants (~60 s more each on an H200).
 if [[ $PARTS == *" profile "* ]]; then
 part profile ${PROFILE_SECONDS:-120} "$OUT/profile.log" python3 benchmarks/generate_profile.py --device cuda \
-  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --repeats 2 --profile \
+  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --repeats 2 ${PROFILE_FLAGS:-} \
   --variants trl,trl+logprobs,unirl,unirl-packed --work "$W" --json "$OUT/profile.json"
 tail -n 7 "$OUT/profile.log" >>"$S"
 fi
