@@ -9,8 +9,8 @@
 #   profile.log, profile.json   benchmarks/generate_profile.py: TRL's generate call against HFEngine's
 #   suite.log, suite.xml        pytest's output and its JUnit report
 #
-# The suite rarely fits beside the rest: SUITE names what to run (default: tests), SUITE_REST=FILE.xml
-# runs every collected test that FILE.xml (an earlier part's JUnit report) does not list, and PARTS
+# The suite rarely fits beside the rest: SUITE names what to run (default: tests), SUITE_REST=FILE runs
+# every collected test that FILE (an earlier part's suite.log, kept on the machine) does not list, and PARTS
 # (default "compare profile tiny suite") picks the parts. A prebuilt toy cache (UNIRL_CACHE, e.g. a copy
 # of a CPU session's test cache carried in .gpu/cache) saves each worker its toy builds.
 #
@@ -93,9 +93,10 @@ fi
 export OMP_NUM_THREADS=2
 LEFT=$((${TOTAL_SECONDS:-410} - ($(date +%s) - T0)))
 [[ -n $TARGETS ]] && part suite "$((LEFT > 60 ? LEFT : 60))" "$OUT/suite.log" python3 -m pytest -n 8 -p no:cacheprovider \
-  -q -rfEs --timeout 240 --junitxml="$OUT/suite.xml" $TARGETS
+  -v -rfEs --timeout 240 --junitxml="$OUT/suite.xml" $TARGETS
 tail -n 3 "$OUT/suite.log" >>"$S"
 grep -E "^(FAILED|ERROR) " "$OUT/suite.log" >>"$S"
+mkdir -p .gpu-state && cp "$OUT/suite.log" .gpu-state/suite.log  # SUITE_REST=.gpu-state/suite.log next time
 fi
 echo "total: $(($(date +%s) - T0)) s" >>"$S"
 cat "$S"
