@@ -112,3 +112,34 @@ def test_a_model_config_processor_that_cannot_be_switched_off_is_refused(tiny_lm
     with pytest.raises(ValueError, match=r"generation_config.json sets suppress_tokens=\[5\].*rollout.engine=vllm"):
         HFEngine(lambda: model, tokenizer).generate(_prompts(tiny_lm_dir, tokenizer), n=2, max_new_tokens=4,
                                                     temperature=1.0)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_static_cache_samples_what_the_dynamic_one_does(tiny_lm_dir, greedy):
+    """``rollout.hf_cache=static`` preallocates the KV cache (for compiled decoding on a GPU): the same seed
+    gives the same tokens and log-probs, over two calls of different prompt widths (the second reuses or
+    regrows the first's cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32).eval()
+    prompts = _prompts(tiny_lm_dir, tokenizer)
+    calls = [prompts, [p + p[-3:] for p in prompts[:2]]]  # a wider second batch
+    outputs = {}
+    for cache in ("dynamic", "static"):
+        engine = HFEngine(lambda: model, tokenizer, cache=cache)
+        outputs[cache] = [engine.generate(batch, n=3, max_new_tokens=8, temperature=1.3, greedy=greedy, seed=k)
+                          for k, batch in enumerate(calls)]
+    for dynamic, static in zip(outputs["dynamic"], outputs["static"]):
+        for group_d, group_s in zip(dynamic, static):
+            for d, s in zip(group_d, group_s):
+                assert s.response_ids == d.response_ids and s.finished == d.finished
+                torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(d.logprobs), rtol=0, atol=1e-5)
+
+
+def test_the_cache_setting_is_the_transformers_engines_only():
+    from unirl.api import load_config
+
+    assert load_config("text", "tiny", ["rollout.engine=hf", "rollout.hf_cache=static"]).rollout.hf_cache == "static"
+    with pytest.raises(ValueError, match="rollout.hf_cache=static .* rollout.engine=vllm does not use it"):
+        load_config("text", "tiny", ["rollout.engine=vllm", "rollout.hf_cache=static"])

@@ -137,6 +137,12 @@ class RolloutConfig:
     top_p: float = 1.0
     #: Top-k sampling (-1: off).
     top_k: int = -1
+    #: With ``engine: hf``: transformers' KV cache while sampling. ``dynamic`` grows it step by step;
+    #: ``static`` preallocates it (TRL's ``cache_implementation: static``), which lets transformers
+    #: compile the decoding step with CUDA graphs on a GPU, where eager decoding of a small model is
+    #: bound by kernel launches (an H200 busy 0.40 s of a 2.95 s rollout at Qwen2.5-0.5B's shape,
+    #: benchmarks/README.md); on the CPU it only preallocates. Same samples and log-probs either way.
+    hf_cache: Literal["dynamic", "static"] = "dynamic"
     #: vLLM settings for GPUs (ignored by the CPU build where they do not apply).
     gpu_memory_utilization: float = 0.3
     #: vLLM's tensor-parallel GPUs per engine.
@@ -205,6 +211,9 @@ class RolloutConfig:
         check_range(self, "gpu_memory_utilization", low=0, high=1, low_open=True)
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.hf_cache != "dynamic" and self.engine != "hf":
+            raise ValueError(f"rollout.hf_cache={self.hf_cache} sets the transformers engine's cache; "
+                             f"rollout.engine={self.engine} does not use it: set rollout.engine=hf or drop hf_cache")
 
 
 @dataclass

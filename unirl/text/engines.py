@@ -231,9 +231,12 @@ class SampledTokenLogprobs:
 class HFEngine:
     """Sampling with transformers ``generate`` on the trainer's own model (no weight sync needed)."""
 
-    def __init__(self, model_fn, tokenizer):
+    def __init__(self, model_fn, tokenizer, cache: str = "dynamic"):
         self.model_fn = model_fn  # returns the current (unwrapped) policy
         self.tokenizer = tokenizer
+        #: ``rollout.hf_cache``: "static" preallocates the KV cache (transformers then compiles decoding on a
+        #: GPU and keeps the largest cache length seen, so later calls reuse it rather than recompile).
+        self.cache = {} if cache == "dynamic" else {"cache_implementation": cache}
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
@@ -273,6 +276,7 @@ class HFEngine:
             do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy else top_p, top_k=None if greedy or top_k < 0 else top_k,
             max_new_tokens=max_new_tokens, num_return_sequences=n, **neutral_sampling_overrides(model.generation_config),
+            **self.cache,
             pad_token_id=pad, eos_token_id=sorted(eos), logits_processor=LogitsProcessorList([keep]),
             **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
             **(extra_inputs(ids.to(device)) if extra_inputs else {}),

@@ -117,9 +117,10 @@ class TextEnvironment(Environment):
                                        processes=accelerator.num_processes)
         elif cfg.rollout.max_staleness:  # asynchronous: sample from a copy the trainer's updates do not touch
             self.sampler_model = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
-            self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer)
+            self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer, cache=cfg.rollout.hf_cache)
         else:
-            self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer)
+            self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer,
+                                   cache=cfg.rollout.hf_cache)
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
