@@ -11,6 +11,8 @@ Variants, each timed over ``--repeats`` calls after one warm-up call (same promp
   trl+nrs      the same with ``num_return_sequences=--group`` in place of repeated prompts
   trl+logprobs trl+nrs plus unirl's ``SampledTokenLogprobs`` processor (the sampled tokens' log-probs)
   unirl        ``HFEngine.generate`` (what ``rollout.engine=hf`` runs), model on transformers' sdpa
+  unirl-static the same with ``rollout.hf_cache=static`` (on a GPU transformers compiles the decoding step;
+               the warm-up call pays the compilation)
   unirl-packed the same after ``use_packed_attention`` (what ``model.share_prompt=true`` installs)
 Random weights never sample EOS, so every variant generates ``--new-tokens`` tokens for every row.
 ``--profile`` adds torch.profiler's top operators for ``trl`` and the last unirl variant (at the 0.5B shape on an H200,
@@ -129,7 +131,13 @@ def main() -> None:
     def unirl():
         return engine.generate(prompt_ids, n=G, max_new_tokens=T, temperature=1.0, seed=0)
 
-    fns = {"trl": trl, "trl+nrs": trl_nrs, "trl+logprobs": trl_logprobs, "unirl": unirl, "unirl-packed": unirl}
+    static = HFEngine(lambda: model, tokenizer, cache="static")
+
+    def unirl_static():  # rollout.hf_cache=static: transformers compiles decoding on a GPU (warm-up compiles)
+        return static.generate(prompt_ids, n=G, max_new_tokens=T, temperature=1.0, seed=0)
+
+    fns = {"trl": trl, "trl+nrs": trl_nrs, "trl+logprobs": trl_logprobs, "unirl": unirl, "unirl-static": unirl_static,
+           "unirl-packed": unirl}
     variants = [v for v in args.variants.split(",") if v]
     if unknown := set(variants) - set(fns):
         parser.error(f"unknown variants {sorted(unknown)}; choose from {list(fns)}")

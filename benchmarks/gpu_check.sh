@@ -63,7 +63,7 @@ fi
 if [[ $PARTS == *" profile "* ]]; then
 part profile ${PROFILE_SECONDS:-120} "$OUT/profile.log" python3 benchmarks/generate_profile.py --device cuda \
   --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --repeats 2 ${PROFILE_FLAGS:-} \
-  --variants trl,trl+logprobs,unirl,unirl-packed --work "$W" --json "$OUT/profile.json"
+  --variants trl,trl+logprobs,unirl,unirl-static,unirl-packed --work "$W" --json "$OUT/profile.json"
 tail -n 7 "$OUT/profile.log" >>"$S"
 fi
 
