@@ -80,10 +80,14 @@ class VLMEnvironment(TextEnvironment):
         super().setup(accelerator)
         self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
 
+    def load_processor(self) -> None:
+        """The model directory's tokenizer, image processor and chat template (``VLMProcessor``)."""
+        self.processor = VLMProcessor.from_pretrained(self.model_path)
+
     def _load_policy(self, auto_class, dtype):
         from transformers import AutoModelForImageTextToText
 
-        self.processor = VLMProcessor.from_pretrained(self.model_path)
+        self.load_processor()
         model = super()._load_policy(AutoModelForImageTextToText, dtype)
         if self.cfg.model.freeze_vision_tower:
             model.model.visual.requires_grad_(False)
