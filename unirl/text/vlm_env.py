@@ -28,11 +28,19 @@ from unirl.text.vlm import IMAGES_KEY, VLMProcessor, row_images, vision_inputs
 
 
 def vlm_model(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory whose
-    ``config.json`` has a ``vision_config``."""
+    """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory or hub
+    model whose ``config.json`` has a ``vision_config`` (a hub model's config is fetched, or read from the
+    cache; when it cannot be, the name is taken for a text model and loading it reports why)."""
     if name_or_path == "tiny_vlm":
         return True
     config = Path(name_or_path) / "config.json"
+    if not config.is_file() and "/" in name_or_path and not Path(name_or_path).exists():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config = Path(hf_hub_download(name_or_path, "config.json"))
+        except Exception:  # offline and not cached, no such repo, ...: not known to be a VLM
+            return False
     return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
