@@ -60,6 +60,7 @@ BUILTIN_MODULES: list[str] = [
     "unirl.rewards.gsm8k",
     "unirl.rewards.qa_em",
     "unirl.rewards.mathverify",
+    "unirl.rewards.geo3k",
     "unirl.rewards.clip_rewards",
     "unirl.rewards.hpsv2",
     "unirl.rewards.image",

@@ -161,32 +161,34 @@ def test_vlm_environment_rollout_logprobs_equal_the_trainers_and_image_tokens_ar
         logits = env.model(input_ids=ids, attention_mask=attn, **vision).logits[:, -t["response_ids"].shape[1] - 1:-1]
     p_vision = torch.softmax(logits.float(), -1)[..., env.processor.vision_token_ids].sum(-1)  # [n, R]
     mask = scored["mask"].bool()
-    assert mask.any() and p_vision[mask].min() > 1e-3  # the random model does put mass on them
     # The engine never samples a vision token: its log-probs are the policy's renormalised without them.
-    expected = scored["logp"] - torch.log1p(-p_vision)
-    torch.testing.assert_close(batch.engine_logp[mask], expected[mask], atol=1e-4, rtol=0)
+    correction = -torch.log1p(-p_vision)
+    assert mask.any() and (correction[mask] > 2e-4).float().mean() > 0.5, correction[mask]  # larger than atol
+    torch.testing.assert_close(batch.engine_logp[mask], (scored["logp"] + correction)[mask], atol=1e-4, rtol=0)
     image_id = env.processor.image_token_id
     assert image_token_mask(batch.tensors["prompt_ids"], image_id).sum() == 4 * 4  # 4 samples x 4 tokens
     assert not image_token_mask(batch.tensors["response_ids"], image_id)[mask].any()
 
 
 @pytest.mark.slow
-def test_tiny_vlm_demo_reward_rises(tmp_path):
-    """``unirl train text --config tiny_vlm`` for 30 steps (about 15 s on 2 idle cores): the sampled
-    reward rises by at least 0.15 (0.07 -> 0.23 measured, first vs last 10 steps). What it learns in so
-    few steps is the answer format; held-out counting accuracy stays near chance (docs/vlm.md)."""
+def test_tiny_vlm_demo_learns_to_count(tmp_path):
+    """``unirl train text --config tiny_vlm`` for 80 steps: the sampled reward and the held-out greedy
+    accuracy (100 pictures the policy never trained on) both rise by at least 0.2 (measured: reward
+    0.28 -> 0.80 first vs last 10 steps, held-out 0.60 -> 0.92 at step 75; benchmarks/README.md)."""
     import subprocess
     import sys
 
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny_vlm", "--output-dir",
-                           str(run), "trainer.total_steps=30", "trainer.eval_every=30", "trainer.save_every=15",
-                           "trainer.progress=false"], capture_output=True, text=True, timeout=600)
+                           str(run), "trainer.total_steps=80", "trainer.eval_every=80", "trainer.save_every=0",
+                           "trainer.progress=false"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rewards = [m["reward/mean"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-               if "reward/mean" in m]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= first + 0.15, f"reward did not rise enough: first-10 {first:.3f}, last-10 {last:.3f}"
+    assert last >= first + 0.2, f"reward did not rise enough: first-10 {first:.3f}, last-10 {last:.3f}"
+    held_out = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]  # steps 0 and 80
+    assert len(held_out) == 2 and held_out[1] >= held_out[0] + 0.2, f"held-out accuracy {held_out}"
 
 
 def test_lora_on_the_language_model_of_a_vlm_trains_only_the_adapters(tmp_path):
@@ -199,3 +201,41 @@ def test_lora_on_the_language_model_of_a_vlm_trains_only_the_adapters(tmp_path):
     (scored["logp"] * scored["mask"]).sum().backward()
     trained = {name for name, p in env.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert trained and all("lora_" in name and "language_model" in name for name in trained), sorted(trained)[:4]
+
+
+def test_python_api_trains_on_image_rows_rewards_get_the_pictures_and_eval_writes_them(tmp_path):
+    """``unirl.train`` takes rows whose ``images`` are PIL pictures, bytes or paths (written as files beside
+    the run's data); each reward call gets every sample's own pictures as ``images``; ``unirl.evaluate``
+    writes the held-out pictures beside the answers (``images/``, ``samples.jsonl``, ``samples.md``)."""
+    import unirl
+
+    colours = {"red": (255, 0, 0), "green": (0, 128, 0), "blue": (0, 0, 255)}
+    _picture("blue").save(tmp_path / "blue.png")
+    buffer = io.BytesIO()
+    _picture("green").save(buffer, format="PNG")
+    sources = {"red": _picture("red"), "green": buffer.getvalue(), "blue": str(tmp_path / "blue.png")}
+    rows = [{"prompt": f"colour {name}?", "colour": name, "images": [sources[name]]} for name in colours]
+    seen = []
+
+    def colour_seen(samples, *, images, colour, **kwargs):
+        # The picture each sample was answered from is its own row's, as an opened PIL image.
+        seen.extend((imgs[0].getpixel((5, 5)), c) for imgs, c in zip(images, colour))
+        return [float(imgs[0].getpixel((5, 5)) == colours[c]) for imgs, c in zip(images, colour)]
+
+    overrides = {"model.share_prompt": False, "trainer.total_steps": 1, "trainer.prompts_per_step": 3,
+                 "trainer.group_size": 2, "trainer.mini_batch_size": 6, "trainer.micro_batch_size": 6,
+                 "trainer.eval_every": 0, "trainer.save_every": 1, "rollout.max_new_tokens": 3, "overlong.buffer": None}
+    result = unirl.train("text", "tiny_vlm", overrides, rewards=[colour_seen], train_data=rows, test_data=rows,
+                         output_dir=tmp_path / "run", progress=False)
+    assert result.rewards == [1.0] and len(seen) == 6 and {c for _, c in seen} == set(colours)
+    written = [json.loads(line) for line in (result.run_dir / "data" / "train.jsonl").read_text().splitlines()]
+    assert written[0]["images"] == ["train_images/row00000_0.png"] and written[2]["images"] == [str(tmp_path / "blue.png")]
+
+    summary = unirl.evaluate("text", checkpoint=result.checkpoint, rewards=[colour_seen], output_dir=tmp_path / "eval")
+    assert summary["reward"] == 1.0
+    out = tmp_path / "eval"
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["images"] for s in samples] == [["images/0000_0.png"], ["images/0001_0.png"], ["images/0002_0.png"]]
+    assert [Image.open(out / s["images"][0]).getpixel((5, 5)) for s in samples] == list(colours.values())
+    table = (out / "samples.md").read_text()
+    assert table.count("![") == 3 and "(images/0001_0.png)" in table and "| colour green? |" in table

@@ -20,7 +20,9 @@ command line cannot pass: reward callables and in-memory datasets.
   ``config.yaml`` names it, so that file runs from the command line only where the name is
   registered (or written as ``file.py:function``).
 - Datasets (``datasets.Dataset``, a list of dicts, a list of prompt strings) are written to
-  ``RUN/data/train.jsonl`` / ``test.jsonl`` and the config points at them; a path is used as is.
+  ``RUN/data/train.jsonl`` / ``test.jsonl`` and the config points at them; a path is used as is. A
+  row's ``images`` (a vision-language policy's, docs/vlm.md) may be PIL images, bytes or file paths:
+  the pictures are written as PNGs under ``RUN/data/train_images/`` and paths made absolute.
 - Repeated calls in one process work: each run closes its vLLM engine and process group. Ctrl-C
   (a notebook's interrupt) ends the current step, saves a checkpoint and raises ``Preempted``, as
   the CLI does. vLLM runs inside the calling process, so a *script* (not a notebook) that trains
@@ -177,6 +179,10 @@ def _data_file(data: Any, path: Path, what: str) -> str:
                 row = {"prompt": row}
             if not isinstance(row, Mapping):
                 raise TypeError(f"{what}: row {i} is a {type(row).__name__}; expected a dict of columns or a prompt string")
+            if row.get("images") is not None:  # pictures in memory become PNG files beside the data file
+                from unirl.text.vlm import portable_images
+
+                row = portable_images(dict(row), i, path.parent / f"{path.stem}_images", f"row{i:05d}")
             try:
                 f.write(json.dumps(dict(row)) + "\n")
             except TypeError as err:

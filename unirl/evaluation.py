@@ -163,12 +163,20 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     # accuracy and pass@k count an answer correct when it gets the reward's full score (1 for gsm8k);
     # with several rewards there is no one "correct", so only the weighted total and each reward are given.
     correct = (next(iter(comps.values())) >= 1.0).view(len(rows), n) if len(comps) == 1 else None  # [prompts, n]
+    pictures = _save_pictures(out, rows)  # a VLM's held-out pictures, written beside the answers
+    records = []
     with open(out / "samples.jsonl", "w") as f:
         for i, (row, text) in enumerate(zip(flat_rows, texts)):
-            f.write(json.dumps({"index": i // n, "prompt": row["prompt"], "response": text, "reward": float(total[i]),
-                                **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
-                                **{f"judge/{k}": v[i] for k, v in judged.items()},
-                                **({"correct": bool(correct.view(-1)[i])} if correct is not None else {})}) + "\n")
+            records.append({"index": i // n, "prompt": row["prompt"], **({"images": pictures[i // n]} if pictures else {}),
+                            "response": text, "reward": float(total[i]),
+                            **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
+                            **{f"judge/{k}": v[i] for k, v in judged.items()},
+                            **({"correct": bool(correct.view(-1)[i])} if correct is not None else {})})
+            f.write(json.dumps(records[-1]) + "\n")
+    if pictures:
+        from unirl.text.vlm import samples_markdown
+
+        (out / "samples.md").write_text(samples_markdown(records, rows))
     summary = {"checkpoint": str(checkpoint), "prompts": len(rows), "n": n, "reward": total.mean().item(),
                **{f"reward/{k}": v.nanmean().item() for k, v in comps.items()}}
     if correct is not None:
@@ -180,6 +188,17 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     return summary
 
 
+def _save_pictures(out: Path, rows: list[dict]) -> list[list[str]] | None:
+    """Each held-out row's images as ``out/images/<row>_<k>.png`` (paths relative to ``out``), or None when
+    no row has any (a text policy)."""
+    from unirl.text.vlm import IMAGES_KEY, save_images
+
+    if not any(row.get(IMAGES_KEY) for row in rows):
+        return None
+    return [[f"images/{name}" for name in save_images(row.get(IMAGES_KEY) or [], out / "images", f"{i:04d}")]
+            for i, row in enumerate(rows)]
+
+
 def _text_policy(cfg, checkpoint: str, work: Path):
     """``(env, rows)``: a ``TextEnvironment`` holding the checkpoint's path and tokenizer (nothing
     trained, no engine yet) and the held-out rows."""
@@ -188,11 +207,13 @@ def _text_policy(cfg, checkpoint: str, work: Path):
 
     from unirl.text.env import TextEnvironment, resolve_model_path
 
-    env = TextEnvironment(cfg)
+    env = TextEnvironment(cfg)  # a VLMEnvironment for a vision-language model (unirl/text/vlm_env.py)
     env.accelerator = Accelerator(cpu=True) if cfg.rollout.engine == "vllm" else Accelerator()
     env.model_path = resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work)
-    if cfg.model.name_or_path == "tiny" and cfg.data.test == "tiny":  # the tiny task ships with the tiny model
-        cfg.data.test = str(Path(resolve_model_path("tiny")) / "test.jsonl")
+    if cfg.model.name_or_path in ("tiny", "tiny_vlm") and cfg.data.test == "tiny":  # the task ships with the model
+        cfg.data.test = str(Path(resolve_model_path(cfg.model.name_or_path)) / "test.jsonl")
+    if hasattr(env, "load_processor"):
+        env.load_processor()
     env.tokenizer = AutoTokenizer.from_pretrained(env.model_path)
     if env.tokenizer.pad_token_id is None:
         env.tokenizer.pad_token = env.tokenizer.eos_token
@@ -207,10 +228,20 @@ def _answers(cfg, env, rows: list[dict], n: int) -> list:
     from unirl.text.engines import HFEngine, VLLMEngine
 
     r = cfg.rollout
+    if hasattr(env, "load_processor") and r.engine != "hf":
+        raise ValueError(f"rollout.engine={r.engine}: a vision-language policy is evaluated with the transformers engine "
+                         f"only (docs/vlm.md); pass rollout.engine=hf")
     if r.engine == "vllm":
         engine = VLLMEngine(env.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, seed=cfg.trainer.seed,
                             gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
                             enforce_eager=r.enforce_eager, max_model_len=r.max_model_len)
+    elif hasattr(env, "load_processor"):  # a vision-language policy: its images go to generate
+        from transformers import AutoModelForImageTextToText
+
+        from unirl.text.vlm_env import VLMHFEngine
+
+        model = AutoModelForImageTextToText.from_pretrained(env.model_path).to(env.accelerator.device).eval()
+        engine = VLMHFEngine(lambda: model, env.tokenizer, env.processor)
     else:
         model = AutoModelForCausalLM.from_pretrained(env.model_path).to(env.accelerator.device).eval()
         engine = HFEngine(lambda: model, env.tokenizer)

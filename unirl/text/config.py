@@ -79,9 +79,11 @@ class DataConfig:
     train_split: str = "train"
     #: Split of ``test`` when it is a hub dataset.
     test_split: str = "test"
-    #: How a row becomes a prompt: ``plain`` (the ``prompt_key`` column as it is) or ``gsm8k``
-    #: (question + verl's instruction, gold from ``#### N``; the ``gsm8k`` config sets it).
-    adapter: Literal["gsm8k", "plain"] = "plain"
+    #: How a row becomes a prompt: ``plain`` (the ``prompt_key`` column as it is), ``gsm8k``
+    #: (question + verl's instruction, gold from ``#### N``; the ``gsm8k`` config sets it) or ``geo3k``
+    #: (hiyouga/geometry3k's ``problem`` without its ``<image>`` marks + verl's think/boxed instruction,
+    #: ``answer`` kept as the gold; the ``geo3k`` config sets it).
+    adapter: Literal["gsm8k", "geo3k", "plain"] = "plain"
     #: The column holding the prompt; null: ``prompt``, else ``question``, else the rows' only text column.
     prompt_key: Optional[str] = None
     #: Apply the tokenizer's chat template when it has one.

@@ -8,6 +8,11 @@ import random
 #: verl's GSM8K instruction (examples/data_preprocess/gsm8k.py).
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
+#: verl's Geometry3K instruction (examples/data_preprocess/geo3k.py).
+GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
+                     r"The reasoning process MUST BE enclosed within <think> </think> tags. "
+                     r"The final answer MUST BE put in \boxed{}.")
+
 
 def load_rows(source: str, *, split: str = "train", hub_config: str | None = None) -> list[dict]:
     """Rows from a local ``.jsonl``/``.json``/``.parquet`` file (``unirl://NAME``: a bundled one, or
@@ -88,10 +93,26 @@ def to_prompt_rows(rows: list[dict], *, adapter: str, prompt_key: str | None, so
                 new["answer"] = gsm8k_gold(str(row["answer"]))
             except ValueError as e:
                 raise ValueError(f"{row_place(source, i)}: row {i}: {e}") from None
+        elif adapter == "geo3k":
+            new["prompt"] = geo3k_prompt(row, i, prompt_key, source)
         else:
             new["prompt"] = row[prompt_key]
         out.append(new)
     return out
+
+
+def geo3k_prompt(row: dict, index: int, prompt_key: str, source: str) -> str:
+    """hiyouga/geometry3k's problem as verl's preprocessing writes it (``problem + " " + instruction``),
+    less its ``<image>`` marks: the chat template places the row's images before the text itself (as
+    verl's dataset turns each mark into the image's place, and geometry3k's marks all lead the problem).
+    The row must carry its gold ``answer`` and at least one image."""
+    if "answer" not in row:
+        raise ValueError(f"{row_place(source, index)}: row {index} has no 'answer' column, which data.adapter=geo3k needs")
+    if not row.get("images"):
+        raise ValueError(f"{row_place(source, index)}: row {index} has no 'images': a geometry3k problem comes with "
+                         f"its figure (data.adapter=geo3k)")
+    problem = row[prompt_key].replace("<image>", "").strip()
+    return f"{problem} {GEO3K_INSTRUCTION}"
 
 
 def row_place(source: str, index: int) -> str:

@@ -64,6 +64,53 @@ def row_images(row: dict, index: int, *, base_dir: str | Path | None = None, key
     return images
 
 
+def save_images(images: list, folder: Path, stem: str) -> list[str]:
+    """Write ``images`` (``PIL.Image``s) as ``folder/<stem>_<k>.png``; returns the file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for k, image in enumerate(images):
+        names.append(f"{stem}_{k}.png")
+        image.save(folder / names[-1])
+    return names
+
+
+def portable_images(row: dict, index: int, folder: Path, stem: str, key: str = IMAGES_KEY) -> dict:
+    """``row`` as a JSON line can hold it, for a data file written to ``folder``'s parent (``unirl.train``'s
+    in-memory datasets): file paths made absolute (relative ones are the caller's, against the working
+    directory), other images (``PIL.Image``, bytes, ``{"bytes", "path"}`` dicts) written as PNGs under
+    ``folder`` and named by their path relative to the data file. Errors name the row as ``row_images`` does."""
+    value = row.get(key)
+    if value is None:
+        return dict(row)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    opened = row_images(row, index, key=key)  # every item checked, relative paths against the working directory
+    out = []
+    for k, (item, image) in enumerate(zip(items, opened)):
+        if isinstance(item, (str, Path)):
+            out.append(str(Path(item).absolute()))
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+            image.save(folder / f"{stem}_{k}.png")
+            out.append(f"{folder.name}/{stem}_{k}.png")
+    return {**row, key: out}
+
+
+def samples_markdown(records: list[dict], rows: list[dict]) -> str:
+    """A markdown table of an evaluation's answers with their pictures (``unirl eval`` writes it as
+    ``samples.md`` beside ``samples.jsonl``): picture, prompt, the row's reference answer, the model's answer."""
+    def cell(text) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    lines = ["| picture | prompt | reference | answer | reward |", "|---|---|---|---|---|"]
+    for record in records:
+        row = rows[record["index"]]
+        pictures = " ".join(f"![{cell(row['prompt'])[:40]}]({name})" for name in record.get("images", []))
+        reference = row.get("answer", row.get("ground_truth", ""))
+        lines.append(f"| {pictures} | {cell(row['prompt'])} | {cell(reference)} | {cell(record['response'])} | "
+                     f"{record['reward']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def refuse_images_for_text_model(rows: list[dict], source: str, model_path: str, key: str = IMAGES_KEY) -> None:
     """Rows that carry images given to the text trainer (a text-only policy) stop the run naming the first
     such row, rather than training on their prompts with the pictures silently dropped."""

@@ -28,11 +28,19 @@ from unirl.text.vlm import IMAGES_KEY, VLMProcessor, row_images, vision_inputs
 
 
 def vlm_model(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory whose
-    ``config.json`` has a ``vision_config``."""
+    """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory or hub
+    model whose ``config.json`` has a ``vision_config`` (a hub model's config is fetched, or read from the
+    cache; when it cannot be, the name is taken for a text model and loading it reports why)."""
     if name_or_path == "tiny_vlm":
         return True
     config = Path(name_or_path) / "config.json"
+    if not config.is_file() and "/" in name_or_path and not Path(name_or_path).exists():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config = Path(hf_hub_download(name_or_path, "config.json"))
+        except Exception:  # offline and not cached, no such repo, ...: not known to be a VLM
+            return False
     return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
@@ -80,10 +88,14 @@ class VLMEnvironment(TextEnvironment):
         super().setup(accelerator)
         self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
 
+    def load_processor(self) -> None:
+        """The model directory's tokenizer, image processor and chat template (``VLMProcessor``)."""
+        self.processor = VLMProcessor.from_pretrained(self.model_path)
+
     def _load_policy(self, auto_class, dtype):
         from transformers import AutoModelForImageTextToText
 
-        self.processor = VLMProcessor.from_pretrained(self.model_path)
+        self.load_processor()
         model = super()._load_policy(AutoModelForImageTextToText, dtype)
         if self.cfg.model.freeze_vision_tower:
             model.model.visual.requires_grad_(False)
