@@ -51,7 +51,8 @@ def test_processor_matches_transformers_qwen2_vl_processor(vlm):
     path, _, processor = vlm
     text = processor.prompt_text("what colour?", 2)
     enc = processor.encode(text, [_picture("red"), _picture("blue", (30, 90))])
-    reference = AutoProcessor.from_pretrained(path)(text=[text], images=[_picture("red"), _picture("blue", (30, 90))])
+    reference = AutoProcessor.from_pretrained(path)(text=[text], images=[_picture("red"), _picture("blue", (30, 90))],
+                                                    return_tensors="pt")  # transformers 5.17 answers lists without it
     assert reference["input_ids"][0].tolist() == enc["input_ids"]
     torch.testing.assert_close(reference["pixel_values"], enc["pixel_values"])
 
