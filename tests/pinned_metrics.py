@@ -87,31 +87,12 @@ def run_config(env: str, name: str) -> list[dict[str, float]]:
     return [{k: v for k, v in m.items() if not k.startswith(SKIPPED_PREFIXES)} for m in result.metrics]
 
 
-def build_toys(configs) -> None:
-    """The toys the configs name, built here before any run: a toy's fitted decoder (or warm start) depends on
-    the threads it was fitted with, and vLLM (the text configs' engine) rebinds this process's threads
-    when it starts, so a toy built after it differs in its last bits from the pinned one (built first,
-    with ``THREADS`` threads)."""
-    import torch
-
-    import unirl
-    from unirl.diffusion.tiny import TOY_VARIANTS, build_toy
-
-    from unirl.text.model_loading import resolve_model_path
-
-    torch.set_num_threads(THREADS)
-    for env, name in configs:
-        model = unirl.load_config(env, name).model
-        if env == "diffusion" and model.name_or_path in TOY_VARIANTS:
-            build_toy(model.family, model.name_or_path)
-        elif env == "text" and model.name_or_path in ("tiny", "tiny_search"):  # the text toys too, before vLLM
-            resolve_model_path(model.name_or_path)
-
-
 def run_all(configs) -> dict[str, list[dict[str, float]] | str]:
     """Each config's ``run_config`` in this process, one after another (``unirl.train`` runs repeat in
-    one process: each closes its engine and process group); a config that fails gives its error."""
-    build_toys(configs)
+    one process: each closes its engine and process group); a config that fails gives its error. The toys
+    they name come from the session's cache, built by whichever test asked first: a build runs on
+    ``unirl.models.cache.BUILD_THREADS`` threads (two, as these were pinned with) whoever asks, so the
+    same weights as a build here (tests/test_tiny_search.py)."""
     out: dict[str, list[dict[str, float]] | str] = {}
     for env, name in configs:
         try:
@@ -131,27 +112,10 @@ def run_all_in_subprocess() -> dict[str, list[dict[str, float]] | str]:
     return _subprocess(["--all", "--json"])
 
 
-def _own_cache(shared: str | None) -> Path:
-    """A cache directory of the pinned runs' own, beside the shared one: the diffusion toys are built in
-    it by ``build_toys`` under the pinned conditions (a test of the session may have built the shared
-    copy in a process whose threads vLLM had rebound). The text models are shared (linked): their
-    figures matched whoever built them."""
-    from unirl.models.cache import default_cache_dir
-
-    base = Path(shared) if shared else default_cache_dir()
-    own = base / "pinned-metrics"
-    own.mkdir(parents=True, exist_ok=True)
-    for entry in base.glob("tiny-*"):
-        if entry.name.startswith(("tiny-qwen2", "tiny-search")) and not (own / entry.name).exists():
-            (own / entry.name).symlink_to(entry.resolve())
-    return own
-
-
 def _subprocess(args: list[str]):
     environ = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(THREADS),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     repo = Path(__file__).resolve().parents[1]
-    environ["UNIRL_CACHE"] = str(_own_cache(environ.get("UNIRL_CACHE")))
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, __file__, *args], env=environ, capture_output=True, text=True,
                           timeout=3000, cwd=repo)

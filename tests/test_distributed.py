@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_env() -> dict[str, str]:
     """The environment of these tests' child processes: CPU processes over gloo, one thread each. CUDA is
     hidden so a GPU machine runs the same comparison (two ranks on its one GPU would need NCCL, which
@@ -37,9 +30,10 @@ def cpu_env() -> dict[str, str]:
 
 
 def _torchrun(nproc: int, *args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``torchrun --standalone``: its rendezvous store binds port 0 itself, so no other process can take the
+    port between its choice and the bind (a free port picked here and closed could be)."""
     env = cpu_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

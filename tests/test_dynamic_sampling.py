@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -220,12 +219,6 @@ def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny
     assert "still drawing" not in capsys.readouterr().out  # the line comes at 10 batches
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_every_process_keeps_the_same_number_of_groups(tmp_path, tiny_lm_dir, nproc):
@@ -234,7 +227,7 @@ def test_every_process_keeps_the_same_number_of_groups(tmp_path, tiny_lm_dir, np
     reward = tmp_path / "scripted.py"
     reward.write_text(SCRIPTED)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(out),
            "rollout.engine=hf", "rollout.max_new_tokens=4", "trainer.total_steps=2", "trainer.prompts_per_step=2",
            "trainer.group_size=3", "trainer.mini_batch_size=6", "trainer.micro_batch_size=6", "trainer.eval_every=0",

@@ -112,3 +112,23 @@ def test_a_failed_build_leaves_nothing_and_the_toys_share_the_helper(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".toy.lock"]
     assert common.cached_build is cached_build and tiny.cached_build is cached_build
     assert tiny_search.cached_build is cached_build
+
+
+def test_a_build_runs_on_the_same_threads_whoever_asks(tmp_path):
+    """A toy's warm start or decoder fit ends in other last bits on another thread count, so a build runs on
+    ``BUILD_THREADS`` whatever its caller's (a gloo rank's one, a CLI run's all), and the caller gets its
+    own back: the test session's toys are then the ones tests/pinned_metrics.py was pinned with."""
+    import torch
+
+    from unirl.models.cache import BUILD_THREADS, cached_build
+
+    before, seen = torch.get_num_threads(), []
+    try:
+        for caller in (1, BUILD_THREADS + 1):
+            torch._C.set_num_threads(caller)
+            cached_build(tmp_path / f"toy{caller}", {"caller": caller}, "marker.json",
+                         lambda work: seen.append(torch.get_num_threads()))
+            assert torch.get_num_threads() == caller
+    finally:
+        torch._C.set_num_threads(before)
+    assert seen == [BUILD_THREADS, BUILD_THREADS]

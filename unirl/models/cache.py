@@ -14,6 +14,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
+#: The torch threads every build runs on, whatever the caller's. A build that trains (a toy's warm start,
+#: a fitted decoder) ends in other last bits with another thread count (reductions split differently), so
+#: without it a toy's weights would depend on who built it first: a CLI run (all cores), a gloo test rank
+#: (one thread) or a process whose threads vLLM's CPU worker rebound. With it the cache holds what its
+#: key (the spec) says, on any machine of one CPU kind. Two: a CI machine's cores, and what
+#: tests/fixtures/pinned_metrics.json's toys were built with.
+BUILD_THREADS = 2
+
 
 def default_cache_dir() -> Path:
     """``$UNIRL_CACHE``, else ``$XDG_CACHE_HOME/unirl``, else ``~/.cache/unirl``."""
@@ -40,7 +48,8 @@ def cached_build(directory: Path, spec: dict, marker_name: str, build: Callable[
     first builds into a temporary directory that is renamed into place (with its marker, the hash of
     ``spec`` and whatever ``build`` returns, written last), and the others wait for the lock and find it
     built. A stale or half-written directory is removed and rebuilt. The build runs in a fork of the
-    caller's RNG: a run that builds (a cold cache) draws the same afterwards as one that finds it.
+    caller's RNG: a run that builds (a cold cache) draws the same afterwards as one that finds it; and on
+    ``BUILD_THREADS`` threads: the same weights whoever builds.
     """
     import torch
 
@@ -55,7 +64,7 @@ def cached_build(directory: Path, spec: dict, marker_name: str, build: Callable[
         try:
             progress(f"building {what} once (cached in {directory}) ...")
             start = time.monotonic()
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), _threads(BUILD_THREADS):
                 extra = build(work) or {}
             (work / marker_name).write_text(json.dumps({"digest": digest, "spec": spec, **extra}, indent=1))
             if directory.exists():
@@ -65,6 +74,20 @@ def cached_build(directory: Path, spec: dict, marker_name: str, build: Callable[
             shutil.rmtree(work, ignore_errors=True)
         progress(f"built {what} in {time.monotonic() - start:.0f} s")
     return directory
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    """torch on ``count`` threads, then the caller's again. ``torch._C``'s setter: vLLM's CPU worker replaces
+    ``torch.set_num_threads`` by a no-op once it has bound its threads (see ``unirl/text/engines.py``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
 
 
 def _built(directory: Path, marker_name: str, digest: str) -> bool:
