@@ -12,7 +12,12 @@ import pytest
 
 # vLLM's engine core in-process: weight sync from the trainer needs it.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# One build of the tiny models per test session (the CLI subprocesses inherit it).
+# One build of the tiny models per test session (the CLI subprocesses inherit it), shared by the xdist
+# workers of one run (the GPU check runs eight): they meet in one directory, and `cached_build`'s lock
+# makes the first to ask build and the others wait.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN and "UNIRL_CACHE" not in os.environ:
+    os.environ["UNIRL_CACHE"] = str(Path(tempfile.gettempdir()) / f"unirl-test-cache-{_RUN}")
 os.environ.setdefault("UNIRL_CACHE", tempfile.mkdtemp(prefix="unirl-test-cache-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
