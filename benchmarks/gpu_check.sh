@@ -11,7 +11,7 @@
 #
 # The suite rarely fits beside the rest: SUITE names what to run (default: tests), SUITE_REST=FILE runs
 # every collected test that FILE (an earlier part's suite.log, kept on the machine) does not list, and PARTS
-# (default "compare profile tiny suite") picks the parts. A prebuilt toy cache (UNIRL_CACHE, e.g. a copy
+# (default "compare compare-static profile tiny suite") picks the parts. A prebuilt toy cache (UNIRL_CACHE, e.g. a copy
 # of a CPU session's test cache carried in .gpu/cache) saves each worker its toy builds.
 #
 # Wheels the GPU machine lacks (diffusers, trl, datasets ...) are installed from $WHEELS (default .gpu/,
@@ -47,7 +47,7 @@ part() {
   echo "$name: exit $rc in $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$S"
 }
 
-PARTS=" ${PARTS:-compare profile tiny suite} "
+PARTS=" ${PARTS:-compare compare-static profile tiny suite} "
 W=${TMPDIR:-/tmp}/compare-trl
 
 # 1. The 0.5B-shape comparison with TRL: HF generate in both, bf16 weights, 16 prompts x 8, 128 new tokens.
@@ -56,6 +56,15 @@ part compare ${COMPARE_SECONDS:-200} "$OUT/compare.log" python3 benchmarks/compa
   --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${COMPARE_STEPS:-4} --runs unirl-hf,trl-hf \
   --work "$W" --json "$OUT/compare.json"
 tail -n 6 "$OUT/compare.log" >>"$S"
+fi
+
+# 1a. unirl again with rollout.hf_cache=static (transformers compiles decoding; the first step pays for it):
+# the same table, to set beside TRL's row above.
+if [[ $PARTS == *" compare-static "* ]]; then
+part compare-static ${COMPARE_SECONDS:-200} "$OUT/compare_static.log" python3 benchmarks/compare_trl.py --device cuda \
+  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${COMPARE_STEPS:-4} \
+  --runs unirl-hf --unirl-override=rollout.hf_cache=static --work "$W" --json "$OUT/compare_static.json"
+tail -n 3 "$OUT/compare_static.log" >>"$S"
 fi
 
 # 1b. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed), ~80 s.
