@@ -57,24 +57,31 @@ def addition_rows(n: int, seed: int, max_operand: int = TINY_LM_SPEC["max_operan
     return rows
 
 
-def build_tokenizer(extra: str = ""):
-    """Character-level ``PreTrainedTokenizerFast`` (no merges), eos = ``<|endoftext|>``; ``extra``:
-    characters added after the alphabet (the tiny search model's ``<>()``)."""
+def character_tokenizer_core(special: list[str], extra: str = ""):
+    """The ``tokenizers`` core of the toys' character-level tokenizers: ids ``special`` first, then the
+    alphabet and ``extra``, no merges. Byte-level symbols (" " -> "Ġ", "\n" -> "Ċ") as in Qwen2's
+    tokenizer, because transformers (and so vLLM) load these directories with the Qwen2 tokenizer
+    class, which is byte-level."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    # Byte-level symbols (" " -> "Ġ", "\n" -> "Ċ") as in Qwen2's tokenizer, because transformers
-    # (and so vLLM) load this directory with the Qwen2 tokenizer class, which is byte-level.
     byte_level = pre_tokenizers.ByteLevel.alphabet()
     symbols = ["Ġ" if c == " " else "Ċ" if c == "\n" else c for c in _ALPHABET + list(extra)]
     assert all(s in byte_level for s in symbols)
-    vocab = {tok: i for i, tok in enumerate(_SPECIAL + symbols)}
+    vocab = {tok: i for i, tok in enumerate(special + symbols)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(_SPECIAL)
+    core.add_special_tokens(special)
+    return core
+
+
+def build_tokenizer(extra: str = ""):
+    """Character-level ``PreTrainedTokenizerFast`` (no merges), eos = ``<|endoftext|>``; ``extra``:
+    characters added after the alphabet (the tiny search model's ``<>()``)."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=core,
+        tokenizer_object=character_tokenizer_core(_SPECIAL, extra),
         pad_token="<|pad|>",
         eos_token="<|endoftext|>",
         unk_token="<|unk|>",

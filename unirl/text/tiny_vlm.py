@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from unirl.models.cache import cached_build, default_cache_dir, spec_digest
-from unirl.text.tiny import _ALPHABET
+from unirl.text.tiny import character_tokenizer_core
 
 #: Qwen2-VL's chat and vision special tokens (the names its processor and vLLM look for).
 VISION_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -63,17 +63,10 @@ TINY_VLM_SPEC = {
 
 def build_vlm_tokenizer():
     """The tiny character tokenizer (``unirl.text.tiny``) plus Qwen2-VL's chat and image special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    symbols = ["Ġ" if c == " " else "Ċ" if c == "\n" else c for c in _ALPHABET + list("<>|_")]
-    vocab = {tok: i for i, tok in enumerate(_SPECIAL + symbols)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(_SPECIAL)
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<|pad|>", eos_token="<|im_end|>", unk_token="<|unk|>",
+        tokenizer_object=character_tokenizer_core(_SPECIAL, "<>|_"), pad_token="<|pad|>", eos_token="<|im_end|>", unk_token="<|unk|>",
         model_max_length=TINY_VLM_SPEC["max_position_embeddings"],
         extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                               "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
