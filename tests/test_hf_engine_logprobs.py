@@ -125,11 +125,16 @@ def test_a_static_cache_samples_what_the_dynamic_one_does(tiny_lm_dir, greedy):
     model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32).eval()
     prompts = _prompts(tiny_lm_dir, tokenizer)
     calls = [prompts, [p + p[-3:] for p in prompts[:2]]]  # a wider second batch
-    outputs = {}
+    outputs, caches = {}, set()
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: caches.add(type(kwargs.get("past_key_values")).__name__),
+                                           with_kwargs=True)
     for cache in ("dynamic", "static"):
+        caches.clear()
         engine = HFEngine(lambda: model, tokenizer, cache=cache)
         outputs[cache] = [engine.generate(batch, n=3, max_new_tokens=8, temperature=1.3, greedy=greedy, seed=k)
                           for k, batch in enumerate(calls)]
+        assert caches == {"DynamicCache" if cache == "dynamic" else "StaticCache"}, caches  # the cache asked for
+    hook.remove()
     for dynamic, static in zip(outputs["dynamic"], outputs["static"]):
         for group_d, group_s in zip(dynamic, static):
             for d, s in zip(group_d, group_s):
