@@ -253,7 +253,7 @@ def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
 @pytest.mark.slow  # the run that proves learning: ~40 s of training once vLLM has started
 @pytest.mark.requires("vllm")
 def test_staleness_one_learns_the_tiny_task(tmp_path, tiny_lm_dir):
-    """The shipped tiny recipe, one step off-policy, the gap corrected by truncated importance sampling."""
+    """The shipped tiny recipe, one step off-policy, the ratio clipped against the weights that sampled (bypass mode)."""
     _, rows = _run(tmp_path, "learn", "rollout.engine=vllm", "trainer.prompts_per_step=16", "trainer.group_size=8",
                    "trainer.mini_batch_size=128", "trainer.micro_batch_size=64", "trainer.total_steps=40",
                    "rollout.max_staleness=1", "algo.tis_cap=2.0")
