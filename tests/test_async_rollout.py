@@ -177,6 +177,54 @@ def test_staleness_one_samples_with_the_weights_one_step_back_and_resumes_exactl
     assert _figures(resumed) == _figures(rows[2:])
 
 
+class _ClaimedVersionCheck(Trainer):
+    """A trainer that keeps a copy of its weights at each step's start (the version a later batch claims)
+    and, before learning from a batch, recomputes its log-probs with the weights of ``policy_version``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.versions, self.gaps = {}, []  # optimizer steps -> state; (step, |engine - claimed|, |engine - now|)
+
+    def async_train_step(self):
+        model = self.accelerator.unwrap_model(self.env.model)
+        self.versions[self.optimizer_steps] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return super().async_train_step()
+
+    def learn(self, rollout, rewards, times=None):
+        from unirl.trainer.logprobs import score_all
+
+        model, mask = self.accelerator.unwrap_model(self.env.model), rollout.tensors["response_mask"].bool()
+        with torch.no_grad():
+            now_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            now = score_all(self, self.env.model, rollout)["logp"]
+            model.load_state_dict(self.versions[int(rollout.policy_version[0])])
+            claimed = score_all(self, self.env.model, rollout)["logp"]
+            model.load_state_dict(now_state)
+        gap = lambda x: (rollout.engine_logp - x).abs()[mask].max().item()  # noqa: E731
+        self.gaps.append((self.step, gap(claimed), gap(now)))
+        return super().learn(rollout, rewards, times)
+
+
+def test_a_stale_batch_was_sampled_with_exactly_the_weights_it_claims(tmp_path, tiny_lm_dir):
+    """The engine's log-probs of every batch equal those the trainer recomputes with the weights of the
+    batch's ``policy_version`` (float noise), and not those of the weights it trains with: no torn or
+    wrong-version weights reach the engine while the trainer updates (the diagnosis of the staleness-1
+    collapse, docs/async.md, found the same on vLLM over 100 steps)."""
+    cfg = load_run_config("text", "tiny", [*ARGS, "trainer.total_steps=4", "rollout.max_staleness=1", "optim.lr=1e-2"],
+                          output_dir=str(tmp_path / "claimed"))
+    trainer = _ClaimedVersionCheck(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                                   run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    rows = trainer.train()
+    assert [step for step, _, _ in trainer.gaps] == [0, 1, 2, 3]
+    for step, claimed, now in trainer.gaps:
+        assert claimed < 1e-4, f"batch {step}: the engine's log-probs are {claimed} off its claimed weights'"
+        if step >= 1:  # one step old: the weights it trains with are another policy
+            assert now > 1e-2, f"batch {step}: the engine's log-probs are only {now} off the newer weights'"
+    # Bypass mode (the default here): the ratio is against the engine's log-probs, the gap still logged.
+    assert trainer.bypass_mode and any(r["actor/ratio_max"] != 1.0 for r in rows[1:])
+    assert all(r["rollout/mismatch_kl"] != 0.0 for r in rows[1:])
+
+
 def _versions_follow_the_schedule(rows: list[dict], k: int) -> None:
     """With one optimizer step a step, batch s's staleness is min(s, k) optimizer steps."""
     assert [r["rollout/staleness_max"] for r in rows] == [float(min(s, k)) for s in range(len(rows))]
@@ -205,7 +253,7 @@ def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
 @pytest.mark.slow  # the run that proves learning: ~40 s of training once vLLM has started
 @pytest.mark.requires("vllm")
 def test_staleness_one_learns_the_tiny_task(tmp_path, tiny_lm_dir):
-    """The shipped tiny recipe, one step off-policy, the gap corrected by truncated importance sampling."""
+    """The shipped tiny recipe, one step off-policy, the ratio clipped against the weights that sampled (bypass mode)."""
     _, rows = _run(tmp_path, "learn", "rollout.engine=vllm", "trainer.prompts_per_step=16", "trainer.group_size=8",
                    "trainer.mini_batch_size=128", "trainer.micro_batch_size=64", "trainer.total_steps=40",
                    "rollout.max_staleness=1", "algo.tis_cap=2.0")
@@ -213,3 +261,17 @@ def test_staleness_one_learns_the_tiny_task(tmp_path, tiny_lm_dir):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= first + 0.05, f"reward/mean: first 10 steps {first:.3f}, last 10 {last:.3f}"
     _versions_follow_the_schedule(rows, 1)
+
+
+def test_a_run_whose_every_advantage_stays_zero_is_counted_and_warned_about_once():
+    from unirl.trainer.zero_advantage import ZeroAdvantageWatch
+
+    watch, said = ZeroAdvantageWatch(), []
+    figures = [{"adv/abs_mean": a, "reward/mean": 0.0} for a in [0.3, 0.0, 0.0, 0.2] + [0.0] * 7]
+    for step, metrics in enumerate(figures, start=1):
+        watch.observe(metrics, step, said.append)
+    assert [m["adv/zero_adv_steps"] for m in figures] == [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert len(said) == 1 and said[0].startswith("unirl: warning: step 9: every advantage has been 0 for 5 steps")
+    no_advantages = {"loss/policy": 0.1}  # an estimator that logs no advantages: nothing counted
+    watch.observe(no_advantages, 12, said.append)
+    assert "adv/zero_adv_steps" not in no_advantages

@@ -132,3 +132,85 @@ def test_config_checks_the_lower_bound():
         AlgoConfig(tis_cap=2.0, rollout_is_min=3.0)
     with pytest.raises(ValueError, match="rollout_is_min must be in"):
         AlgoConfig(tis_cap=2.0, rollout_is_min=0.0)
+
+
+# ------------------------------------------------ bypass mode: the ratio against the behaviour policy
+def _async_grpo_loss(logp, engine_logp, advantages, mask, clip_low, clip_high):
+    """TRL ``AsyncGRPOTrainer.compute_loss`` (verl's bypass ``ppo_clip``), re-typed: the ratio is taken
+    against the sampler's log-probs, ``-min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A)``, token-mean."""
+    coef_1 = torch.exp(logp - engine_logp)
+    coef_2 = torch.clamp(coef_1, 1 - clip_low, 1 + clip_high)
+    per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def test_bypass_mode_resolves_from_the_staleness():
+    from unirl.diffusion.env import DiffusionEnvironment
+    from unirl.trainer.update import resolve_bypass_mode
+
+    assert resolve_bypass_mode(AlgoConfig(), None, 0) is False  # the synchronous loop: verl's decoupled default
+    assert resolve_bypass_mode(AlgoConfig(), None, 1) is True  # batches sampled ahead: TRL's AsyncGRPO anchor
+    assert resolve_bypass_mode(AlgoConfig(bypass_mode=False), None, 2) is False
+    assert resolve_bypass_mode(AlgoConfig(bypass_mode=True), None, 0) is True
+    with pytest.raises(ValueError, match="algo.bypass_mode=true: DiffusionEnvironment samples with the policy itself"):
+        resolve_bypass_mode(AlgoConfig(bypass_mode=True), DiffusionEnvironment.__new__(DiffusionEnvironment), 0)
+
+
+def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir):
+    """A batch sampled by older weights: in bypass mode the trainer's loss and gradient are TRL AsyncGRPO's
+    (the ratio against the engine's log-probs, clipped), not the decoupled loss (ratio 1 against the
+    trainer's own first forward, times the TIS weight), which is checked to differ."""
+    from unirl.cli import load_run_config
+    from unirl.config import config_to_dict
+    from unirl.text.env import TextEnvironment
+    from unirl.trainer.loop import Trainer
+    from unirl.trainer.update import micro_loss, mini_denominator
+
+    cfg = load_run_config("text", "tiny", [
+        "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
+        "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.progress=false", "algo.loss_agg=token-mean",
+        "algo.bypass_mode=true", "algo.tis_cap=2.0", "algo.clip_high=0.28", "model.share_prompt=false",
+    ], output_dir=str(tmp_path / "run"))
+    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
+                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer.setup()
+    try:
+        env, model = trainer.env, trainer.env.model
+        rollout = env.rollout(env.next_prompts(0), 4)  # engine_logp: the weights before the move below
+        rewards, _ = env.score(rollout)
+        trainer.advantages(rollout, rewards + torch.linspace(0, 1, len(rollout)))  # groups that vary
+        with torch.no_grad():  # the trainer's weights move on, as one update would: the batch is now stale
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.device))
+        micro = env.trim_padding(rollout)
+        assert micro.old_logp is None  # on-policy layout: the trainer's own log-probs come from this forward
+
+        def loss_and_grads(bypass: bool):
+            trainer.bypass_mode = bypass
+            loss, _, figures = micro_loss(trainer, model, micro, mini_denominator(trainer, micro))
+            loss.backward()
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            return loss.detach(), grads, figures
+
+        loss, grads, figures = loss_and_grads(True)
+        out = env.score_actions(model, micro)
+        device = out["logp"].device
+        mask = out["mask"].to(out["logp"].dtype)
+        engine_logp = micro.engine_logp.to(device)
+        ratio = torch.exp(out["logp"].detach() - engine_logp)[out["mask"].bool()]
+        assert ((ratio < 0.8) | (ratio > 1.28)).any()  # some tokens are outside the clip: it acts
+        expected = _async_grpo_loss(out["logp"], engine_logp, micro.advantages.to(device).unsqueeze(-1), mask,
+                                    trainer.algo.clip_low, trainer.algo.clip_high)
+        expected.backward()
+        expected_grads = [p.grad.detach().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(figures["old_logp"], engine_logp[:, : figures["old_logp"].shape[1]])
+
+        decoupled, _, _ = loss_and_grads(False)
+        assert abs(decoupled.item() - loss.item()) > 1e-4
+    finally:
+        trainer.env.close()

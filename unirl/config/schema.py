@@ -183,6 +183,14 @@ class AlgoConfig:
     #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,
     #: mask modes reject below it; null: none.
     rollout_is_min: Optional[float] = None
+    #: verl's ``rollout_correction.bypass_mode``: the PPO ratio is taken against the rollout engine's
+    #: log-probs (the behaviour policy) instead of the trainer's recomputed ones, so the clip bounds the
+    #: policy's move from the weights that sampled the batch; ``tis_cap`` then weights nothing (the ratio
+    #: carries the correction; its figures are still logged). null: true exactly when
+    #: ``rollout.max_staleness >= 1`` (TRL's AsyncGRPO anchors its ratio at the sampler's log-probs;
+    #: without it a one-step-stale batch let the tiny recipe collapse, docs/async.md), false otherwise
+    #: (verl's default, the decoupled proximal policy). Text only (diffusion samples with the policy).
+    bypass_mode: Optional[bool] = None
     #: DAPO's dynamic sampling.
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     #: Subtract ``beta * KL(old policy || reference)`` from the reward on every token (verl's

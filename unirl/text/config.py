@@ -129,7 +129,8 @@ class RolloutConfig:
     server_timeout_s: float = 600.0
     #: Asynchronous rollouts (docs/async.md): 0 is the synchronous loop (each step samples with the
     #: weights it trains); k >= 1 generates step s's batch with the weights after step s-k in a
-    #: producer thread while the trainer updates (verl's one-step-off at 1, TRL's ``max_staleness``).
+    #: producer thread while the trainer updates (verl's one-step-off at 1, TRL's ``max_staleness``); the
+    #: PPO ratio is then taken against the engine's log-probs unless ``algo.bypass_mode: false``.
     max_staleness: int = 0
     #: Longest answer sampled, in tokens.
     max_new_tokens: int = 256

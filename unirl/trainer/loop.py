@@ -85,7 +85,9 @@ class Trainer:
         self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
         self.max_staleness = rollout_staleness(env)  # 0: the synchronous loop
         self.rollouts: AsyncRollouts | None = None  # the producer, with max_staleness >= 1
+        self.bypass_mode = update_stage.resolve_bypass_mode(algo, env, self.max_staleness)  # the ratio's anchor
         self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
+        self.zero_adv = zero_advantage.ZeroAdvantageWatch()  # every advantage 0 for steps in a row: a warning line
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -179,6 +181,7 @@ class Trainer:
                     raise RewardError(f"{e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
                 except SamplingStopped:  # a signal while DAPO drew batches: the step is given up, the state saved
                     raise self.signals.preempted(self.step, self.save_checkpoint(), self.run_dir) from None
+                self.zero_adv.observe(metrics, self.step, self.accelerator.print)  # adds adv/zero_adv_steps
                 history.append(metrics)
                 self.run_log.log(metrics)
                 progress.update(metrics)

@@ -33,7 +33,8 @@ def update(trainer, rollout: Rollout) -> dict[str, float]:
     Without ``old_logp`` in the rollout (on-policy, see ``unirl.trainer.logprobs``) each micro-batch's
     first forward gives its old log-probs (detached: ratio 1, the gradient of the ratio is that of the
     log-prob); they are stored in ``rollout.old_logp`` afterwards and the ``rollout/*`` figures (and TIS
-    weights) come from them."""
+    weights) come from them. In bypass mode (``algo.bypass_mode``) the ratio is taken against the engine's
+    log-probs instead, and the trainer's own still give the ``rollout/*`` figures."""
     from unirl.trainer.logprobs import rollout_metrics
 
     model = trainer.env.model
@@ -124,8 +125,8 @@ def micro_backward(trainer, model, micro: Rollout, denominator: torch.Tensor, sy
     # [n, T] each; the mask None (every position trained) when the pieces have none.
     whole = {name: values[0] if len(values) == 1 or values[0] is None else torch.cat(values, dim=1)
              for name, values in parts.items()}
-    if first_logp is not None:
-        first_logp.append(whole["old_logp"].cpu())
+    if first_logp is not None:  # this forward's own log-probs (the anchor is the engine's in bypass mode)
+        first_logp.append(whole["logp"].cpu())
     ratio = policy_loss_metrics(whole["logp"], whole["old_logp"], whole["advantages"], whole["mask"],
                                 clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                                 level=policy_loss.level)
@@ -192,12 +193,30 @@ def _loss_inputs(trainer, micro: Rollout, cur: dict, columns: slice, device) -> 
             column = micro.cache["advantages_column"] = advantages.to(device).unsqueeze(-1)  # [n, 1]
         advantages = column if column.shape == logp.shape else column.expand_as(logp)  # [n, T']
     weights = None
-    if algo.tis_cap is not None and micro.engine_logp is not None:
+    if trainer.bypass_mode:  # the ratio against the behaviour policy: it carries the correction itself
+        if micro.engine_logp is None:
+            raise ValueError("algo.bypass_mode takes the PPO ratio against the rollout engine's log-probs, and this "
+                             "rollout has none (Rollout.engine_logp); set algo.bypass_mode=false")
+        old_logp = micro.engine_logp[:, columns].to(device)
+    elif algo.tis_cap is not None and micro.engine_logp is not None:
         engine_logp = micro.engine_logp[:, columns].to(device)
         weights = rollout_is_weights(old_logp, engine_logp, mask, mode=algo.rollout_is, high=algo.tis_cap,
                                      low=algo.rollout_is_min)
     inputs = LossInputs(cur, advantages, old_logp=old_logp, weights=weights)
     return inputs, {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
+
+
+def resolve_bypass_mode(algo, env, max_staleness: int) -> bool:
+    """Whether the PPO ratio is taken against the rollout engine's log-probs (``algo.bypass_mode``; null:
+    exactly when batches are sampled ahead, ``max_staleness >= 1``). An environment whose sampler is the
+    policy itself (``recompute_old_logprobs`` false: diffusion) has no engine log-probs to anchor at."""
+    if algo.bypass_mode is None:
+        return max_staleness >= 1
+    if algo.bypass_mode and env is not None and not env.recompute_old_logprobs:
+        raise ValueError(f"algo.bypass_mode=true: {type(env).__name__} samples with the policy itself, so there is "
+                         f"no rollout engine whose log-probs the ratio could be taken against; set algo.bypass_mode "
+                         f"to false or null")
+    return algo.bypass_mode
 
 
 def optimizer_step(trainer) -> float:

@@ -41,3 +41,32 @@ def kept_multiple(trainer) -> int:
     if cfg.micro_batch_tokens is not None:
         return trainer.num_mini_batches()
     return cfg.prompts_per_step * cfg.group_size // cfg.micro_batch_size
+
+
+class ZeroAdvantageWatch:
+    """Says so when a run has stopped learning: every advantage of the step was 0 (GRPO: every group's
+    samples got the same reward, e.g. all 0 once a policy has collapsed), so the policy gradient is 0.
+
+    ``observe`` adds ``adv/zero_adv_steps`` to each step's figures (the steps in a row whose every
+    advantage was 0) and prints one warning line when that streak reaches ``WARN_AFTER``: the run goes on
+    (a streak can end by chance, and a KL or entropy term still trains), but no longer silently."""
+
+    #: Steps in a row before the warning: one zero step is common early on (a hard batch, all wrong).
+    WARN_AFTER = 5
+
+    def __init__(self):
+        self.streak = 0
+
+    def observe(self, metrics: dict[str, float], step: int, say) -> None:
+        """Count step ``step``'s figures (``adv/abs_mean``, absent when the estimator logs none) and warn
+        with ``say`` (the main process's print) once per streak."""
+        if "adv/abs_mean" not in metrics:
+            return
+        self.streak = self.streak + 1 if metrics["adv/abs_mean"] == 0.0 else 0
+        metrics["adv/zero_adv_steps"] = float(self.streak)
+        if self.streak == self.WARN_AFTER:
+            say(f"unirl: warning: step {step}: every advantage has been 0 for {self.streak} steps in a row (each group's "
+                f"samples got the same reward; reward/mean {metrics.get('reward/mean', float('nan')):.3f}), so the policy "
+                f"gradient is 0 and the run has stopped learning. Check the reward and the samples; more samples a "
+                f"group (trainer.group_size), dynamic sampling (algo.filter_groups.enabled) or a lower optim.lr can "
+                f"help, and an asynchronous run should keep algo.bypass_mode on (docs/async.md)")
