@@ -55,6 +55,15 @@ def pytest_collection_modifyitems(config, items):
     start in that process (its kernel-override scan reads ``lib.__dict__``, which llvmlite answers with a
     function wrapper). unirl imports bm25s only after its engine started; a test session must do the same."""
     items.sort(key=lambda item: item.get_closest_marker("imports_numba") is not None)  # stable: order kept
+    # `make test` runs the files on two xdist workers (--dist loadfile): a worker runs a file whole, so a
+    # file that mixed both kinds would import numba and then go on to tests that may start vLLM.
+    marked: dict[str, set[bool]] = {}
+    for item in items:
+        marked.setdefault(item.nodeid.split("::")[0], set()).add(item.get_closest_marker("imports_numba") is not None)
+    mixed = sorted(path for path, kinds in marked.items() if len(kinds) == 2)
+    if mixed:
+        raise pytest.UsageError(f"{', '.join(mixed)}: tests marked imports_numba go in files of their own "
+                                f"(tests/test_search_tool.py), not beside tests that may start vLLM")
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -241,15 +241,6 @@ def test_dynamic_sampling_runs_ahead_with_its_prompt_batches_counted(tmp_path, t
     assert trainer.prompt_batches == sum(r["filter/gen_batches"] for r in rows)
 
 
-@pytest.mark.slow  # builds the tiny search model once a session (test_tiny_search_e2e shares it)
-@pytest.mark.imports_numba
-def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
-    extra = ["trainer.total_steps=3", "rollout.max_staleness=1", "trainer.prompts_per_step=4", "trainer.group_size=4"]
-    trainer, rows = _run(tmp_path, "tools", *extra, config="tiny_search")
-    _versions_follow_the_schedule(rows, 1)
-    assert all("rollout/tool_calls_mean" in r for r in rows)
-
-
 @pytest.mark.slow  # the run that proves learning: ~40 s of training once vLLM has started
 @pytest.mark.requires("vllm")
 def test_staleness_one_learns_the_tiny_task(tmp_path, tiny_lm_dir):

@@ -180,3 +180,28 @@ def test_the_write_your_own_tool_example_of_docs_tools_md_runs(tmp_path):
                          env=env, timeout=300)
     assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
     assert "rollout.tools[0].name: my_tools.py:define resolves" in dry.stdout
+
+
+def test_search_over_the_tiny_search_corpus_finds_each_name():
+    """The generated corpus of the tiny search task (unirl/text/tiny_search.py) answers each of its names."""
+    from unirl.data.paths import generated_rows
+    from unirl.tools.search import Search, read_corpus
+
+    search = Search("unirl://tiny_search/corpus", top_k=1)
+    for row in generated_rows("unirl://tiny_search/train") + generated_rows("unirl://tiny_search/test"):
+        name = row["question"].split(".")[0]
+        assert search(name) == f"Doc 1(Title: {name}) code {row['answer']}\n"
+    with pytest.raises(ToolError, match=r"unirl://arithmetic/test\?n=2 row 1: expected an object with a string 'contents'"):
+        read_corpus("unirl://arithmetic/test?n=2")
+
+
+@pytest.mark.slow  # builds the tiny search model once a session (test_tiny_search_e2e shares it)
+def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
+    """rollout.max_staleness with multi-turn search rollouts (docs/async.md); here because the tool's index
+    imports numba in this process (the asynchronous loop's other tests: tests/test_async_rollout.py)."""
+    from test_async_rollout import _run, _versions_follow_the_schedule
+
+    extra = ["trainer.total_steps=3", "rollout.max_staleness=1", "trainer.prompts_per_step=4", "trainer.group_size=4"]
+    trainer, rows = _run(tmp_path, "tools", *extra, config="tiny_search")
+    _versions_follow_the_schedule(rows, 1)
+    assert all("rollout/tool_calls_mean" in r for r in rows)

@@ -1,10 +1,9 @@
-"""The tiny search task's pieces (unirl/text/tiny_search.py): generated rows and corpus, the search
-tool over the generated corpus, and the warm-start examples' labels (the run itself:
-tests/test_tiny_search_e2e.py)."""
+"""The tiny search task's pieces (unirl/text/tiny_search.py): generated rows and corpus, and the
+warm-start examples' labels (the search tool over the generated corpus: tests/test_search_tool.py, which
+imports numba; the run itself: tests/test_tiny_search_e2e.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
@@ -42,20 +41,6 @@ def test_warm_start_example_trains_on_what_the_model_writes_only():
     assert labels[len(prompt) + 1] == -100 and tok.decode([ids[len(prompt) + 1]]) == "s"  # the choice, untrained
     ids, labels = tiny_search.example(tok, "Bako", "7", search=False, guess="3")
     assert tok.decode(ids) == prompt + "<answer>3</answer><|endoftext|>"
-
-
-@pytest.mark.imports_numba
-@pytest.mark.skipif(importlib.util.find_spec("bm25s") is None, reason="bm25s is not installed")
-def test_search_over_the_generated_corpus_finds_each_name():
-    from unirl.tools import ToolError
-    from unirl.tools.search import Search, read_corpus
-
-    search = Search("unirl://tiny_search/corpus", top_k=1)
-    for row in generated_rows("unirl://tiny_search/train") + generated_rows("unirl://tiny_search/test"):
-        name = row["question"].split(".")[0]
-        assert search(name) == f"Doc 1(Title: {name}) code {row['answer']}\n"
-    with pytest.raises(ToolError, match=r"unirl://arithmetic/test\?n=2 row 1: expected an object with a string 'contents'"):
-        read_corpus("unirl://arithmetic/test?n=2")
 
 
 # ------------------------------------------------------------------ building once (issue 37 item 16)
