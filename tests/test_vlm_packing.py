@@ -1,0 +1,180 @@
+"""Packed rows (``model.share_prompt``) for a vision-language policy: each token keeps the 3-D rotary
+position, the picture features and the attention it has in its own unpacked row (issue 35)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import text_env
+from PIL import Image
+
+from unirl.text.packing import check_packable, pack_shared_prompts
+from unirl.text.vlm import vision_inputs
+
+#: (text, pictures as (colour, size)) per row. Rows 0 and 1 have the same text and one picture of the
+#: same size, so the same token ids: only their pictures tell them apart. Row 2 has two pictures of
+#: different shapes (4 and 8 image tokens), row 3 none.
+ROWS = [("count?", [("red", (64, 48))]),
+        ("count?", [("blue", (64, 48))]),
+        ("how many?", [("green", (64, 48)), ("yellow", (30, 90))]),
+        ("no picture, count?", [])]
+
+
+def _rows_file(tmp_path):
+    lines = []
+    for i, (text, pictures) in enumerate(ROWS):
+        names = []
+        for k, (colour, size) in enumerate(pictures):
+            Image.new("RGB", size, colour).save(tmp_path / f"r{i}_{k}.png")
+            names.append(f"r{i}_{k}.png")
+        lines.append(json.dumps({"question": text, "answer": "#### 1", "images": names}))
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def packed_env(tmp_path_factory):
+    """The tiny VLM's environment with share_prompt on, and a rollout of the four rows, two samples each,
+    whose responses are cut to different lengths (1 to 6 tokens, one sample's to none); the vision tower
+    trains (tiny_vlm.yaml's setting), so that its gradients are compared too."""
+    tmp_path = tmp_path_factory.mktemp("vlmpack")
+    rows = _rows_file(tmp_path)
+    env = text_env(tmp_path, "model.name_or_path=tiny_vlm", "model.share_prompt=true", f"data.train={rows}",
+                   f"data.test={rows}", "rollout.max_new_tokens=6", "data.max_prompt_length=64",
+                   "model.logprob_chunk_size=null", "model.freeze_vision_tower=false")
+    torch.manual_seed(0)
+    batch = env.rollout(env.train_rows, group_size=2)
+    t = batch.tensors
+    lengths = torch.tensor([6, 3, 1, 5, 4, 2, 0, 6])  # [n]
+    keep = torch.arange(t["response_ids"].shape[1])[None] < lengths[:, None]
+    t["response_mask"] = t["response_mask"] * keep
+    t["response_ids"] = t["response_ids"].masked_fill(~keep, env.tokenizer.pad_token_id)
+    return env, batch
+
+
+def _alone(env, batch, i):
+    """Sample i's response log-probs from a forward over its own real tokens, with its own pictures and
+    the positions the model derives itself (transformers' get_rope_index), no unirl code in between."""
+    t = batch.tensors
+    prompt = t["prompt_ids"][i][t["prompt_mask"][i].bool()]
+    length = int(t["response_mask"][i].sum())
+    ids = torch.cat([prompt, t["response_ids"][i, :length]])[None]  # [1, p + length]
+    pictures = batch.columns["images"][i]
+    extra = {}
+    if pictures:
+        pixels = env.processor.image_processor(images=pictures, return_tensors="pt")
+        extra = vision_inputs(ids, pixels["pixel_values"], pixels["image_grid_thw"], env.processor.image_token_id)
+    logits = env.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)  # [length, V]
+    return logp.gather(-1, ids[0, len(prompt):, None])[:, 0]
+
+
+def test_packed_vlm_logprobs_equal_each_sample_alone_and_the_unpacked_rows(packed_env):
+    """Eight samples of four prompts (two with the same tokens and different pictures, one with two
+    pictures of different shapes, one without) in one packed row: every response token's log-prob is
+    what the sample alone gives (its own forward, positions from the model itself) and what the padded
+    unpacked batch gives; the row holds each prompt once, and the pictures enter the tower once each."""
+    env, batch = packed_env
+    t = batch.tensors
+    mask = t["response_mask"].bool()
+    seen = []
+    hook = env.model.model.visual.register_forward_hook(lambda m, args, kwargs, out: seen.append(
+        kwargs["grid_thw"].tolist()), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            packed = env.score_actions(env.model, batch)["logp"]
+            env.cfg.model.share_prompt = False
+            try:
+                unpacked = env.score_actions(env.model, batch)["logp"]
+            finally:
+                env.cfg.model.share_prompt = True
+            alone = [_alone(env, batch, i) for i in range(len(ROWS) * 2)]
+    finally:
+        hook.remove()
+    # The packed forward's tower saw each row's pictures once, in the row's order: grids (t, h, w) in patches.
+    assert seen[0] == [[1, 4, 4], [1, 4, 4], [1, 4, 4], [1, 8, 4]]
+    for i, reference in enumerate(alone):
+        torch.testing.assert_close(packed[i, :len(reference)], reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed[mask], unpacked[mask], atol=1e-5, rtol=0)
+
+
+def test_packed_vlm_rows_place_prompts_by_the_models_own_rope_index(packed_env):
+    """The packed row's 3-D positions: a prompt's are get_rope_index's on it alone (image tokens on a
+    height x width grid), its responses continue at the prompt's largest position + 1 on all three axes."""
+    env, batch = packed_env
+    t = batch.tensors
+    captured = {}
+    original = env._packed_row
+
+    def spy(*args):
+        captured["packed"], captured["extra"] = out = original(*args)
+        return out
+
+    env._packed_row = spy
+    try:
+        with torch.no_grad():
+            env.score_actions(env.model, batch)
+    finally:
+        del env._packed_row
+    packed = captured["packed"]
+    assert packed.position_ids.shape == (3, 1, packed.input_ids.shape[1])
+    assert packed.prompt_samples == [0, 2, 4, 6]  # four distinct prompts (rows 0 and 1 kept apart)
+    pos = packed.position_ids[:, 0]  # [3, T]
+    prompt = t["prompt_ids"][4][t["prompt_mask"][4].bool()].tolist()  # row 2: two pictures
+    start = len(t["prompt_ids"][0][t["prompt_mask"][0].bool()]) + 6 + 3 + len(
+        t["prompt_ids"][2][t["prompt_mask"][2].bool()]) + 1 + 5
+    assert packed.input_ids[0, start:start + len(prompt)].tolist() == prompt
+    image = env.processor.image_token_id
+    first = prompt.index(image)
+    # First picture: 4 tokens on a 2x2 grid at (first, first + h, first + w); text after it resumes at first + 2.
+    grid = pos[:, start + first:start + first + 4] - first
+    assert grid.tolist() == [[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1]]
+    second = first + 4 + 2  # <|vision_end|><|vision_start|> between the pictures, at first + 2 and first + 3
+    assert pos[:, start + first + 4].tolist() == [first + 2] * 3
+    # Second picture: 8 tokens on a 4 (high) x 2 (wide) grid, from first + 4.
+    grid = pos[:, start + second:start + second + 8] - (first + 4)
+    assert grid.tolist() == [[0] * 8, [0, 0, 1, 1, 2, 2, 3, 3], [0, 1] * 4]
+    last = int(pos[0, start + len(prompt) - 1])
+    assert last == len(prompt) - 1 - (4 - 2) - (8 - 4)  # each picture takes max(h, w) positions for its tokens
+    responses = pos[:, start + len(prompt):start + len(prompt) + 4]  # sample 4's 4 tokens
+    assert responses.tolist() == [list(range(last + 1, last + 5))] * 3
+    assert captured["extra"]["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4], [1, 4, 4], [1, 8, 4]]
+
+
+def test_packed_vlm_gradients_equal_the_unpacked_rows(packed_env):
+    """The backward through a packed row gives the unpacked batch's gradients, vision tower included."""
+    env, batch = packed_env
+    params = [p for p in env.model.parameters() if p.requires_grad]
+    grads = []
+    for share in (True, False):
+        env.cfg.model.share_prompt = share
+        try:
+            env.model.zero_grad()
+            scored = env.score_actions(env.model, batch)
+            (scored["logp"] * scored["mask"]).sum().backward()
+            grads.append([p.grad.clone() for p in params])
+        finally:
+            env.cfg.model.share_prompt = True
+    env.model.zero_grad()
+    visual = set(env.model.model.visual.parameters())
+    assert any(g.abs().sum() > 0 for g, p in zip(grads[0], params) if p in visual)
+    for packed, unpacked in zip(*grads):
+        torch.testing.assert_close(packed, unpacked, atol=1e-5, rtol=1e-4)
+
+
+def test_packing_refuses_other_multimodal_models_and_keys_must_match_the_samples(packed_env):
+    env, _ = packed_env
+    config = type(env.model.config).from_dict(env.model.config.to_dict())
+    config._attn_implementation = "sdpa"
+    check_packable(config)  # Qwen2-VL: packed
+    config.model_type = "llava"
+    with pytest.raises(ValueError, match="qwen2_vl, qwen2_5_vl only; llava.*share_prompt=false"):
+        check_packable(config)
+    ids = torch.ones((2, 3), dtype=torch.long)
+    with pytest.raises(ValueError, match="1 keys for 2 samples"):
+        pack_shared_prompts(ids, ids, ids, ids, keys=["a"])
+    with pytest.raises(ValueError, match=r"prompt_positions for sample 0: expected integer positions \[axes, 3\]"):
+        pack_shared_prompts(ids, ids, ids, ids, prompt_positions=lambda i, p: torch.zeros(3, 2, dtype=torch.long))
