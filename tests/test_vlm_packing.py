@@ -178,3 +178,71 @@ def test_packing_refuses_other_multimodal_models_and_keys_must_match_the_samples
         pack_shared_prompts(ids, ids, ids, ids, keys=["a"])
     with pytest.raises(ValueError, match=r"prompt_positions for sample 0: expected integer positions \[axes, 3\]"):
         pack_shared_prompts(ids, ids, ids, ids, prompt_positions=lambda i, p: torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_the_load_time_prompt_length_counts_each_rows_picture_tokens(packed_env):
+    """``data.max_prompt_length`` is checked at load with the pictures' tokens (from their sizes): the
+    count is what encoding the row gives, and a row over the limit only with its pictures stops the run
+    there, named."""
+    env, _ = packed_env
+    rows = env.train_rows
+    lengths = [env._prompt_length(row) for row in rows]
+    assert lengths == [len(env.encode_prompt(row)) for row in rows]
+    text_alone = len(env.processor.tokenizer(env.processor.prompt_text(rows[2]["prompt"], 2)).input_ids)
+    assert lengths[2] == text_alone - 2 + 4 + 8  # two placeholders become 4 + 8 picture tokens
+    limit = env.cfg.data.max_prompt_length
+    env.cfg.data.max_prompt_length = lengths[2] - 1  # the text alone fits, not with its pictures
+    try:
+        with pytest.raises(ValueError, match=rf"1 prompt\(s\) longer than data.max_prompt_length={lengths[2] - 1} "
+                                             rf"tokens, first rows\.jsonl \(row 2, {lengths[2]} tokens\)"):
+            env._within_prompt_length(rows, "rows.jsonl", "train")
+    finally:
+        env.cfg.data.max_prompt_length = limit
+
+
+def test_a_qwen2_5_vl_packs_as_each_sample_alone(packed_env):
+    """Qwen2.5-VL (its own rope index and windowed vision tower), randomly initialised at toy size over
+    the tiny VLM's tokenizer: a packed row's log-probs equal each sample's own forward."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from unirl.text.packing import use_packed_attention
+    from unirl.text.vlm_env import pack_with_pictures
+
+    env, _ = packed_env
+    processor, base = env.processor, env.model.config
+    text = {k: v for k, v in base.text_config.to_dict().items() if k not in ("model_type", "architectures")}
+    vision = dict(depth=2, hidden_size=128, out_hidden_size=base.text_config.hidden_size, intermediate_size=256,
+                  num_heads=2, window_size=56, fullatt_block_indexes=[1])
+    ids = {k: getattr(base, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                         "vision_end_token_id")}
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)).eval()
+    check_packable(model.config)
+    use_packed_attention(model)
+    assert model.model.visual.config._attn_implementation == "sdpa"  # the tower keeps its own
+    pictures = [[Image.new("RGB", (64, 48), "red")]] * 2 + [[Image.new("RGB", (90, 30), "blue"),
+                                                            Image.new("RGB", (64, 64), "green")], []]
+    prompts = [processor.encode(processor.prompt_text(q, len(p)), p)["input_ids"]
+               for q, p in zip(["count?", "count?", "which?", "none?"], pictures)]
+    responses = [processor.tokenizer(r, add_special_tokens=False).input_ids for r in ("two", "on", "#### 3", "0")]
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    prompt_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])  # left-padded
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    response_ids = torch.tensor([r + [0] * (R - len(r)) for r in responses])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (R - len(r)) for r in responses])
+    packed, extra = pack_with_pictures(model, processor, prompt_ids, prompt_mask, response_ids, response_mask, pictures)
+    assert packed.prompt_samples == [0, 2, 3]
+    with torch.no_grad():
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                       attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool), **extra).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)[packed.source]  # [n, R, V]
+        for i, (prompt, response) in enumerate(zip(prompts, responses)):
+            row = torch.tensor([prompt + response])
+            inputs = {}
+            if pictures[i]:
+                pixels = processor.image_processor(images=pictures[i], return_tensors="pt")
+                inputs = vision_inputs(row, pixels["pixel_values"], pixels["image_grid_thw"], processor.image_token_id)
+            alone = torch.log_softmax(model(input_ids=row, use_cache=False, **inputs).logits[0].float(), -1)
+            alone = alone[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None])[:, 0]
+            packed_i = logp[i, :len(response)].gather(-1, torch.tensor(response)[:, None])[:, 0]
+            torch.testing.assert_close(packed_i, alone, atol=1e-5, rtol=0)

@@ -145,7 +145,7 @@ class TextEnvironment(Environment):
         from unirl.text.data import row_place
 
         limit = self.cfg.data.max_prompt_length
-        lengths = [len(self._prompt_ids(row["prompt"])) for row in rows]
+        lengths = [self._prompt_length(row) for row in rows]
         over = [i for i, n in enumerate(lengths) if n > limit]
         if not over:
             return rows
@@ -171,6 +171,9 @@ class TextEnvironment(Environment):
     # ---------------------------------------------------------------- rollout
     def next_prompts(self, step: int) -> list[dict]:
         return self.sampler.batch(step)
+
+    def _prompt_length(self, row: dict) -> int:  # a VLM adds its pictures' tokens (unirl/text/vlm_env.py)
+        return len(self._prompt_ids(row["prompt"]))
 
     def _prompt_ids(self, text: str) -> list[int]:
         if self.cfg.data.chat_template and self.tokenizer.chat_template:

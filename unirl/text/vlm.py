@@ -155,6 +155,11 @@ class VLMProcessor:
         return self.tokenizer.apply_chat_template(image_messages(prompt, n_images), tokenize=False,
                                                   add_generation_prompt=True)
 
+    def image_tokens(self, image) -> int:
+        """How many placeholder tokens ``encode`` gives ``image`` (a ``PIL.Image``), from its size alone."""
+        patches = self.image_processor.get_number_of_image_patches(image.height, image.width)
+        return patches // self.image_processor.merge_size ** 2
+
     def encode(self, text: str, images: list) -> dict[str, Any]:
         """``input_ids`` (a list) with each image placeholder expanded to its patch count, and the
         images' ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [n_images, 3] (absent when none)."""
