@@ -246,3 +246,23 @@ def test_a_qwen2_5_vl_packs_as_each_sample_alone(packed_env):
             alone = alone[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None])[:, 0]
             packed_i = logp[i, :len(response)].gather(-1, torch.tensor(response)[:, None])[:, 0]
             torch.testing.assert_close(packed_i, alone, atol=1e-5, rtol=0)
+
+
+def test_a_batch_without_pictures_scores_as_each_sample_alone_unpacked_too(packed_env):
+    """No picture in the whole batch (no pixel inputs at all) and left-padded prompts of different
+    lengths: packed and unpacked rows give each sample's own log-probs."""
+    env, batch = packed_env
+    pair = batch.select([6, 7])  # row 3, no picture
+    t = pair.tensors
+    t["prompt_ids"], t["prompt_mask"] = t["prompt_ids"].clone(), t["prompt_mask"].clone()
+    first = int(t["prompt_mask"][1].argmax())
+    t["prompt_ids"][1, first:first + 3], t["prompt_mask"][1, first:first + 3] = env.tokenizer.pad_token_id, 0
+    with torch.no_grad():
+        alone = _alone(env, pair, 1)
+        for share in (True, False):
+            env.cfg.model.share_prompt = share
+            try:
+                logp = env.score_actions(env.model, pair)["logp"]
+            finally:
+                env.cfg.model.share_prompt = True
+            torch.testing.assert_close(logp[1, :len(alone)], alone, atol=1e-5, rtol=0)

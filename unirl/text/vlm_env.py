@@ -140,8 +140,8 @@ class VLMEnvironment(TextEnvironment):
 
     def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
         images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
-        if not images:  # text positions counting real tokens only, as the sampler's (the model's own count pads)
-            return positions, extra
+        if not images:
+            return None, extra
         pixels = self.processor.image_processor(images=images, return_tensors="pt")
         return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
                                    self.processor.image_token_id)
