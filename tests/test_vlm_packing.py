@@ -124,8 +124,8 @@ def test_packed_vlm_rows_place_prompts_by_the_models_own_rope_index(packed_env):
     assert packed.prompt_samples == [0, 2, 4, 6]  # four distinct prompts (rows 0 and 1 kept apart)
     pos = packed.position_ids[:, 0]  # [3, T]
     prompt = t["prompt_ids"][4][t["prompt_mask"][4].bool()].tolist()  # row 2: two pictures
-    start = len(t["prompt_ids"][0][t["prompt_mask"][0].bool()]) + 6 + 3 + len(
-        t["prompt_ids"][2][t["prompt_mask"][2].bool()]) + 1 + 5
+    prompt_len, resp_len = t["prompt_mask"].sum(-1).long().tolist(), t["response_mask"].sum(-1).long().tolist()
+    start = prompt_len[0] + resp_len[0] + resp_len[1] + prompt_len[2] + resp_len[2] + resp_len[3]  # row 2's prompt
     assert packed.input_ids[0, start:start + len(prompt)].tolist() == prompt
     image = env.processor.image_token_id
     first = prompt.index(image)
@@ -139,8 +139,8 @@ def test_packed_vlm_rows_place_prompts_by_the_models_own_rope_index(packed_env):
     assert grid.tolist() == [[0] * 8, [0, 0, 1, 1, 2, 2, 3, 3], [0, 1] * 4]
     last = int(pos[0, start + len(prompt) - 1])
     assert last == len(prompt) - 1 - (4 - 2) - (8 - 4)  # each picture takes max(h, w) positions for its tokens
-    responses = pos[:, start + len(prompt):start + len(prompt) + 4]  # sample 4's 4 tokens
-    assert responses.tolist() == [list(range(last + 1, last + 5))] * 3
+    responses = pos[:, start + len(prompt):start + len(prompt) + resp_len[4]]  # sample 4's tokens
+    assert resp_len[4] > 1 and responses.tolist() == [list(range(last + 1, last + 1 + resp_len[4]))] * 3
     assert captured["extra"]["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4], [1, 4, 4], [1, 8, 4]]
 
 
