@@ -11,7 +11,6 @@ from conftest import text_env
 from PIL import Image
 
 from unirl.text.logprobs import response_logprobs
-from unirl.text.packing import check_packable
 from unirl.text.tiny_vlm import build_tiny_vlm
 from unirl.text.vlm import VLMProcessor, image_token_mask, row_images, vision_inputs
 
@@ -109,13 +108,6 @@ def test_recomputed_logprobs_with_images_equal_the_samplers_and_use_the_image(vl
                                      chunk_size=None, model_kwargs=vision_inputs(
                                          full, other["pixel_values"], other["image_grid_thw"], image_id))
     assert (logp_blue - sampler).abs().max() > 1e-3
-
-
-def test_packing_refuses_a_vlm_whose_positions_are_3d(vlm):
-    _, model, _ = vlm
-    model.config._attn_implementation = "sdpa"
-    with pytest.raises(ValueError, match="qwen2_vl uses 3-D multimodal rotary positions.*share_prompt=false"):
-        check_packable(model.config)
 
 
 def test_text_trainer_refuses_rows_with_images_instead_of_dropping_them(tmp_path):

@@ -56,7 +56,8 @@ class ModelConfig:
     #: padding), the linear layers run over those tokens only, and attention runs per block (a response
     #: sees its prompt and its own earlier tokens, at the positions of its padded row), so the log-probs
     #: are the padded layout's (unirl/text/packing.py). Needs sdpa attention and no sliding window
-    #: (checked at setup); false: one padded row per sample. A vision-language model needs false.
+    #: (checked at setup); false: one padded row per sample. Vision-language models: Qwen2-VL and
+    #: Qwen2.5-VL pack with their 3-D rotary positions (docs/vlm.md); others need false.
     share_prompt: bool = True
     #: Vision-language policies (docs/vlm.md): keep the vision tower's weights fixed (verl's and TRL's
     #: usual choice for GRPO on Qwen2-VL); false trains it too. No effect on a text-only model.

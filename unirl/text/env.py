@@ -145,7 +145,7 @@ class TextEnvironment(Environment):
         from unirl.text.data import row_place
 
         limit = self.cfg.data.max_prompt_length
-        lengths = [len(self._prompt_ids(row["prompt"])) for row in rows]
+        lengths = [self._prompt_length(row) for row in rows]
         over = [i for i, n in enumerate(lengths) if n > limit]
         if not over:
             return rows
@@ -171,6 +171,9 @@ class TextEnvironment(Environment):
     # ---------------------------------------------------------------- rollout
     def next_prompts(self, step: int) -> list[dict]:
         return self.sampler.batch(step)
+
+    def _prompt_length(self, row: dict) -> int:  # a VLM adds its pictures' tokens (unirl/text/vlm_env.py)
+        return len(self._prompt_ids(row["prompt"]))
 
     def _prompt_ids(self, text: str) -> list[int]:
         if self.cfg.data.chat_template and self.tokenizer.chat_template:
@@ -260,11 +263,10 @@ class TextEnvironment(Environment):
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         tokens = response_tokens(t)  # [n, R] every real token; response_mask may have holes (observations)
         if self.cfg.model.share_prompt:  # one copy of each prompt, no padding (unirl/text/packing.py)
-            packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], tokens)
-            ids, positions, source = packed.input_ids, packed.position_ids, packed.source  # [1, T], [1, T], [n, R]
+            packed, extra = self._packed_row(model, batch, t, tokens)
+            ids, positions, source = packed.input_ids, packed.position_ids, packed.source  # [1, T], [(3,) 1, T], [n, R]
             # The attention is the blocks'; a 4-D mask is taken as given, so transformers builds no [T, T] one.
             attn = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-            extra = {"unirl_blocks": packed.blocks}
         else:
             ids = torch.cat([t["prompt_ids"], t["response_ids"]], dim=1)  # [n, P+R]
             attn = torch.cat([t["prompt_mask"], tokens.long()], dim=1)
@@ -284,6 +286,12 @@ class TextEnvironment(Environment):
     def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
         """The positions and extra model inputs of an unpacked forward over ``ids`` (a VLM: its own)."""
         return positions, extra
+
+    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor], tokens: torch.Tensor):
+        """``batch`` (its tensors ``t`` on the device; ``tokens`` [n, R] its responses' real tokens) as one
+        packed row for ``model``, and the extra inputs of its forward (a VLM adds its pictures and 3-D positions)."""
+        packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], tokens)
+        return packed, {"unirl_blocks": packed.blocks}
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return self._trained_tokens(batch.tensors)

@@ -20,11 +20,22 @@ The model's attention implementation is set to ``unirl_packed`` at setup: it com
 when the forward is given ``unirl_blocks`` and is transformers' ``sdpa`` otherwise (generation,
 evaluation), with ``sdpa``'s masks. Models whose attention is not ``sdpa`` or that have sliding
 windows are refused by ``check_packable`` rather than trained on other log-probs.
+
+Vision-language models (Qwen2-VL, Qwen2.5-VL) pack the same way with two additions, both supplied by
+the caller (``unirl/text/vlm_env.py``): ``keys`` keep two prompts apart whose tokens are the same but
+whose pictures differ (image placeholders are one token id), and ``prompt_positions`` gives each distinct
+prompt its 3-D multimodal rotary positions (M-RoPE: temporal, height, width), computed by the model's own
+``get_rope_index`` on that prompt alone. Its responses continue from the prompt's largest position + 1 on
+all three axes, transformers' rule for text after a prompt (its ``rope_deltas``), so ``position_ids`` is
+``[3, 1, T]`` and every token gets the position it gets in its own padded row. The block attention
+replaces the language model's attention only; the vision tower keeps its own (``use_packed_attention``)
+and sees each distinct prompt's pictures once, in packed order (``PackedBatch.prompt_samples``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,12 +68,15 @@ class PackedBatch:
     """n samples as one row of T tokens; ``source[i, j]`` is the token whose hidden state predicts
     response token j of sample i (the prompt's last token for j = 0, else the sample's token j-1).
     Padded response positions (j >= the sample's length) point at token 0; their values are whatever
-    the caller's response mask makes of them."""
+    the caller's response mask makes of them. ``position_ids`` is ``[A, 1, T]`` when the caller gave
+    A-axis prompt positions (3 for M-RoPE), else ``[1, T]``. ``prompt_samples[k]`` is the first sample
+    of the k-th distinct prompt in the row (where a VLM takes that prompt's pictures from)."""
 
     input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T] or [A, 1, T]
     source: torch.Tensor  # [n, R]
     blocks: AttentionBlocks
+    prompt_samples: list[int]
 
 
 def response_lengths(token_mask: torch.Tensor) -> torch.Tensor:
@@ -80,34 +94,51 @@ def response_lengths(token_mask: torch.Tensor) -> torch.Tensor:
     return lengths
 
 
+#: A prompt's own positions, ``(its first sample's index, its tokens) -> [A, p]`` (3 axes for M-RoPE).
+PromptPositions = Callable[[int, list[int]], torch.Tensor]
+
+
 def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                        response_mask: torch.Tensor) -> PackedBatch:
+                        response_mask: torch.Tensor, *, keys: Optional[Sequence[Hashable]] = None,
+                        prompt_positions: Optional[PromptPositions] = None) -> PackedBatch:
     """Pack n samples (left-padded prompts [n, P], right-padded responses [n, R]) into one row that
     holds each distinct prompt once, followed by its samples' responses in the samples' order.
-    Samples share a prompt when its tokens are the same (whatever their group ids say).
+    Samples share a prompt when its tokens are the same (whatever their group ids say) and, given
+    ``keys`` (one per sample, e.g. a digest of a VLM sample's pictures), their keys are equal too.
     ``response_mask`` marks the responses' real tokens (see ``response_lengths``): for a multi-turn
-    rollout, pass its ``response_attention_mask``, not the loss mask with holes."""
+    rollout, pass its ``response_attention_mask``, not the loss mask with holes.
+
+    A prompt's positions are 0 .. p-1, or ``prompt_positions(i, tokens)`` ([A, p], A axes) for its
+    first sample i; its responses continue from the prompt's largest position + 1 on every axis."""
     n, P = prompt_ids.shape
     R = response_ids.shape[1]
+    if keys is not None and len(keys) != n:
+        raise ValueError(f"pack_shared_prompts got {len(keys)} keys for {n} samples")
     prompt_len = prompt_mask.sum(-1).long().tolist()  # left-padded: the real tokens are the last ones
     resp_len = response_lengths(response_mask).tolist()
     prompts, responses = prompt_ids.tolist(), response_ids.tolist()
 
-    by_prompt: dict[tuple, list[int]] = {}  # prompt tokens -> its samples, in order
+    by_prompt: dict[tuple, list[int]] = {}  # (prompt tokens[, key]) -> its samples, in order
     for i in range(n):
         if prompt_len[i] == 0:
             raise ValueError(f"sample {i} has an empty prompt: its first response token has no context to come from")
-        by_prompt.setdefault(tuple(prompts[i][P - prompt_len[i]:]), []).append(i)
+        tokens_i = tuple(prompts[i][P - prompt_len[i]:])
+        by_prompt.setdefault(tokens_i if keys is None else (tokens_i, keys[i]), []).append(i)
 
     tokens: list[int] = []
-    positions: list[int] = []
+    positions: list[torch.Tensor] = []  # [A, length] per piece of the row
     source = torch.zeros((n, R), dtype=torch.long)
     block_queries: list[range] = []  # each block's query tokens
     block_context: list[range] = []  # each block's always-visible context tokens
-    for prompt, samples in by_prompt.items():
+    for samples in by_prompt.values():
+        first_sample = samples[0]
+        prompt = prompts[first_sample][P - prompt_len[first_sample]:]
         start, p = len(tokens), len(prompt)
+        own = torch.arange(p)[None] if prompt_positions is None else \
+            _prompt_positions(prompt_positions(first_sample, prompt), p, first_sample)  # [A, p]
+        after = int(own.max()) + 1  # 1-D: p
         tokens.extend(prompt)
-        positions.extend(range(p))
+        positions.append(own)
         prompt_tokens = range(start, start + p)
         block_queries.append(prompt_tokens)
         block_context.append(range(0))
@@ -116,7 +147,7 @@ def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, res
             if length == 0:
                 continue
             tokens.extend(responses[i][:length])
-            positions.extend(range(p, p + length))
+            positions.append((torch.arange(length) + after)[None].expand(own.shape[0], -1))
             block_queries.append(range(first, first + length))
             block_context.append(prompt_tokens)
             # Token 0 is predicted by the prompt's last token, token j by the sample's token j-1.
@@ -125,8 +156,19 @@ def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, res
 
     device = prompt_ids.device
     blocks = _attention_blocks(block_context, block_queries, len(tokens)).to(device)
-    return PackedBatch(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
-                       source.to(device), blocks)
+    position_ids = torch.cat(positions, dim=1)  # [A, T]
+    if prompt_positions is not None:
+        position_ids = position_ids[:, None]  # [A, 1, T]: the model's multi-axis layout
+    return PackedBatch(torch.tensor([tokens], device=device), position_ids.to(device), source.to(device), blocks,
+                       [samples[0] for samples in by_prompt.values()])
+
+
+def _prompt_positions(positions: torch.Tensor, length: int, sample: int) -> torch.Tensor:
+    """The caller's positions of sample ``sample``'s prompt, checked to be ``[A, length]`` integers."""
+    if positions.ndim != 2 or positions.shape[1] != length or positions.is_floating_point():
+        raise ValueError(f"prompt_positions for sample {sample}: expected integer positions [axes, {length}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    return positions.long().cpu()
 
 
 def _attention_blocks(context: list[range], queries: list[range], num_tokens: int) -> AttentionBlocks:
@@ -165,6 +207,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got a batch of {query.shape[0]}")
     H, T, d = query.shape[1], query.shape[2], query.shape[3]
+    if T != blocks.inverse.shape[0]:  # e.g. a vision tower switched to this function: it must keep its own
+        raise ValueError(f"packed attention got {T} tokens for a packed row of {blocks.inverse.shape[0]} "
+                         f"({type(module).__name__})")
     q = query[0].transpose(0, 1)[blocks.queries].transpose(1, 2)  # [B, H, O, d]
     k = key[0].transpose(0, 1)[blocks.keys].transpose(1, 2)  # [B, H_kv, K, d]
     v = value[0].transpose(0, 1)[blocks.keys].transpose(1, 2)
@@ -178,13 +223,26 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
 
 def use_packed_attention(model) -> None:
     """Register ``packed_attention`` (with ``sdpa``'s masks) with transformers and switch ``model`` to
-    it. Idempotent."""
+    it: a vision-language model's language model only, its vision tower keeping its own attention
+    (which attends within each picture, and is handed the forward's keyword arguments, ``unirl_blocks``
+    included). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(PACKED_ATTENTION)
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        model.set_attn_implementation(PACKED_ATTENTION)
+    else:  # per sub-config ("" is the top-level config)
+        model.set_attn_implementation({"": PACKED_ATTENTION, "text_config": PACKED_ATTENTION,
+                                       "vision_config": vision._attn_implementation})
+
+
+#: Vision-language models whose packed rows get their 3-D rotary positions right: their ``get_rope_index``
+#: (transformers) places a prompt's images and text, and text after the prompt continues at its largest
+#: position + 1 (Qwen2.5-VL's index differs from Qwen2-VL's for videos only, which unirl does not feed).
+PACKABLE_VLMS = ("qwen2_vl", "qwen2_5_vl")
 
 
 def check_packable(config) -> None:
@@ -194,9 +252,12 @@ def check_packable(config) -> None:
         raise ValueError(f"model.share_prompt=true computes attention per packed block in place of the model's "
                          f"{impl!r} attention, which it reproduces only for 'sdpa': load the model with sdpa "
                          f"attention or set model.share_prompt=false")
-    if getattr(config, "vision_config", None) is not None:  # Qwen2-VL & co: 3-D (M-RoPE) positions, not packed yet
-        raise ValueError(f"model.share_prompt=true packs rows with 1-D positions, and {config.model_type} uses 3-D "
-                         f"multimodal rotary positions that the packed rows would get wrong: set model.share_prompt=false")
+    if getattr(config, "vision_config", None) is not None:
+        if config.model_type not in PACKABLE_VLMS:
+            raise ValueError(f"model.share_prompt=true packs a vision-language model's rows with the 3-D rotary "
+                             f"positions of {', '.join(PACKABLE_VLMS)} only; {config.model_type} may place its "
+                             f"positions otherwise: set model.share_prompt=false")
+        config = config.get_text_config()  # packing replaces the language model's attention
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in layer_types or (window is not None and not layer_types):

@@ -15,6 +15,7 @@ installed, for its video half; this needs none, and a test checks it against Aut
 
 from __future__ import annotations
 
+import hashlib
 import io
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,11 @@ class VLMProcessor:
         return self.tokenizer.apply_chat_template(image_messages(prompt, n_images), tokenize=False,
                                                   add_generation_prompt=True)
 
+    def image_tokens(self, image) -> int:
+        """How many placeholder tokens ``encode`` gives ``image`` (a ``PIL.Image``), from its size alone."""
+        patches = self.image_processor.get_number_of_image_patches(image.height, image.width)
+        return patches // self.image_processor.merge_size ** 2
+
     def encode(self, text: str, images: list) -> dict[str, Any]:
         """``input_ids`` (a list) with each image placeholder expanded to its patch count, and the
         images' ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [n_images, 3] (absent when none)."""
@@ -184,6 +190,30 @@ def vision_inputs(input_ids: torch.Tensor, pixel_values: torch.Tensor, image_gri
     convention), from which the model derives its 3-D rotary positions. Pass no ``position_ids`` with them."""
     return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
             "mm_token_type_ids": image_token_mask(input_ids, image_token_id).long()}
+
+
+def pictures_key(images: list, memo: dict[int, bytes]) -> bytes:
+    """A digest of ``images`` (``PIL.Image``s, in order): two samples share a packed prompt only when their
+    pictures are the same, since every picture's placeholders are the same token id. ``memo`` caches each
+    image object's digest (a group's samples hold the same objects), for the caller's one batch."""
+    whole = hashlib.blake2b(digest_size=16)
+    for image in images:
+        if id(image) not in memo:
+            one = hashlib.blake2b(f"{image.mode} {image.size}".encode(), digest_size=16)
+            one.update(image.tobytes())
+            memo[id(image)] = one.digest()
+        whole.update(memo[id(image)])
+    return whole.digest()
+
+
+def rope_index(model):
+    """The multimodal rotary index (``get_rope_index``) of ``model``'s inner module that owns it (Qwen2-VL's
+    ``model.model``), through any PEFT or DDP wrapper."""
+    for module in model.modules():
+        if callable(getattr(module, "get_rope_index", None)):
+            return module.get_rope_index
+    raise ValueError(f"{type(model).__name__} has no get_rope_index: its packed rows cannot be given 3-D positions; "
+                     f"set model.share_prompt=false")
 
 
 def _no_torchvision() -> bool:

