@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoi
 from unirl.text.logprobs import response_logprobs
 from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
+from unirl.text.held_out import evaluate_held_out
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
@@ -406,22 +406,16 @@ class TextEnvironment(Environment):
             self.engine.load_weights(iter(snapshot))
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
-        old = {"logp": rollout.old_logp}
         mask = rollout.tensors["response_mask"].bool()
-        diff = (rollout.engine_logp - old["logp"].cpu()).abs()[mask]
-        lengths = rollout.tensors["response_mask"].sum(-1)
+        old_logp = rollout.old_logp.cpu()
+        diff = (rollout.engine_logp - old_logp).abs()[mask]
+        out = {**self._mismatch_metrics(rollout.engine_logp, old_logp, mask),
+               "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
+               "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
+               "rollout/response_length_mean": rollout.tensors["response_mask"].sum(-1).mean().item()}
         if "turns" in rollout.tensors:  # a multi-turn rollout
-            return {**self._mismatch_metrics(rollout.engine_logp, old["logp"].cpu(), mask),
-                    "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
-                    "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
-                    "rollout/response_length_mean": lengths.mean().item(), **multi_turn_metrics(rollout.tensors)}
-        return {
-            **self._mismatch_metrics(rollout.engine_logp, old["logp"].cpu(), mask),
-            "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
-            "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
-            "rollout/response_length_mean": lengths.mean().item(),
-            "rollout/truncated_frac": 1.0 - rollout.tensors["finished"].float().mean().item(),
-        }
+            return {**out, **multi_turn_metrics(rollout.tensors)}
+        return {**out, "rollout/truncated_frac": 1.0 - rollout.tensors["finished"].float().mean().item()}
 
     def _mismatch_metrics(self, engine_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
         """``rollout/mismatch_kl``, ``rollout/ppl_ratio`` ... (``rollout_mismatch_metrics``) whatever the
@@ -435,53 +429,9 @@ class TextEnvironment(Environment):
         return {f"rollout/{k}": v for k, v in zip(figures, torch.stack(list(figures.values())).tolist())}
 
     # ------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
-        """Greedy answers to the held-out prompts, scored by the config's rewards. With several
-        processes each answers every world-th prompt and the scores are gathered; the main process
-        writes the first 16 answers to ``eval_samples.jsonl`` (with a judge reward's answers under ``judge``)."""
-        if not self.test_rows:
-            return {}
-        from accelerate.utils import gather_object
-
-        r, acc = self.cfg.rollout, self.accelerator
-        mine = list(range(acc.process_index, len(self.test_rows), acc.num_processes))
-        rows = [self.test_rows[i] for i in mine]
-        texts = []
-        if rows:
-            prompt_ids = [self.encode_prompt(row, i) for i, row in zip(mine, rows)]
-            if self.tools is not None:  # greedy multi-turn, the tools called as in training
-                groups = multi_turn_generate(self.engine, self.tokenizer, *self.tools, prompt_ids, n=1, greedy=True,
-                                             temperature=1.0, max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                                             max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens,
-                                             max_observation_tokens=r.max_observation_tokens,
-                                             truncated_text=r.observation_truncated_text)
-                texts = [self.tokenizer.decode(g[0].ids, skip_special_tokens=True) for g in groups]
-            else:
-                gens = self.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,
-                                            max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
-                texts = [g[0].text for g in gens]
-        comps, judged = {}, {}  # judged: a judge reward's answers, by reward
-        if rows:
-            columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
-            comps = self.rewards.components(texts, prompts=[row["prompt"] for row in rows], columns=columns, texts=judged)
-        local = [(i, text, {k: float(v[j]) for k, v in comps.items()}, {k: v[j] for k, v in judged.items()})
-                 for j, (i, text) in enumerate(zip(mine, texts))]
-        results = sorted(gather_object(local) if acc.num_processes > 1 else local)  # every prompt, in order
-        names = list(self.rewards.names)
-        scores = {k: torch.tensor([res[2][k] for res in results]) for k in names}
-        # Accuracy: the share of answers that get the first reward's full score (1 for gsm8k).
-        first = scores[names[0]]
-        if acc.is_main_process:
-            with open(run_dir / "eval_samples.jsonl", "a") as f:
-                for i, text, s, judge in results[:16]:
-                    f.write(json.dumps({"step": step, "prompt": self.test_rows[i]["prompt"], "response": text,
-                                        "score": s[names[0]], **({"judge": judge} if judge else {})}) + "\n")
-        self.evaluation_media = {"tables": {"eval/samples": (
-            ["prompt", "response", names[0]], [[self.test_rows[i]["prompt"], text, s[names[0]]] for i, text, s, _ in results[:16]])}}
-        out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
-        out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in scores.items()})
-        return out
+        """Greedy answers to the held-out prompts, scored by the config's rewards (``evaluate_held_out``)."""
+        return evaluate_held_out(self, step, run_dir)
 
     # ----------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: Path) -> None:
