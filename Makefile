@@ -44,12 +44,8 @@ demo-diffusion: setup
 	rm -rf runs/demo-diffusion
 	$(VENV)/bin/unirl train diffusion --config tiny --output-dir runs/demo-diffusion
 
-# The test files run on WORKERS pytest-xdist processes, each file whole on one (tests/conftest.py says why);
-# WORKERS=0 runs them all in one process.
-WORKERS ?= 2
-
 test: setup
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+	$(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs

@@ -55,8 +55,8 @@ def pytest_collection_modifyitems(config, items):
     start in that process (its kernel-override scan reads ``lib.__dict__``, which llvmlite answers with a
     function wrapper). unirl imports bm25s only after its engine started; a test session must do the same."""
     items.sort(key=lambda item: item.get_closest_marker("imports_numba") is not None)  # stable: order kept
-    # `make test` runs the files on two xdist workers (--dist loadfile): a worker runs a file whole, so a
-    # file that mixed both kinds would import numba and then go on to tests that may start vLLM.
+    # Under pytest-xdist's --dist loadfile a worker runs a file whole, so a file that mixed both kinds would
+    # import numba and then go on to tests that may start vLLM: they live in files of their own.
     marked: dict[str, set[bool]] = {}
     for item in items:
         marked.setdefault(item.nodeid.split("::")[0], set()).add(item.get_closest_marker("imports_numba") is not None)
