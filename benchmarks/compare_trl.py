@@ -145,6 +145,8 @@ def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, 
     try:
         rows = [trainer.train_step() for _ in range(steps)]
     finally:
+        if trainer.rollouts is not None:  # rollout.max_staleness >= 1: the producer stops before its engine
+            trainer.rollouts.close(wait=False)
         trainer.env.close()
     return {"steps": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows]}
 
@@ -218,11 +220,11 @@ def child(args) -> None:
 # --------------------------------------------------------------------------------- parent
 def summarise(result: dict) -> dict:
     steps = result["steps"][1:]  # the first pays for warm-up
-    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}  # async: publish only some steps
     row = {"step": med["time/step"], "peak": result["peak_rss_mib"], "n": len(steps),
            "gpu": result.get("peak_gpu_gib")}
     if "time/rollout" in med:
-        row.update(rollout=med["time/rollout"], old=med["time/old_logprobs"], update=med["time/update"],
+        row.update(rollout=med["time/rollout"], old=med.get("time/old_logprobs", 0.0), update=med["time/update"],
                    overhead=statistics.median(s["time/step"] - s["time/rollout"] - s["time/update"] for s in steps))
     return row
 

@@ -5,13 +5,14 @@
 # first, so pytest still prints its summary), and everything it measured lands in $OUT:
 #   summary.txt   the card, the versions, each part's exit status and seconds, the key figures
 #   compare.log, compare.json   benchmarks/compare_trl.py's table and results
+#   compare_static.log, compare_async.log (.json)   unirl alone with rollout.hf_cache=static / max_staleness=1
 #   tiny.log      the two tiny runs' last metrics rows and run_info.json
 #   profile.log, profile.json   benchmarks/generate_profile.py: TRL's generate call against HFEngine's
 #   suite.log, suite.xml        pytest's output and its JUnit report
 #
 # The suite rarely fits beside the rest: SUITE names what to run (default: tests), SUITE_REST=FILE runs
 # every collected test that FILE (an earlier part's suite.log, kept on the machine) does not list, and PARTS
-# (default "compare compare-static profile tiny suite") picks the parts. A prebuilt toy cache (UNIRL_CACHE, e.g. a copy
+# (default "compare compare-static compare-async profile tiny suite") picks the parts. A prebuilt toy cache (UNIRL_CACHE, e.g. a copy
 # of a CPU session's test cache carried in .gpu/cache) saves each worker its toy builds.
 #
 # Wheels the GPU machine lacks (diffusers, trl, datasets ...) are installed from $WHEELS (default .gpu/,
@@ -47,7 +48,7 @@ part() {
   echo "$name: exit $rc in $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$S"
 }
 
-PARTS=" ${PARTS:-compare compare-static profile tiny suite} "
+PARTS=" ${PARTS:-compare compare-static compare-async profile tiny suite} "
 W=${TMPDIR:-/tmp}/compare-trl
 
 # 1. The 0.5B-shape comparison with TRL: HF generate in both, bf16 weights, 16 prompts x 8, 128 new tokens.
@@ -58,16 +59,25 @@ part compare ${COMPARE_SECONDS:-200} "$OUT/compare.log" python3 benchmarks/compa
 tail -n 6 "$OUT/compare.log" >>"$S"
 fi
 
-# 1a. unirl again with rollout.hf_cache=static (transformers compiles decoding; the first step pays for it):
-# the same table, to set beside TRL's row above.
+# 1a. unirl again with rollout.hf_cache=static (transformers compiles decoding, once: the cache is sized for the
+# run's longest call; the first step pays for it): the same table, to set beside TRL's row above.
 if [[ $PARTS == *" compare-static "* ]]; then
 part compare-static ${COMPARE_SECONDS:-200} "$OUT/compare_static.log" python3 benchmarks/compare_trl.py --device cuda \
-  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${COMPARE_STEPS:-4} \
-  --runs unirl-hf --unirl-override=rollout.hf_cache=static --work "$W" --json "$OUT/compare_static.json"
+  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${STATIC_STEPS:-${COMPARE_STEPS:-4}} \
+  --runs unirl-hf --unirl-override=rollout.hf_cache=static ${STATIC_OVERRIDES:-} --work "$W" --json "$OUT/compare_static.json"
 tail -n 3 "$OUT/compare_static.log" >>"$S"
 fi
 
-# 1b. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed), ~80 s.
+# 1b. unirl with rollout.max_staleness=1 (issue 34): a producer thread samples the next batch with a copy of the
+# weights while the trainer updates, on the one GPU. Its s/step is the trainer's; the rollout column is its wait.
+if [[ $PARTS == *" compare-async "* ]]; then
+part compare-async ${COMPARE_SECONDS:-200} "$OUT/compare_async.log" python3 benchmarks/compare_trl.py --device cuda \
+  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${ASYNC_STEPS:-5} \
+  --runs unirl-hf --unirl-override=rollout.max_staleness=1 ${ASYNC_OVERRIDES:-} --work "$W" --json "$OUT/compare_async.json"
+tail -n 3 "$OUT/compare_async.log" >>"$S"
+fi
+
+# 1c. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed), ~80 s.
 # PROFILE_FLAGS=--profile adds torch.profiler tables for two variants (~60 s more each on an H200).
 if [[ $PARTS == *" profile "* ]]; then
 part profile ${PROFILE_SECONDS:-120} "$OUT/profile.log" python3 benchmarks/generate_profile.py --device cuda \

@@ -117,8 +117,9 @@ def test_a_model_config_processor_that_cannot_be_switched_off_is_refused(tiny_lm
 @pytest.mark.parametrize("greedy", [False, True])
 def test_a_static_cache_samples_what_the_dynamic_one_does(tiny_lm_dir, greedy):
     """``rollout.hf_cache=static`` preallocates the KV cache (for compiled decoding on a GPU): the same seed
-    gives the same tokens and log-probs, over two calls of different prompt widths (the second reuses or
-    regrows the first's cache)."""
+    gives the same tokens and log-probs, over two calls of different prompt widths; with ``max_cache_len``
+    both calls get a cache of that length (one compiled graph for both on a GPU), without it each call's
+    own length."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
@@ -126,20 +127,43 @@ def test_a_static_cache_samples_what_the_dynamic_one_does(tiny_lm_dir, greedy):
     prompts = _prompts(tiny_lm_dir, tokenizer)
     calls = [prompts, [p + p[-3:] for p in prompts[:2]]]  # a wider second batch
     outputs, caches = {}, set()
-    hook = model.register_forward_pre_hook(lambda m, args, kwargs: caches.add(type(kwargs.get("past_key_values")).__name__),
-                                           with_kwargs=True)
-    for cache in ("dynamic", "static"):
+
+    def seen(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        caches.add((type(cache).__name__, cache.get_max_length() if type(cache).__name__ == "StaticCache" else None))
+
+    hook = model.register_forward_pre_hook(seen, with_kwargs=True)
+    longest = max(map(len, calls[1])) + 8 + 5  # room to spare: the cache is this long whatever the call
+    for cache, size in (("dynamic", None), ("static", None), ("static", longest)):
         caches.clear()
-        engine = HFEngine(lambda: model, tokenizer, cache=cache)
-        outputs[cache] = [engine.generate(batch, n=3, max_new_tokens=8, temperature=1.3, greedy=greedy, seed=k)
-                          for k, batch in enumerate(calls)]
-        assert caches == {"DynamicCache" if cache == "dynamic" else "StaticCache"}, caches  # the cache asked for
+        if hasattr(model, "_previous_max_cache_length"):  # transformers keeps the longest static cache a model had
+            del model._previous_max_cache_length
+        engine = HFEngine(lambda: model, tokenizer, cache=cache, max_cache_len=size)
+        outputs[cache, size] = [engine.generate(batch, n=3, max_new_tokens=8, temperature=1.3, greedy=greedy, seed=k)
+                                for k, batch in enumerate(calls)]
+        if cache == "dynamic":
+            assert caches == {("DynamicCache", None)}, caches
+        elif size is None:  # each call's own prompt + 8 (transformers' max_length - 1)
+            assert caches == {("StaticCache", max(map(len, b)) + 8 - 1) for b in calls}, caches
+        else:
+            assert caches == {("StaticCache", longest)}, caches
     hook.remove()
-    for dynamic, static in zip(outputs["dynamic"], outputs["static"]):
-        for group_d, group_s in zip(dynamic, static):
-            for d, s in zip(group_d, group_s):
-                assert s.response_ids == d.response_ids and s.finished == d.finished
-                torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(d.logprobs), rtol=0, atol=1e-5)
+    for static_calls in (outputs["static", None], outputs["static", longest]):
+        for dynamic, static in zip(outputs["dynamic", None], static_calls):
+            for group_d, group_s in zip(dynamic, static):
+                for d, s in zip(group_d, group_s):
+                    assert s.response_ids == d.response_ids and s.finished == d.finished
+                    torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(d.logprobs), rtol=0, atol=1e-5)
+
+
+def test_the_static_cache_is_sized_for_the_runs_longest_call():
+    from unirl.api import load_config
+    from unirl.text.engines import longest_call
+
+    assert longest_call(load_config("text", "tiny", ["data.max_prompt_length=100", "rollout.max_new_tokens=30"])) == 130
+    assert longest_call(load_config("text", "tiny", ["data.max_prompt_length=100", "rollout.max_new_tokens=30",
+                                                     "rollout.eval_max_new_tokens=50"])) == 150
+    assert longest_call(load_config("text", "tiny", ["rollout.max_model_len=512"])) == 512
 
 
 def test_the_cache_setting_is_the_transformers_engines_only():

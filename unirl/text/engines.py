@@ -228,15 +228,31 @@ class SampledTokenLogprobs:
         return torch.stack(self.columns[:R], dim=1)  # [N, R]
 
 
+def longest_call(cfg) -> int:
+    """Tokens in the longest ``generate`` call a text run makes (prompt + answer): ``rollout.max_model_len``
+    where set, else ``rollout.max_total_tokens`` with tools, else ``data.max_prompt_length`` plus the longer of
+    ``max_new_tokens`` and ``eval_max_new_tokens``. What a static KV cache is sized for."""
+    r = cfg.rollout
+    if r.max_model_len:
+        return r.max_model_len
+    if r.tools and r.max_total_tokens:
+        return r.max_total_tokens
+    return cfg.data.max_prompt_length + max(r.max_new_tokens, r.eval_max_new_tokens or 0)
+
+
 class HFEngine:
     """Sampling with transformers ``generate`` on the trainer's own model (no weight sync needed)."""
 
-    def __init__(self, model_fn, tokenizer, cache: str = "dynamic"):
+    def __init__(self, model_fn, tokenizer, cache: str = "dynamic", max_cache_len: int | None = None):
         self.model_fn = model_fn  # returns the current (unwrapped) policy
         self.tokenizer = tokenizer
         #: ``rollout.hf_cache``: "static" preallocates the KV cache (transformers then compiles decoding on a
-        #: GPU and keeps the largest cache length seen, so later calls reuse it rather than recompile).
-        self.cache = {} if cache == "dynamic" else {"cache_implementation": cache}
+        #: GPU). ``max_cache_len`` sizes it for the longest call expected (prompt + new tokens), so one
+        #: compiled graph serves every call of a batch size; without it transformers keeps the longest
+        #: call seen so far and compiles again each time a wider prompt grows it (a longer call still
+        #: grows it: never an error).
+        self.cache = {} if cache == "dynamic" else {"cache_implementation": cache,
+                                                    **({"max_cache_len": max_cache_len} if max_cache_len else {})}
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,

@@ -19,7 +19,7 @@ from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
-from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, push_weights
+from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, longest_call, push_weights
 from unirl.text.logprobs import response_logprobs
 from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
@@ -104,8 +104,8 @@ class TextEnvironment(Environment):
         # 4. Rewards and the rollout engine.
         self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
                                  eps=cfg.algo.adv_eps)
-        if cfg.rollout.engine == "vllm":
-            r = cfg.rollout
+        r = cfg.rollout
+        if r.engine == "vllm":
             self.engine = VLLMEngine(
                 self.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
                 seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -117,10 +117,11 @@ class TextEnvironment(Environment):
                                        processes=accelerator.num_processes)
         elif cfg.rollout.max_staleness:  # asynchronous: sample from a copy the trainer's updates do not touch
             self.sampler_model = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
-            self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer, cache=cfg.rollout.hf_cache)
+            self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer, cache=r.hf_cache,
+                                   max_cache_len=longest_call(cfg))
         else:
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer,
-                                   cache=cfg.rollout.hf_cache)
+                                   cache=r.hf_cache, max_cache_len=longest_call(cfg))
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
