@@ -11,7 +11,8 @@
 #   suite.log, suite.xml        pytest's output and its JUnit report
 #
 # The suite rarely fits beside the rest: SUITE names what to run (default: tests), SUITE_REST=FILE runs
-# every collected test that FILE (an earlier part's suite.log, kept on the machine) does not list, and PARTS
+# every collected test that FILE (an earlier call's suite.log, brought back and carried again, e.g. as
+# .gpu/suite.log: the machine keeps nothing between calls) does not list, and PARTS
 # (default "compare compare-static compare-async profile tiny suite") picks the parts. A prebuilt toy cache (UNIRL_CACHE, e.g. a copy
 # of a CPU session's test cache carried in .gpu/cache) saves each worker its toy builds.
 #
@@ -107,7 +108,7 @@ fi
 if [[ $PARTS == *" suite "* ]]; then
 TARGETS=${SUITE:-tests}
 if [[ -n ${SUITE_REST:-} ]]; then  # the tests an earlier part did not reach
-  TARGETS=$(python3 benchmarks/suite_rest.py "$SUITE_REST") || TARGETS=tests
+  TARGETS=$(python3 benchmarks/suite_rest.py "$SUITE_REST") || { echo "SUITE_REST=$SUITE_REST: no list, stopping" >>"$S"; exit 2; }
 fi
 export OMP_NUM_THREADS=2
 LEFT=$((${TOTAL_SECONDS:-410} - ($(date +%s) - T0)))
@@ -115,7 +116,6 @@ LEFT=$((${TOTAL_SECONDS:-410} - ($(date +%s) - T0)))
   -v -rfEs --timeout 240 --junitxml="$OUT/suite.xml" $TARGETS
 tail -n 3 "$OUT/suite.log" >>"$S"
 grep -E "^(FAILED|ERROR) " "$OUT/suite.log" >>"$S"
-mkdir -p .gpu-state && cp "$OUT/suite.log" .gpu-state/suite.log  # SUITE_REST=.gpu-state/suite.log next time
 fi
 echo "total: $(($(date +%s) - T0)) s" >>"$S"
 cat "$S"

@@ -65,7 +65,7 @@ def serving(spec: str, kwargs: str = "{}", server_args: list[str] = ()):
     """``unirl serve-reward spec`` in a subprocess on a free port; yields its URL."""
     import select
 
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "unirl.cli", "serve-reward", spec, "--port", "0", "--kwargs", kwargs,

@@ -30,8 +30,21 @@ def reported_in_log(log_path: str) -> set[str]:
     """Node ids on the verbose log's result lines: xdist's ``[gw0] [ 12%] PASSED tests/x.py::y``, or
     ``tests/x.py::y PASSED [ 12%]`` from one process."""
     outcome = "(?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
-    pattern = re.compile(rf"\b{outcome} (tests/\S+::\S+)|^(tests/\S+::\S+) {outcome}\b", re.MULTILINE)
+    # An id runs to the end of the line (xdist) or to its outcome: parameters may hold spaces.
+    pattern = re.compile(rf"\b{outcome} (tests/.+?::.+?) *$|^(tests/.+?::.+?) {outcome}\b", re.MULTILINE)
     return {m.group(1) or m.group(2) for m in pattern.finditer(open(log_path, errors="replace").read())}
+
+
+def shell_safe(nodes: list[str]) -> list[str]:
+    """``nodes`` as words a shell passes on unquoted: an id whose parameters hold a space, a quote or a
+    backslash becomes its test function's id (all its parameters run again), once."""
+    out: list[str] = []
+    for node in nodes:
+        if re.search(r"[\s'\"\\$`]", node):
+            node = node.split("[", 1)[0]
+        if node not in out:
+            out.append(node)
+    return out
 
 
 def main() -> None:
@@ -43,7 +56,7 @@ def main() -> None:
     rest = [node for node in collected if node not in done]
     if not collected:
         sys.exit(f"collected nothing from {target}: {out.stderr.strip()[-300:]}")
-    print(" ".join(rest))  # nothing when the report has them all
+    print(" ".join(shell_safe(rest)))  # nothing when the report has them all
 
 
 if __name__ == "__main__":

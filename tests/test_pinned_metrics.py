@@ -3,14 +3,33 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from pinned_metrics import CONFIGS, FIXTURE, NOISE_FIGURES, SKIPPED_PREFIXES, run_all_in_subprocess
 
 PINNED = json.loads(FIXTURE.read_text())
+CONFIGS_ROOT = Path(__file__).resolve().parents[1] / "configs"
+
+# The figures are those of one torch build on the CPU: another build (a GPU machine's torch) sums in
+# another order, and three steps of sampling and updating carry that far past the 1e-5 compared.
+pytestmark = pytest.mark.skipif(torch.__version__ != PINNED["fingerprint"]["torch"],
+                                reason=f"pinned with torch {PINNED['fingerprint']['torch']}; this is torch "
+                                       f"{torch.__version__}, whose float summation order differs")
+
+
+def _param(env: str, name: str):
+    """A config as a parameter, skipped (saying so) where it samples with vLLM and vLLM is missing."""
+    engine = ((yaml.safe_load((CONFIGS_ROOT / env / f"{name}.yaml").read_text()) or {}).get("rollout") or {}).get("engine")
+    needs_vllm = env == "text" and engine in (None, "vllm") and importlib.util.find_spec("vllm") is None
+    marks = [pytest.mark.skip(reason="samples with vLLM, not installed here")] if needs_vllm else []
+    return pytest.param(env, name, marks=marks, id=f"{env}-{name}")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +46,7 @@ def _same(name: str, a: float, b: float) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env,name", CONFIGS, ids=[f"{e}-{n}" for e, n in CONFIGS])
+@pytest.mark.parametrize("env,name", [_param(e, n) for e, n in CONFIGS])
 def test_first_steps_match_the_pinned_figures(runs, env, name):
     expected = PINNED["configs"][f"{env}/{name}"]
     got = runs[f"{env}/{name}"]

@@ -42,6 +42,23 @@ def test_top_k_in_search_r1_format(tmp_path):
     assert search.call_batch([{"query": "Bob code"}, {"query": "Erin"}])[1].startswith("Doc 1(Title: Erin)")
 
 
+def test_numpys_selection_finds_what_numbas_does_and_jax_is_kept_off_the_gpu(tmp_path, monkeypatch):
+    """Where numba is missing (a GPU machine's image), bm25s scores with numpy and the tool selects the top
+    k with numpy, not JAX (which, imported by bm25s, would take 75% of a GPU): the same passages."""
+    import bm25s
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    corpus = str(write_corpus(tmp_path / "c.jsonl"))
+    numba = load_tool("search", corpus=corpus, top_k=3)
+    assert os.environ["JAX_PLATFORMS"] == "cpu"  # set before bm25s (and with it jax) was imported
+    numpy = load_tool("search", corpus=corpus, top_k=3)
+    numpy.retriever = bm25s.BM25(k1=0.9, b=0.4, method="lucene", backend="numpy")
+    numpy.retriever.index(bm25s.tokenize([r["contents"] for r in numpy.rows], stopwords="en", show_progress=False),
+                          show_progress=False)
+    queries = [{"query": f"the code of {name}"} for name in NAMES] + [{"query": "Grace Bob"}]
+    assert numpy.call_batch(queries) == numba.call_batch(queries)
+
+
 def test_a_bad_row_is_named_with_its_line(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
     with open(path, "a") as f:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 # Without bm25s the tool is listed as unavailable (with the pip line). It is looked for, not imported:
@@ -26,6 +27,19 @@ if importlib.util.find_spec("bm25s") is None:
     raise ModuleNotFoundError("No module named 'bm25s'", name="bm25s")
 
 from unirl.tools.registry import ToolError, register_tool
+
+
+def import_bm25s():
+    """``bm25s``, with JAX kept off the GPU. Where jax is installed, importing bm25s imports it and runs a
+    top-k, and JAX's default then takes 75% of a GPU's memory in that process (on a GPU machine, a
+    training run's or a test worker's GPU: 105 GiB of an H200, every other process out of memory).
+    JAX is given the CPU unless ``JAX_PLATFORMS`` says otherwise, and retrieval selects the top k with
+    numpy (numba where bm25s scores with numba), never JAX, so results do not depend on whether jax is
+    installed."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
 
 
 def corpus_path(written: str) -> Path:
@@ -91,8 +105,7 @@ class Search:
     """BM25 search over a local JSONL corpus of {id, contents}; returns the top_k passages."""
 
     def __init__(self, corpus: str, top_k: int = 3, k1: float = 0.9, b: float = 0.4):
-        import bm25s
-
+        bm25s = import_bm25s()
         if top_k < 1:
             raise ToolError(f"search: top_k must be >= 1, got {top_k}")
         self.rows = read_corpus(corpus)
@@ -114,12 +127,14 @@ class Search:
 
     def call_batch(self, calls: list[dict]) -> list[str]:
         """One BM25 pass for a batch of calls (``{"query": ...}`` each)."""
-        import bm25s
-
+        bm25s = import_bm25s()
         queries = [c["query"] for c in calls]
         bad = [q for q in queries if not isinstance(q, str)]
         if bad:
             raise ValueError(f"search: query must be a string, got {bad[0]!r}")
         tokens = bm25s.tokenize(queries, stopwords="en", show_progress=False)
-        docs, _ = self.retriever.retrieve(tokens, k=self.top_k, show_progress=False)  # [n, k] indices
+        # numba's scoring selects with numba; otherwise numpy's selection, never JAX's (import_bm25s).
+        selection = "numba" if self.retriever.backend == "numba" else "numpy"
+        docs, _ = self.retriever.retrieve(tokens, k=self.top_k, show_progress=False,
+                                          backend_selection=selection)  # [n, k] indices
         return [format_passages([self.rows[int(j)] for j in row]) for row in docs]
