@@ -142,10 +142,11 @@ class RolloutConfig:
     #: Top-k sampling (-1: off).
     top_k: int = -1
     #: With ``engine: hf``: transformers' KV cache while sampling. ``dynamic`` grows it step by step;
-    #: ``static`` preallocates it (TRL's ``cache_implementation: static``), which lets transformers
-    #: compile the decoding step with CUDA graphs on a GPU, where eager decoding of a small model is
-    #: bound by kernel launches (an H200 busy 0.40 s of a 2.95 s rollout at Qwen2.5-0.5B's shape,
-    #: benchmarks/README.md); on the CPU it only preallocates. Same samples and log-probs either way.
+    #: ``static`` preallocates it for the run's longest call (TRL's ``cache_implementation: static``),
+    #: which lets transformers compile the decoding step with CUDA graphs on a GPU, where eager decoding
+    #: of a small model is bound by kernel launches: at Qwen2.5-0.5B's shape on an H200 the rollout took
+    #: 1.05 s against 3.11 s (benchmarks/README.md; the first call compiles). Use it on a GPU. On the CPU
+    #: it only preallocates. Same samples and log-probs either way.
     hf_cache: Literal["dynamic", "static"] = "dynamic"
     #: vLLM settings for GPUs (ignored by the CPU build where they do not apply).
     gpu_memory_utilization: float = 0.3
