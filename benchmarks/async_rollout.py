@@ -3,6 +3,7 @@ side by side in one run: seconds a step and reward a step.
 
     python benchmarks/async_rollout.py                         # the tiny recipe (it learns), 40 steps each
     python benchmarks/async_rollout.py --model toy22m --steps 12   # the 22.6M-parameter Qwen2 shape (compare_trl.py's)
+    python benchmarks/async_rollout.py --model smollm2 --steps 6   # SmolLM2-135M-Instruct, smollm2_math.yaml (~45 s a step)
     python benchmarks/async_rollout.py --modes sync,async --steps 20
     python benchmarks/async_rollout.py --modes sync,async,server,sync,async,server --steps 30   # twice, interleaved
 
@@ -35,7 +36,7 @@ PY = sys.executable
 
 
 def model_args(model: str, root: Path) -> list[str]:
-    if model == "tiny":
+    if model in ("tiny", "smollm2"):  # their own configs (smollm2_math: the named model, prepared in the cache)
         return []
     sys.path.insert(0, str(REPO / "benchmarks"))
     from compare_trl import SHAPES, build_toy_inputs
@@ -44,10 +45,13 @@ def model_args(model: str, root: Path) -> list[str]:
     return [f"model.name_or_path={model_dir}", f"data.train={data}", "data.test=null", "rollout.max_new_tokens=32"]
 
 
-def run_mode(mode: str, steps: int, extra: list[str], root: Path) -> list[dict]:
+CONFIGS = {"tiny": "tiny", "toy22m": "tiny", "smollm2": "smollm2_math"}
+
+
+def run_mode(mode: str, steps: int, extra: list[str], root: Path, model: str = "tiny") -> list[dict]:
     out = root / f"run-{mode}"
     root.mkdir(parents=True, exist_ok=True)
-    args = [PY, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(out),
+    args = [PY, "-m", "unirl.cli", "train", "text", "--config", CONFIGS[model], "--output-dir", str(out),
             f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
             "algo.tis_cap=2.0", "rollout.gpu_memory_utilization=0.1", *extra]  # on a CPU: the RAM share of the KV cache
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -57,9 +61,11 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path) -> list[dict]:
     elif mode == "async":
         cmd, env["OMP_NUM_THREADS"] = [*args, "rollout.max_staleness=1"], "2"
     else:
-        model = next((a.split("=", 1)[1] for a in extra if a.startswith("model.name_or_path=")), "tiny")
-        server = subprocess.Popen(["taskset", "-c", "0", PY, "-m", "unirl.cli", "serve-rollout", model, "--dtype", "float32",
-                                   "--port", "0", "--gpu-memory-utilization", "0.1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        served = next((a.split("=", 1)[1] for a in extra if a.startswith("model.name_or_path=")),
+                      "smollm2-135m-instruct" if model == "smollm2" else "tiny")
+        limit = ["--max-model-len", "256"] if model == "smollm2" else []  # smollm2_math's rollout.max_model_len
+        server = subprocess.Popen(["taskset", "-c", "0", PY, "-m", "unirl.cli", "serve-rollout", served, "--dtype", "float32",
+                                   "--port", "0", "--gpu-memory-utilization", "0.1", *limit], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                   env={**env, "OMP_NUM_THREADS": "1"})
         line = server.stdout.readline()
         if not line.startswith("serving rollouts"):
@@ -85,16 +91,17 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("tiny", "toy22m"), default="tiny")
+    parser.add_argument("--model", choices=tuple(CONFIGS), default="tiny")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--modes", default="sync,async,server")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="unirl-async-bench-"))
     extra = model_args(args.model, root)
-    results = [(mode, run_mode(mode, args.steps, extra, root / str(i))) for i, mode in enumerate(args.modes.split(","))]
+    results = [(mode, run_mode(mode, args.steps, extra, root / str(i), args.model))
+               for i, mode in enumerate(args.modes.split(","))]
     base = None
     print(f"\n{args.model}, {args.steps} steps | s/step (median, steps 3+) | throughput vs sync | wait for data s | "
-          f"reward first 10 -> last 10")
+          f"reward first 10 -> last 10 | rollout s, update s (median)")
     for mode, rows in results:
         step = statistics.median(r["time/step"] for r in rows[2:])
         base = step if mode == "sync" else base  # against the sync run just before (a mode may repeat)
@@ -103,7 +110,8 @@ def main() -> None:
         last = sum(r["reward/mean"] for r in rows[-k:]) / k
         wait = statistics.median(r.get("perf/wait_for_data_s", float("nan")) for r in rows[2:])
         ratio = f"{base / step:.2f}x" if base else "-"
-        print(f"{mode:7s} | {step:.3f} | {ratio} | {wait:.3f} | {first:.3f} -> {last:.3f}")
+        stages = [statistics.median(r.get(f"time/{k}", float("nan")) for r in rows[2:]) for k in ("rollout", "update")]
+        print(f"{mode:7s} | {step:.3f} | {ratio} | {wait:.3f} | {first:.3f} -> {last:.3f} | {stages[0]:.2f}, {stages[1]:.2f}")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,12 @@ part compare-async ${COMPARE_SECONDS:-200} "$OUT/compare_async.log" python3 benc
   --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${ASYNC_STEPS:-5} \
   --runs unirl-hf --unirl-override=rollout.max_staleness=1 ${ASYNC_OVERRIDES:-} --work "$W" --json "$OUT/compare_async.json"
 tail -n 3 "$OUT/compare_async.log" >>"$S"
+# The same with the static cache: compiled decoding leaves the host (and the interpreter lock) to the trainer.
+part compare-async-static ${COMPARE_SECONDS:-200} "$OUT/compare_async_static.log" python3 benchmarks/compare_trl.py \
+  --device cuda --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${ASYNC_STEPS:-5} \
+  --runs unirl-hf --unirl-override=rollout.max_staleness=1 --unirl-override=rollout.hf_cache=static ${ASYNC_OVERRIDES:-} \
+  --work "$W" --json "$OUT/compare_async_static.json"
+tail -n 3 "$OUT/compare_async_static.log" >>"$S"
 fi
 
 # 1c. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed), ~80 s.
