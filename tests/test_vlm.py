@@ -129,6 +129,14 @@ def _image_rows(tmp_path, n=4):
     return path
 
 
+@pytest.mark.parametrize("override,message", [
+    ("distill.teacher=tiny_teacher", r"distill.teacher=tiny_teacher: on-policy distillation of a vision-language policy"),
+    ("algo.adv_estimator=gae", r"algo.adv_estimator=gae trains a critic, which a vision-language policy does not have")])
+def test_a_teacher_or_a_critic_beside_a_vlm_is_refused_before_anything_loads(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        text_env(tmp_path, "model.name_or_path=tiny_vlm", override)
+
+
 def test_vlm_environment_rollout_logprobs_equal_the_trainers_and_image_tokens_are_not_trained(tmp_path):
     """Through the text environment: the HF engine samples with the rows' images, the trainer's
     recompute (score_actions) gives the engine's log-probs, no trained token is an image token, the

