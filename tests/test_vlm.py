@@ -192,6 +192,32 @@ def test_tiny_vlm_demo_learns_to_count(tmp_path):
     assert len(held_out) == 2 and held_out[1] >= held_out[0] + 0.2, f"held-out accuracy {held_out}"
 
 
+def test_a_vlm_lora_adapter_alone_is_merged_into_the_image_text_model_for_eval(vlm, tmp_path):
+    """``unirl eval --checkpoint step_N/adapter`` of a VLM run: the adapter merges into its base loaded with
+    the image-text class (the causal-LM class cannot load Qwen2-VL), and the processor's files come along."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from unirl.evaluation import resolve_text_checkpoint
+
+    path = vlm[0]
+    torch.manual_seed(0)  # B initialised at random (not peft's zeros): the merge changes the weights
+    peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(path),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    expected = {name: t.clone() for name, t in peft.merge_and_unload().state_dict().items()}
+    (tmp_path / "work").mkdir()
+    merged = resolve_text_checkpoint(str(tmp_path / "adapter"), str(path), tmp_path / "work")
+    loaded = AutoModelForImageTextToText.from_pretrained(merged).state_dict()
+    assert set(loaded) == set(expected)
+    changed = [name for name in expected if not torch.equal(expected[name], vlm[1].state_dict()[name])]
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # the adapted layers moved
+    for name, tensor in expected.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+    processor = VLMProcessor.from_pretrained(merged)  # the processor loads from the merged directory
+    assert processor.prompt_text("How many?", 1) == vlm[2].prompt_text("How many?", 1)
+
+
 def test_lora_on_the_language_model_of_a_vlm_trains_only_the_adapters(tmp_path):
     rows = _image_rows(tmp_path)
     env = text_env(tmp_path, "model.name_or_path=tiny_vlm", "model.share_prompt=false", f"data.train={rows}",

@@ -132,14 +132,30 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
         raise FileNotFoundError(
             f"--checkpoint {checkpoint}: neither a model directory (config.json) nor a LoRA adapter "
             f"(adapter_config.json); a run's checkpoints/step_N/ directory is both")
-    from peft import AutoPeftModelForCausalLM
+    from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
     from transformers import AutoTokenizer
 
     from unirl.text.env import resolve_model_path
+    from unirl.text.vlm_env import vlm_model
 
-    merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).merge_and_unload()
+    base_path = resolve_model_path(base)
+    if vlm_model(base_path):  # the adapter's base loads with the image-text class, and the processor comes along
+        import shutil
+
+        from transformers import AutoModelForImageTextToText
+
+        from unirl.text.vlm import VLMProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path)
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        VLMProcessor.from_pretrained(base_path).image_processor.save_pretrained(work)
+        for name in ("chat_template.jinja", "processor_config.json"):  # as VLMEnvironment.save_pretrained writes them
+            if (Path(base_path) / name).is_file():
+                shutil.copyfile(Path(base_path) / name, Path(work) / name)
+    else:
+        merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).merge_and_unload()
     merged.save_pretrained(work, safe_serialization=True)
-    AutoTokenizer.from_pretrained(resolve_model_path(base)).save_pretrained(work)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(work)
     return str(work)
 
 
