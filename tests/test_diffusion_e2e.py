@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_stopped_after
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -101,11 +103,12 @@ def test_branched_mixgrpo_run_resumes_exactly(tmp_path):
     options = ("sampling.sde_window.size=2", "sampling.sde_window.range=[0,6]", "sampling.sde_window.schedule=progressive",
                "sampling.sde_window.shift_interval=1", "sampling.sde_window.stride=2", "sampling.branch_prefix=true",
                "sampling.same_noise_per_group=true", "sampling.ode_solver=dpm2m", "trainer.eval_every=0",
-               "trainer.prompts_per_step=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=16")
+               "trainer.prompts_per_step=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=16",
+               "trainer.save_every=2")
     whole = [r for r in _train(tmp_path / "whole", "trainer.total_steps=3", *options) if "reward/mean" in r]
-    _train(tmp_path / "cut", "trainer.total_steps=2", *options)
-    resumed = [r for r in _train(tmp_path / "cut", "trainer.total_steps=3", "trainer.resume=true", *options)
-               if "reward/mean" in r]
+    cut = run_stopped_after(tmp_path / "whole", 2, tmp_path / "cut")
+    resumed = [r for r in _train(cut, "trainer.total_steps=3", "trainer.resume=true", *options) if "reward/mean" in r]
+    assert [r["step"] for r in resumed] == [1, 2, 3]
     assert [r["rollout/window_start"] for r in whole] == [0, 2, 4]
     # The branched prefix: 4 prompts x 4 members, 8 steps, the window at k = 0, 2, 4.
     assert [r["rollout/transformer_calls"] for r in whole] == [4 * k + 16 * (8 - k) for k in (0, 2, 4)]
