@@ -159,13 +159,14 @@ def test_kl_reference_and_tis_paths(tmp_path, tiny_lm_dir, lora):
     """KL to the reference (LoRA: adapter disabled; full: frozen copy) and TIS weights, 2 steps."""
     from transformers import AutoModelForCausalLM
 
+    import unirl
+
     run = tmp_path / "run"
-    proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "rollout.engine=hf",
-                  f"model.lora.enabled={str(lora).lower()}", "model.lora.r=8", "algo.kl_coef=0.05",
-                  "algo.tis_cap=2.0", "trainer.prompts_per_step=4", "trainer.mini_batch_size=16",
-                  "trainer.micro_batch_size=8", "trainer.ppo_epochs=2", "trainer.total_steps=2",
-                  "trainer.eval_every=0", "trainer.progress=false")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # In this process: the CLI's own path (unirl.train), without a second Python and torch start-up.
+    unirl.train("text", "tiny", ["rollout.engine=hf", f"model.lora.enabled={str(lora).lower()}", "model.lora.r=8",
+                                 "algo.kl_coef=0.05", "algo.tis_cap=2.0", "trainer.prompts_per_step=4",
+                                 "trainer.mini_batch_size=16", "trainer.micro_batch_size=8", "trainer.ppo_epochs=2",
+                                 "trainer.total_steps=2", "trainer.eval_every=0"], output_dir=run, progress=False)
     rows = _train_rows(run)
     # Step 1, first mini-batch: policy == reference, so the KL is 0; later updates move it away.
     assert all("loss/kl" in m for m in rows)
