@@ -64,6 +64,15 @@ def _train(run: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _train_here(run: Path, *overrides: str) -> list[dict]:
+    """``_train`` in this process: the CLI's own path (``unirl.train``), without a Python and torch start-up
+    for each run (the resume-exactness test below keeps separate processes, as a preempted run has)."""
+    import unirl
+
+    unirl.train("diffusion", "tiny", ["data.eval_size=4", *overrides], output_dir=run, progress=False)
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     # LoRA with the KL to the adapter-disabled reference, CFG in training, a Fast window, scoring threads.
@@ -75,7 +84,7 @@ def _train(run: Path, *overrides: str) -> list[dict]:
 ])
 def test_variants_train_and_resume(tmp_path, options):
     run = tmp_path / "run"
-    rows = _train(run, "trainer.total_steps=2", "trainer.eval_every=0", *options)
+    rows = _train_here(run, "trainer.total_steps=2", "trainer.eval_every=0", *options)
     train = [r for r in rows if "reward/mean" in r]
     assert len(train) == 2
     assert all(torch.isfinite(torch.tensor([r["loss/kl"], r["loss/total"]])).all() for r in train)
@@ -89,7 +98,7 @@ def test_variants_train_and_resume(tmp_path, options):
     for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "scaler.pt", "pytorch_model.bin"):
         (state / name).write_bytes(payload)
     # Resume continues from the saved step with the EMA and optimizer state.
-    rows = _train(run, "trainer.total_steps=3", "trainer.eval_every=0", "trainer.resume=true", *options)
+    rows = _train_here(run, "trainer.total_steps=3", "trainer.eval_every=0", "trainer.resume=true", *options)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
     assert not marker.exists()
     assert (run / "checkpoints" / "step_000003").exists()
