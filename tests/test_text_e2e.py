@@ -108,9 +108,11 @@ def test_hf_engine_run_and_resume(tmp_path, tiny_lm_dir):
     # The HF engine samples with the trainer's own weights: no engine/trainer gap to speak of.
     assert max(m["rollout/logprob_diff_max"] for m in _train_rows(run)) < 1e-4
     # 2 steps + resume 2 is the 4-step run bit for bit: weights, optimizer, schedule and RNG restored.
+    # (the uninterrupted reference run in this process: the CLI's own path, unirl.train, without a Python start-up)
+    import unirl
+
     straight = tmp_path / "straight"
-    proc = _unirl(*common[:5], str(straight), *common[6:], "trainer.total_steps=4")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    unirl.train("text", "tiny", [*common[6:], "trainer.total_steps=4"], output_dir=straight, progress=False)
     untimed = [[(k, v) for k, v in m.items() if not k.startswith(("time/", "perf/"))] for m in _train_rows(run)]
     assert untimed == [[(k, v) for k, v in m.items() if not k.startswith(("time/", "perf/"))] for m in _train_rows(straight)]
     # A changed learning rate would be ignored by the restored optimizer: refused, naming it, and
