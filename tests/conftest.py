@@ -113,3 +113,21 @@ def isolated_registry(monkeypatch):
     monkeypatch.setattr(rewards, "builtin_modules", builtin_modules)
     monkeypatch.setattr(registry, "BUILTIN_MODULES", builtin_modules)
     return registry
+
+
+def run_stopped_after(run: Path, step: int, copy: Path) -> Path:
+    """``run`` copied to ``copy`` as a run stopped after its checkpoint of ``step``: the later checkpoints
+    are left out, so ``trainer.resume=true`` there continues from ``step`` (and drops the logged rows after
+    it, as after a preemption). A resume-exactness test then trains its uninterrupted run once, with a
+    checkpoint at ``step``, instead of training the first ``step`` steps a second time to get one."""
+    import re
+    import shutil
+
+    def later(directory: str, names: list[str]) -> list[str]:
+        if Path(directory) != run / "checkpoints":
+            return []
+        return [n for n in names if (m := re.fullmatch(r"step_(\d+)", n)) and int(m.group(1)) > step]
+
+    shutil.copytree(run, copy, ignore=later)
+    assert (copy / "checkpoints" / f"step_{step:06d}").is_dir(), f"{run} saved no checkpoint at step {step}"
+    return copy

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_stopped_after
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -62,6 +64,15 @@ def _train(run: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _train_here(run: Path, *overrides: str) -> list[dict]:
+    """``_train`` in this process: the CLI's own path (``unirl.train``), without a Python and torch start-up
+    for each run (the resume-exactness test below keeps separate processes, as a preempted run has)."""
+    import unirl
+
+    unirl.train("diffusion", "tiny", ["data.eval_size=4", *overrides], output_dir=run, progress=False)
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     # LoRA with the KL to the adapter-disabled reference, CFG in training, a Fast window, scoring threads.
@@ -73,7 +84,7 @@ def _train(run: Path, *overrides: str) -> list[dict]:
 ])
 def test_variants_train_and_resume(tmp_path, options):
     run = tmp_path / "run"
-    rows = _train(run, "trainer.total_steps=2", "trainer.eval_every=0", *options)
+    rows = _train_here(run, "trainer.total_steps=2", "trainer.eval_every=0", *options)
     train = [r for r in rows if "reward/mean" in r]
     assert len(train) == 2
     assert all(torch.isfinite(torch.tensor([r["loss/kl"], r["loss/total"]])).all() for r in train)
@@ -87,7 +98,7 @@ def test_variants_train_and_resume(tmp_path, options):
     for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "scaler.pt", "pytorch_model.bin"):
         (state / name).write_bytes(payload)
     # Resume continues from the saved step with the EMA and optimizer state.
-    rows = _train(run, "trainer.total_steps=3", "trainer.eval_every=0", "trainer.resume=true", *options)
+    rows = _train_here(run, "trainer.total_steps=3", "trainer.eval_every=0", "trainer.resume=true", *options)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
     assert not marker.exists()
     assert (run / "checkpoints" / "step_000003").exists()
@@ -101,11 +112,12 @@ def test_branched_mixgrpo_run_resumes_exactly(tmp_path):
     options = ("sampling.sde_window.size=2", "sampling.sde_window.range=[0,6]", "sampling.sde_window.schedule=progressive",
                "sampling.sde_window.shift_interval=1", "sampling.sde_window.stride=2", "sampling.branch_prefix=true",
                "sampling.same_noise_per_group=true", "sampling.ode_solver=dpm2m", "trainer.eval_every=0",
-               "trainer.prompts_per_step=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=16")
+               "trainer.prompts_per_step=4", "trainer.mini_batch_size=16", "trainer.micro_batch_size=16",
+               "trainer.save_every=2")
     whole = [r for r in _train(tmp_path / "whole", "trainer.total_steps=3", *options) if "reward/mean" in r]
-    _train(tmp_path / "cut", "trainer.total_steps=2", *options)
-    resumed = [r for r in _train(tmp_path / "cut", "trainer.total_steps=3", "trainer.resume=true", *options)
-               if "reward/mean" in r]
+    cut = run_stopped_after(tmp_path / "whole", 2, tmp_path / "cut")
+    resumed = [r for r in _train(cut, "trainer.total_steps=3", "trainer.resume=true", *options) if "reward/mean" in r]
+    assert [r["step"] for r in resumed] == [1, 2, 3]
     assert [r["rollout/window_start"] for r in whole] == [0, 2, 4]
     # The branched prefix: 4 prompts x 4 members, 8 steps, the window at k = 0, 2, 4.
     assert [r["rollout/transformer_calls"] for r in whole] == [4 * k + 16 * (8 - k) for k in (0, 2, 4)]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import unirl
 from unirl.evaluation import pass_at_k
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,12 +36,13 @@ def test_pass_at_k_is_the_chance_that_a_random_k_subset_holds_a_correct_answer(n
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_lm_dir):
+    """A 3-step run trained in this process (``unirl.train``, the CLI's own path): ``eval`` and ``plot``, the
+    commands under test here, run as real commands on it."""
     out = tmp_path_factory.mktemp("evalplot") / "run"
-    result = _cli("train", "text", "--config", "tiny", "--output-dir", str(out), "rollout.engine=hf",
-                  "rollout.max_new_tokens=8", "trainer.total_steps=3", "trainer.prompts_per_step=2", "trainer.group_size=4",
-                  "trainer.mini_batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=3", "data.eval_size=4",
-                  "trainer.progress=false")
-    assert result.returncode == 0, result.stderr[-3000:]
+    unirl.train("text", "tiny", ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.total_steps=3",
+                                 "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.mini_batch_size=8",
+                                 "trainer.micro_batch_size=8", "trainer.eval_every=3", "data.eval_size=4"],
+                output_dir=out, progress=False)
     return out
 
 
@@ -72,9 +74,8 @@ def test_eval_scores_a_checkpoint_greedy_and_sampled(tiny_run, tmp_path):
 @pytest.mark.slow
 def test_eval_diffusion_reproduces_the_runs_own_evaluation(tmp_path):
     run = tmp_path / "run"
-    trained = _cli("train", "diffusion", "--config", "tiny", "--output-dir", str(run), "trainer.total_steps=3",
-                   "trainer.eval_every=3", "trainer.progress=false")
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    # Trained in this process (the CLI's own path); the command under test, eval, runs as a command.
+    unirl.train("diffusion", "tiny", ["trainer.total_steps=3", "trainer.eval_every=3"], output_dir=run, progress=False)
     ckpt = run / "checkpoints" / "step_000003"
     result = _cli("eval", "diffusion", "--config", "tiny", "--checkpoint", str(ckpt))
     assert result.returncode == 0, result.stderr[-3000:]

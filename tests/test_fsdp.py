@@ -25,6 +25,7 @@ import sys
 import pytest
 import torch
 
+from conftest import run_stopped_after
 from test_distributed import REPO, _torchrun, cpu_env
 
 pytestmark = pytest.mark.slow
@@ -139,8 +140,8 @@ def _assert_loaded(loaded, checkpoint) -> None:
 def fsdp_runs(tmp_path_factory, tiny_lm_dir):
     work = tmp_path_factory.mktemp("fsdp_ckpt")
     _train(1, work / "straight", "trainer.total_steps=3")
-    _train(1, work / "resumed", "trainer.total_steps=2")
-    _train(1, work / "resumed", "trainer.total_steps=3", "trainer.resume=true")
+    # The straight run stopped after its step-2 checkpoint (not trained again to get one), resumed.
+    _train(1, run_stopped_after(work / "straight", 2, work / "resumed"), "trainer.total_steps=3", "trainer.resume=true")
     _train(2, work / "two", "trainer.total_steps=2")
     return work
 

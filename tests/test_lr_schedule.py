@@ -1,23 +1,18 @@
 """LR schedules (unirl/trainer/optim.py): values by hand, verl's cosine re-typed, the config checks, and the
-schedule continuing where it stopped after a resume (a real CLI run on the tiny model)."""
+schedule continuing where it stopped after a resume (a real run on the tiny model, unirl.train: the CLI's path)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+import unirl
 from unirl.trainer.optim import build_scheduler, lr_factor
 from unirl.config.schema import OptimConfig
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _lrs(cfg: OptimConfig, total: int, steps: int, resume_at: int | None = None) -> list[float]:
@@ -112,10 +107,8 @@ def test_a_killed_and_resumed_run_logs_the_uninterrupted_lrs(tmp_path, tiny_lm_d
     out = tmp_path / "run"
 
     def train(*extra):
-        proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir",
-                               str(out), *args, *extra], cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        # In this process: the CLI's own path (unirl.train), without a Python and torch start-up per run.
+        unirl.train("text", "tiny", [*args, *extra], output_dir=out, progress=False)
         return {r["step"]: r["actor/lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                 if "actor/lr" in r}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_stopped_after
 from unirl.config import config_to_dict, load_config
 from unirl.core.nft import nft_loss, optimality_probability, velocity_kl
 from unirl.diffusion.config import DiffusionConfig
@@ -215,13 +216,14 @@ def _cli(run: Path, *overrides: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_nft_resumes_exactly(tmp_path):
-    """Two steps, saved, resumed for two more, against four in one go: the same figures, step by step
-    (the old policy, its counters and the EMA are in the checkpoint)."""
+    """Four steps in one go against the same run stopped after its step-2 checkpoint and resumed for two
+    more: the same figures, step by step (the old policy, its counters and the EMA are in the checkpoint)."""
     common = ["trainer.eval_every=0", "trainer.save_every=2", "trainer.prompts_per_step=2", "trainer.group_size=4",
               "trainer.mini_batch_size=4", "trainer.micro_batch_size=4", "nft.old_decay_rate=0.2"]
     whole = _cli(tmp_path / "whole", "trainer.total_steps=4", *common)
-    _cli(tmp_path / "split", "trainer.total_steps=2", *common)
-    split = _cli(tmp_path / "split", "trainer.total_steps=4", "trainer.resume=true", *common)
+    split = _cli(run_stopped_after(tmp_path / "whole", 2, tmp_path / "split"), "trainer.total_steps=4",
+                 "trainer.resume=true", *common)
+    assert [r["step"] for r in split if "reward/mean" in r] == [1, 2, 3, 4]  # steps 3 and 4 logged once, resumed
     keys = ("reward/mean", "loss/policy", "loss/old_deviation", "actor/grad_norm")
     assert [[r[k] for k in keys] for r in whole if "reward/mean" in r][2:] == \
            [[r[k] for k in keys] for r in split if "reward/mean" in r][2:]

@@ -108,9 +108,11 @@ def test_hf_engine_run_and_resume(tmp_path, tiny_lm_dir):
     # The HF engine samples with the trainer's own weights: no engine/trainer gap to speak of.
     assert max(m["rollout/logprob_diff_max"] for m in _train_rows(run)) < 1e-4
     # 2 steps + resume 2 is the 4-step run bit for bit: weights, optimizer, schedule and RNG restored.
+    # (the uninterrupted reference run in this process: the CLI's own path, unirl.train, without a Python start-up)
+    import unirl
+
     straight = tmp_path / "straight"
-    proc = _unirl(*common[:5], str(straight), *common[6:], "trainer.total_steps=4")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    unirl.train("text", "tiny", [*common[6:], "trainer.total_steps=4"], output_dir=straight, progress=False)
     untimed = [[(k, v) for k, v in m.items() if not k.startswith(("time/", "perf/"))] for m in _train_rows(run)]
     assert untimed == [[(k, v) for k, v in m.items() if not k.startswith(("time/", "perf/"))] for m in _train_rows(straight)]
     # A changed learning rate would be ignored by the restored optimizer: refused, naming it, and
@@ -159,13 +161,14 @@ def test_kl_reference_and_tis_paths(tmp_path, tiny_lm_dir, lora):
     """KL to the reference (LoRA: adapter disabled; full: frozen copy) and TIS weights, 2 steps."""
     from transformers import AutoModelForCausalLM
 
+    import unirl
+
     run = tmp_path / "run"
-    proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "rollout.engine=hf",
-                  f"model.lora.enabled={str(lora).lower()}", "model.lora.r=8", "algo.kl_coef=0.05",
-                  "algo.tis_cap=2.0", "trainer.prompts_per_step=4", "trainer.mini_batch_size=16",
-                  "trainer.micro_batch_size=8", "trainer.ppo_epochs=2", "trainer.total_steps=2",
-                  "trainer.eval_every=0", "trainer.progress=false")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # In this process: the CLI's own path (unirl.train), without a second Python and torch start-up.
+    unirl.train("text", "tiny", ["rollout.engine=hf", f"model.lora.enabled={str(lora).lower()}", "model.lora.r=8",
+                                 "algo.kl_coef=0.05", "algo.tis_cap=2.0", "trainer.prompts_per_step=4",
+                                 "trainer.mini_batch_size=16", "trainer.micro_batch_size=8", "trainer.ppo_epochs=2",
+                                 "trainer.total_steps=2", "trainer.eval_every=0"], output_dir=run, progress=False)
     rows = _train_rows(run)
     # Step 1, first mini-batch: policy == reference, so the KL is 0; later updates move it away.
     assert all("loss/kl" in m for m in rows)

@@ -1,7 +1,8 @@
 """Trackers that work: tensorboard and wandb (offline) get what metrics.jsonl gets, under the run dir.
 
-Each tracker is exercised by a real tiny text run through the CLI; a tracker that is not installed
-(or not known) is a config error, before any model loads, that says what to install.
+Each tracker is exercised by a real tiny run (tensorboard's in this process, through ``unirl.train``, the
+CLI's own path; wandb's through the CLI, as its offline service is a process of its own); a tracker that is
+not installed (or not known) is a config error, before any model loads, that says what to install.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import unirl
 from unirl.config import ConfigError, load_config
 from unirl.text.config import TextConfig
 
@@ -48,8 +50,7 @@ def test_tensorboard_gets_the_metrics_and_the_eval_answers(tmp_path, tiny_lm_dir
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    result = _train(out, "trainer.log_with=[tensorboard]")
-    assert result.returncode == 0, result.stderr[-3000:]
+    unirl.train("text", "tiny", [*RUN, "trainer.log_with=[tensorboard]"], output_dir=out, progress=False)
     event_files = list(out.rglob("events.out.tfevents.*"))
     assert event_files and all(out in f.parents for f in event_files)
     acc = EventAccumulator(str(event_files[0].parent), size_guidance={"scalars": 0, "tensors": 0}).Reload()
@@ -114,10 +115,8 @@ def test_tensorboard_gets_the_diffusion_eval_grid(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "unirl.cli", "train", "diffusion", "--config", "tiny", "--output-dir", str(out),
-           "trainer.total_steps=2", "trainer.eval_every=2", "trainer.progress=false", "trainer.log_with=[tensorboard]"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    unirl.train("diffusion", "tiny", ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.log_with=[tensorboard]"],
+                output_dir=out, progress=False)
     events = list(out.rglob("events.out.tfevents.*"))
     acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0, "scalars": 0}).Reload()
     assert set(acc.Tags()["scalars"]) == _metric_keys(out)
