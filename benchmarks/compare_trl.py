@@ -124,7 +124,6 @@ def build_toy_inputs(root: Path, shape: dict) -> tuple[Path, Path]:
 def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, extra: list[str], prompts: int,
               run: dict) -> dict:
     from unirl.cli import load_run_config
-    from unirl.config import config_to_dict
     from unirl.trainer.loop import Trainer
     from unirl.text.env import TextEnvironment
 
@@ -139,8 +138,7 @@ def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, 
         f"trainer.seed={SEED}", "algo.loss_agg=token-mean", "algo.clip_low=0.2", "algo.clip_high=0.2", "algo.kl_coef=0.0",
         f"optim.lr={LR}", "optim.max_grad_norm=1.0", "optim.warmup_steps=0", *extra,
     ], output_dir=str(out))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=out,
-                      config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     try:
         rows = [trainer.train_step() for _ in range(steps)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import threading
 import time
 
 import pytest
@@ -129,8 +128,7 @@ ARGS = ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.prompts_per_st
 
 def _run(tmp_path, name: str, *extra: str, config: str = "tiny") -> tuple[Trainer, list[dict]]:
     cfg = load_run_config("text", config, [*ARGS, *extra], output_dir=str(tmp_path / name))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     return trainer, trainer.train()
 
 
@@ -157,8 +155,7 @@ def test_staleness_one_samples_with_the_weights_one_step_back_and_resumes_exactl
     # weights after step 1) is saved with the checkpoint; the resumed run trains on it.
     cfg = load_run_config("text", "tiny", [*ARGS, "trainer.total_steps=4", "rollout.max_staleness=1"],
                           output_dir=str(tmp_path / "split"))
-    stopped = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    stopped = Trainer.from_config(TextEnvironment(cfg), cfg)
     step = stopped.train_step
 
     def signalled_at_step_two():

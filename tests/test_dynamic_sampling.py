@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.core import nonconstant_groups
 from unirl.trainer.dynamic_sampling import SamplingExhausted
 from unirl.env import Rollout, concat_rollouts
@@ -109,8 +108,7 @@ def _trainer(tmp_path, *overrides) -> Trainer:
         "trainer.mini_batch_size=12", "trainer.micro_batch_size=12", "trainer.eval_every=0", "trainer.progress=false",
         f"rewards=[{{name: '{reward}:scripted'}}]", "overlong.buffer=6", "algo.filter_groups.enabled=true",
         "algo.filter_groups.metric=scripted", *overrides], output_dir=str(tmp_path / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     return trainer
 
@@ -198,8 +196,7 @@ def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny
 
     cfg = load_run_config("text", "tiny", [*CONSTANT_ARGS, _constant_reward(tmp_path), "trainer.total_steps=3",
                                            "algo.filter_groups.max_num_gen_batches=0"], output_dir=str(tmp_path / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     real, calls = trainer.env.rollout, []
 
     def rollout(rows, group_size):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.core import aggregate, entropy_from_logits
 from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
@@ -52,8 +51,7 @@ def test_update_logs_entropy_with_entropy_coef_zero(tmp_path, tiny_lm_dir):
         "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false", "algo.entropy_coef=0.0",
         "model.logprob_chunk_size=5",
     ], output_dir=str(tmp_path / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     try:
         env = trainer.env

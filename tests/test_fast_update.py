@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.env import Rollout
 from unirl.trainer.logprobs import rollout_metrics, score_all
 from unirl.trainer.loop import Trainer
@@ -27,8 +26,7 @@ def _trainer(tmp_path, name: str, *overrides: str) -> Trainer:
         "trainer.mini_batch_size=16", "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.progress=false",
         "optim.max_grad_norm=null", "optim.lr=1e-3", *overrides,
     ], output_dir=str(tmp_path / name))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     return trainer
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 
@@ -38,8 +37,7 @@ def _trainer(tmp_path, micro: int, agg: str, kl: float, share_prompt: bool = Tru
         f"algo.loss_agg={agg}", f"algo.kl_coef={kl}", "optim.max_grad_norm=null", "optim.lr=1e-3",
         f"model.share_prompt={str(share_prompt).lower()}",
     ], output_dir=str(tmp_path / f"run-{micro}-{agg}-{kl}-{share_prompt}"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     return trainer
 
@@ -177,8 +175,7 @@ def test_each_sample_carries_the_optimizer_steps_of_the_weights_that_sampled_it(
         "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=8",
         "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false", "optim.lr=1e-3",
     ], output_dir=str(tmp_path / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     seen, update = [], trainer.update
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.core import overlong_penalty
 from unirl.trainer.loop import Trainer
 from unirl.trainer.update import micro_loss, mini_denominator
@@ -45,8 +44,7 @@ def _trainer(tmp_path, *overrides) -> Trainer:
         "rollout.engine=hf", "rollout.max_new_tokens=6", "trainer.prompts_per_step=4", "trainer.group_size=4",
         "trainer.mini_batch_size=16", "trainer.micro_batch_size=16", "trainer.eval_every=0",
         "trainer.progress=false", *overrides], output_dir=str(tmp_path / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     return trainer
 

@@ -214,7 +214,6 @@ def test_text_env_packs_its_own_rollout_as_the_padded_rows(tmp_path, tiny_lm_dir
 
 def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
     """Through the loop: the same rollout, advantages and weights give the same update either way."""
-    from unirl.config import config_to_dict
     from unirl.trainer.loop import Trainer
     from unirl.text.env import TextEnvironment
     from unirl.cli import load_run_config
@@ -226,8 +225,7 @@ def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
             "trainer.mini_batch_size=16", "trainer.micro_batch_size=8", "trainer.eval_every=0",
             "trainer.progress=false", "optim.lr=1e-3", "algo.kl_coef=0.05", f"model.share_prompt={share}",
         ], output_dir=str(tmp_path / share))
-        trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                          run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+        trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
         trainer.setup()
         trainers.append(trainer)
     packed, padded = trainers

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import ConfigError, config_to_dict, load_config
+from unirl.config import ConfigError, load_config
 from unirl.core import aggregate, clipped_policy_loss, compute_advantages, group_advantages
 from unirl.trainer.update import mini_denominator
 from unirl.diffusion.config import DiffusionConfig
@@ -124,8 +124,7 @@ def text_trainer(tmp_path_factory, tiny_lm_dir):
         "trainer.mini_batch_size=4", "trainer.micro_batch_size=2", "trainer.eval_every=0", "trainer.progress=false",
         "optim.lr=1e-4",
     ], output_dir=str(tmp_path_factory.mktemp("parity") / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
     rewards, _ = trainer.env.score(rollout)

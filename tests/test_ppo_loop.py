@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 
@@ -21,8 +20,7 @@ SMALL = ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.prompts_per_s
 
 def _trainer(run_dir, *overrides: str) -> Trainer:
     cfg = load_run_config("text", "tiny_ppo", [*SMALL, *overrides], output_dir=str(run_dir))
-    return Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
-                   config_dict=config_to_dict(cfg), critic=cfg.critic)
+    return Trainer.from_config(TextEnvironment(cfg), cfg)
 
 
 def _weights(model) -> torch.Tensor:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.core.readable_step import grpo_step_loss
 from unirl.text.env import TextEnvironment
 from unirl.trainer.loop import Trainer
@@ -22,8 +21,7 @@ def _trainer(tmp_path, kl: float, clip_high: float) -> Trainer:
         f"algo.kl_coef={kl}", f"algo.clip_high={clip_high}", "algo.kl_clamp=null", "algo.tis_cap=null",
         "optim.max_grad_norm=null", "optim.lr=1e-2", "model.share_prompt=false",
     ], output_dir=str(tmp_path / f"run-{kl}-{clip_high}"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     return trainer
 

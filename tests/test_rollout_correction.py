@@ -161,7 +161,6 @@ def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir
     (the ratio against the engine's log-probs, clipped), not the decoupled loss (ratio 1 against the
     trainer's own first forward, times the TIS weight), which is checked to differ."""
     from unirl.cli import load_run_config
-    from unirl.config import config_to_dict
     from unirl.text.env import TextEnvironment
     from unirl.trainer.loop import Trainer
     from unirl.trainer.update import micro_loss, mini_denominator
@@ -171,8 +170,7 @@ def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir
         "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.progress=false", "algo.loss_agg=token-mean",
         "algo.bypass_mode=true", "algo.tis_cap=2.0", "algo.clip_high=0.28", "model.share_prompt=false",
     ], output_dir=str(tmp_path / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
-                      run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     try:
         env, model = trainer.env, trainer.env.model

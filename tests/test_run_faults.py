@@ -14,7 +14,6 @@ import pytest
 
 from unirl.rewards.registry import RewardError
 from unirl.cli import load_run_config
-from unirl.config import config_to_dict
 from unirl.trainer.loop import Trainer
 from unirl.text.env import TextEnvironment
 
@@ -24,8 +23,7 @@ SMALL = ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.prompts_per_s
 
 def _trainer(tmp_path, *overrides: str) -> Trainer:
     cfg = load_run_config("text", "tiny", [*SMALL, *overrides], output_dir=str(tmp_path / "run"))
-    return Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
-                   config_dict=config_to_dict(cfg))
+    return Trainer.from_config(TextEnvironment(cfg), cfg)
 
 
 @pytest.mark.parametrize("error", [RewardError("reward 'flaky' raised on sample 0: no network"),
@@ -62,8 +60,7 @@ def test_non_finite_values_stop_the_run_with_one_line_and_keep_the_last_good_che
     cfg = load_run_config("text", "tiny_ppo", [*PPO_SMALL, "critic.optim.lr=1e30", "trainer.total_steps=6",
                                                "trainer.save_every=1", "trainer.keep_checkpoints=null",
                                                "trainer.max_nonfinite_steps=2"], output_dir=str(tmp_path / "run"))
-    trainer = Trainer(TextEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
-                      config_dict=config_to_dict(cfg), critic=cfg.critic)
+    trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     with pytest.raises(NonFiniteError) as info:
         trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -82,7 +82,6 @@ def train_config(env_name: str, cfg: Any, *, config_file: str | Path | None = No
 
 def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
     from unirl import logs
-    from unirl.config import config_to_dict
     from unirl.trainer.loop import Trainer
 
     logs.configure(verbose=verbose)  # the CLI did at its start; a Python caller has not
@@ -97,9 +96,7 @@ def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
         # (NUMA binding, Triton, loading bars) are written past Python's logging, so the file
         # descriptors themselves point at the log while it runs.
         env.setup = output.quiet(env.setup)
-        trainer = Trainer(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=run_dir,
-                          config_dict=config_to_dict(cfg), critic=getattr(cfg, "critic", None),
-                          distill=getattr(cfg, "distill", None))
+        trainer = Trainer.from_config(env, cfg)
         history = trainer.train()
         # Several processes leave together: one tearing the process group down while another is still
         # busy (the main process writing logs) can abort gloo ("terminate called without an active exception").

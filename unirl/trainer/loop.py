@@ -89,6 +89,16 @@ class Trainer:
         self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
         self.zero_adv = zero_advantage.ZeroAdvantageWatch()  # every advantage 0 for steps in a row: a warning line
 
+    @classmethod
+    def from_config(cls, env: Environment, cfg, **kwargs) -> "Trainer":
+        """A trainer for ``env`` with a loaded run config's blocks (algo, optim, trainer, and the critic and
+        distillation blocks where the environment's config has them), writing to ``cfg.output_dir``."""
+        from unirl.config import config_to_dict
+
+        return cls(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
+                   config_dict=config_to_dict(cfg), critic=getattr(cfg, "critic", None),
+                   distill=getattr(cfg, "distill", None), **kwargs)
+
     # ================================================================ setup
     def setup(self) -> None:
         from accelerate import Accelerator
