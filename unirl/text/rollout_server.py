@@ -306,7 +306,8 @@ def _offsets(tokens: list[str]) -> list[int]:
 
 def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served_name: str | None = None,
                 dtype: str = "auto", seed: int = 0, max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
-                tensor_parallel_size: int = 1, enforce_eager: bool = True, max_body_mb: float = 64.0,
+                tensor_parallel_size: int = 1, enforce_eager: bool = True, kv_cache_gb: float | None = None,
+                max_body_mb: float = 64.0,
                 max_weights_mb: float = 65536.0, body_timeout_s: float = 600.0, token: str | None = None,
                 grace_s: float = 10.0):
     """A server (bound, not yet serving) with vLLM loaded on ``model`` (a directory, a hub name or a
@@ -317,6 +318,8 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
 
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
+    if kv_cache_gb is not None and not kv_cache_gb > 0:
+        raise ValueError(f"--kv-cache-gb must be > 0 (GiB), got {kv_cache_gb}")
     guards = Guards.from_settings("serve-rollout", max_body_mb=max_body_mb, body_timeout_s=body_timeout_s, token=token,
                                   token_env=TOKEN_ENV)
     weight_guards = Guards.from_settings("serve-rollout", max_body_mb=max_weights_mb, body_timeout_s=body_timeout_s,
@@ -327,6 +330,7 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
     path = resolve_model_path(model)
     engine = VLLMEngine(path, dtype=dtype, seed=seed,
                         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                        enforce_eager=enforce_eager, max_model_len=max_model_len)
+                        enforce_eager=enforce_eager, max_model_len=max_model_len,
+                        kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * (1 << 30)))
     service = RolloutService(engine, served_name or model)
     return RewardServer(make_app(service, guards, weight_guards), host, port, grace_s=grace_s)
