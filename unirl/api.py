@@ -116,10 +116,10 @@ def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[st
     from unirl import logs
     from unirl.evaluation import check_checkpoint_path, choose_config, evaluate_diffusion, evaluate_text
 
-    logs.configure(verbose=verbose)
     check_checkpoint_path(str(checkpoint))  # before anything is written: a missing one is one line
     config, which = choose_config(checkpoint, config, run_config, default="tiny")
     cfg = load_config(env, config, overrides)
+    logs.configure(verbose=verbose)  # imports transformers and diffusers: after the checks, which need neither
     out = Path(output_dir) if output_dir is not None else _default_eval_dir(checkpoint)
     if test_data is not None:
         cfg.data.test = _data_file(test_data, out / "data" / "test.jsonl", "test_data")

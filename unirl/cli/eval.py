@@ -24,7 +24,8 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=1, help="text: answers per prompt (1: greedy; N: sampled, pass@k)")
     p.add_argument("--k", default="", help="text: extra k for pass@k, comma-separated (1 and N always)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.eval_size=100")
-    p.set_defaults(func=eval_command)
+    # The libraries are configured by unirl.api.evaluate once the checkpoint and config are checked.
+    p.set_defaults(func=eval_command, loads_libraries=False)
 
 
 def eval_command(args: argparse.Namespace) -> int:
