@@ -53,7 +53,7 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path, model: str = "
     root.mkdir(parents=True, exist_ok=True)
     args = [PY, "-m", "unirl.cli", "train", "text", "--config", CONFIGS[model], "--output-dir", str(out),
             f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
-            "algo.tis_cap=2.0", "rollout.gpu_memory_utilization=0.1", *extra]  # on a CPU: the RAM share of the KV cache
+            "algo.tis_cap=2.0", "rollout.gpu_memory_utilization=0.1", *extra]  # a GPU's share; on a CPU the KV cache is sized to the run
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     server = None
     if mode == "sync":

@@ -72,7 +72,7 @@ def test_vllm_engine_stops_on_the_second_eos_and_calls_it_finished(two_eos):
 
     path, eos, second = two_eos
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = VLLMEngine(str(path), dtype="float32", seed=0, gpu_memory_utilization=0.3, tensor_parallel_size=1,
+    engine = VLLMEngine(str(path), dtype="float32", seed=0, gpu_memory_utilization=0.3, kv_cache_bytes=1 << 28, tensor_parallel_size=1,
                         enforce_eager=True, max_model_len=64)
     try:
         assert engine.eos_ids == {eos, second}

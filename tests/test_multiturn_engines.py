@@ -51,7 +51,7 @@ def test_greedy_vllm_and_hf_give_the_same_multi_turn_trajectories(tiny_lm_dir: P
     prompts = [tokenizer(r["question"]).input_ids for r in rows]
     model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32)
     # The engine first, as TextEnvironment.setup does (see unirl/tools/search.py on import order).
-    engine = VLLMEngine(str(tiny_lm_dir), dtype="float32", seed=0, gpu_memory_utilization=0.3, tensor_parallel_size=1,
+    engine = VLLMEngine(str(tiny_lm_dir), dtype="float32", seed=0, gpu_memory_utilization=0.3, kv_cache_bytes=1 << 28, tensor_parallel_size=1,
                         enforce_eager=True, max_model_len=None)
     try:
         vl = _trajectories(engine, tokenizer, prompts)

@@ -34,9 +34,10 @@ def chat_model_dir(tiny_lm_dir, tmp_path_factory) -> Path:
 
 def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """``unirl serve-rollout`` on a free port; returns the process and its URL once it serves."""
-    # --gpu-memory-utilization: on a CPU, the share of the machine's RAM vLLM reserves for its KV cache.
+    # --kv-cache-gb: the toy's sequences need a few MiB; vLLM's own sizing would take 0.3 of the host's RAM
+    # (--gpu-memory-utilization on a CPU) after a warm-up pass to measure it.
     cmd = [sys.executable, "-m", "unirl.cli", "serve-rollout", str(model), "--dtype", "float32", "--port", "0",
-           "--served-model-name", "tiny", "--gpu-memory-utilization", "0.05", *extra]
+           "--served-model-name", "tiny", "--kv-cache-gb", "0.25", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = proc.stdout.readline()  # blocks until the URL line, or EOF when the server failed
@@ -90,7 +91,7 @@ def test_samples_equal_the_colocated_engines_and_pushed_weights_give_the_trainer
     ids = [tok(p).input_ids for p in PROMPTS]
     client = ServerEngine(server)
     sampling = dict(n=3, max_new_tokens=8, temperature=1.0, seed=11)
-    local = VLLMEngine(str(chat_model_dir), dtype="float32", seed=0, gpu_memory_utilization=0.05, tensor_parallel_size=1,
+    local = VLLMEngine(str(chat_model_dir), dtype="float32", seed=0, gpu_memory_utilization=0.05, kv_cache_bytes=1 << 28, tensor_parallel_size=1,
                        enforce_eager=True, max_model_len=None)
     try:
         here, there = local.generate(ids, **sampling), client.generate(ids, **sampling)

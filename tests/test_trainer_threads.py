@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: nothing to lower")
 def test_vllm_engine_gives_the_trainer_its_threads_back(tiny_lm_dir):
     threads = torch.get_num_threads()
-    engine = VLLMEngine(str(tiny_lm_dir), dtype="float32", seed=0, gpu_memory_utilization=0.5,
+    engine = VLLMEngine(str(tiny_lm_dir), dtype="float32", seed=0, gpu_memory_utilization=0.5, kv_cache_bytes=1 << 28,
                         tensor_parallel_size=1, enforce_eager=True, max_model_len=None)
     try:
         assert torch.get_num_threads() == threads

@@ -118,8 +118,8 @@ def kv_cache_bytes(cfg, model_dir: str, sequences: int) -> int | None:
     width = torch.finfo(getattr(torch, dtype)).bits // 8 if dtype != "auto" else 4
     per_token = text.num_hidden_layers * 2 * kv_heads * head_dim * width  # K and V of every layer
     per_sequence = -(-longest_call(cfg) // _CPU_KV_BLOCK) * _CPU_KV_BLOCK + _CPU_KV_BLOCK
-    longest = r.max_model_len or text.max_position_embeddings * ((getattr(text, "rope_scaling", None) or {}).get("factor") or 1)
-    tokens = max(sequences * per_sequence, int(longest))
+    stretch = (getattr(text, "rope_scaling", None) or {}).get("factor") or 1  # vLLM's longest with RoPE scaling
+    tokens = max(sequences * per_sequence, int(r.max_model_len or text.max_position_embeddings * stretch))
     return int(tokens * per_token * 1.1)
 
 
