@@ -10,7 +10,7 @@ without its KL). The main process writes the logged update figures and the updat
 trainable weights, which must not depend on the number of processes. PPO (text: GAE with a critic
 and the adaptive KL in the reward) runs the loop's ``learn`` stages, and adds the critic's weights.
 
-    python tests/dist_equivalence.py --prepare --batch B.pt --work DIR
+    python tests/dist_equivalence.py --prepare --batch B.pt --work DIR [--out ONE.pt]   # ONE: 1 process's figures
     accelerate launch --cpu --num_processes 2 tests/dist_equivalence.py --batch B.pt --work DIR --out OUT.pt
 """
 
@@ -138,5 +138,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.prepare:
         prepare(args.batch, args.work)
-    else:
+    if args.out is not None:  # after --prepare too: the one-process side without a second start-up
         run(args.batch, args.work, args.out)
