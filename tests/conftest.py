@@ -99,6 +99,24 @@ def tiny_lm_dir() -> Path:
     return build_tiny_lm()
 
 
+@pytest.fixture(scope="session")
+def equivalence_batch(tmp_path_factory, tiny_lm_dir) -> tuple[Path, Path]:
+    """``tests/dist_equivalence.py``'s global batch (a tiny-LM and a toy-SD3 rollout with fixed rewards) and
+    the one-process update figures on it, made once by one CPU process: test_distributed compares two
+    processes against those figures, test_fsdp runs DDP and FSDP2 on the same batch."""
+    import subprocess
+    import sys
+
+    from test_distributed import cpu_env
+
+    work = tmp_path_factory.mktemp("equivalence")
+    batch, one = work / "batch.pt", work / "one.pt"
+    subprocess.run([sys.executable, str(Path(__file__).parent / "dist_equivalence.py"), "--prepare", "--batch",
+                    str(batch), "--work", str(work / "one"), "--out", str(one)], check=True,
+                   cwd=Path(__file__).resolve().parents[1], env=cpu_env(), capture_output=True, timeout=600)
+    return batch, one
+
+
 @pytest.fixture
 def isolated_registry(monkeypatch):
     """A reward registry state the test may change freely; the real one is restored afterwards."""

@@ -1,14 +1,14 @@
 """DDP and FSDP2 on the same two processes: the same updates, figures and weights.
 
-Used by ``tests/test_fsdp.py``; not a test module itself. ``--prepare`` (one process) makes a global
-batch of the tiny LM and of the toy SD3 with fixed random rewards (``tests/dist_equivalence.py``'s);
-then, under ``torchrun --nproc_per_node 2``, each case runs twice, ``trainer.strategy=ddp`` and
-``trainer.strategy=fsdp2``, from the same initial weights on the same local rows: GRPO with the KL
+Used by ``tests/test_fsdp.py``; not a test module itself. On the global batch of the tiny LM and of
+the toy SD3 with fixed random rewards that ``tests/dist_equivalence.py --prepare`` makes (the
+session's ``equivalence_batch`` fixture), under ``torchrun --nproc_per_node 2``, each case runs
+twice, ``trainer.strategy=ddp`` and ``trainer.strategy=fsdp2``, from the same initial weights on the same local rows: GRPO with the KL
 to a frozen (sharded) reference, PPO with a (sharded) critic and the KL in the reward, and FlowGRPO on
 the toy SD3 with LoRA. The main process writes the logged figures and every trained weight, gathered
 whole from the shards.
 
-    python tests/fsdp_equivalence.py --prepare --batch B.pt --work DIR
+    python tests/dist_equivalence.py --prepare --batch B.pt --work DIR
     torchrun --nproc_per_node 2 tests/fsdp_equivalence.py --batch B.pt --work DIR --out OUT.pt
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dist_equivalence import GROUP, PPO, local_share, make_trainer
+from dist_equivalence import PPO, local_share, make_trainer
 
 CASES = {  # name: (environment, loss aggregation, KL coefficient, overrides)
     "grpo": ("text", "seq-mean-token-mean", 0.05, []),
@@ -32,17 +32,6 @@ RUNS = [(case, strategy) for case in CASES for strategy in ("ddp", "fsdp2")] + [
 VARIANTS = {"ddp": ["trainer.strategy=ddp"], "fsdp2": ["trainer.strategy=fsdp2"],
             "fsdp2-offload": ["trainer.strategy=fsdp2", "trainer.fsdp.offload=params"],
             "fsdp2-checkpointing": ["trainer.strategy=fsdp2", "model.gradient_checkpointing=true"]}
-
-
-def prepare(batch_path: Path, work: Path) -> None:
-    batches = {}
-    for env_name in ("text", "diffusion"):
-        trainer = make_trainer(env_name, 1, "token-mean", 0.0, work / f"prepare-{env_name}")
-        rollout = trainer.env.rollout(trainer.env.next_prompts(0), GROUP)
-        rewards = torch.rand(len(rollout), generator=torch.Generator().manual_seed(7))
-        batches[env_name] = {"rollout": rollout, "rewards": rewards}
-        trainer.env.close()
-    torch.save(batches, batch_path)
 
 
 def trained_weights(model) -> torch.Tensor:
@@ -108,7 +97,6 @@ def load(checkpoint: Path, strategy: str, work: Path, out_path: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prepare", action="store_true")
     parser.add_argument("--batch", type=Path)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path)
@@ -117,7 +105,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.load:
         load(args.load, args.strategy, args.work, args.out)
-    elif args.prepare:
-        prepare(args.batch, args.work)
     else:
         run(args.batch, args.work, args.out)

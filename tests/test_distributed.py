@@ -40,16 +40,12 @@ def _torchrun(nproc: int, *args: str, cwd: Path = REPO, timeout: int = 600) -> s
 
 
 @pytest.fixture(scope="module")
-def one_and_two(tmp_path_factory, tiny_lm_dir):
+def one_and_two(tmp_path_factory, equivalence_batch):
+    batch, one = equivalence_batch  # tests/conftest.py: the batch and the one-process figures
     work = tmp_path_factory.mktemp("dist")
     script = str(REPO / "tests" / "dist_equivalence.py")
-    batch = work / "batch.pt"
-    env = cpu_env()
-    # The batch, then the one-process update on it, in one process.
-    subprocess.run([sys.executable, script, "--prepare", "--batch", str(batch), "--work", str(work / "one"), "--out",
-                    str(work / "one.pt")], check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
     _torchrun(2, script, "--batch", str(batch), "--work", str(work / "two"), "--out", str(work / "two.pt"))
-    return torch.load(work / "one.pt", weights_only=False), torch.load(work / "two.pt", weights_only=False)
+    return torch.load(one, weights_only=False), torch.load(work / "two.pt", weights_only=False)
 
 
 def test_one_and_two_processes_give_the_same_update(one_and_two):

@@ -34,13 +34,10 @@ FIGURES = ("loss/total", "loss/policy", "actor/grad_norm", "actor/clip_frac", "a
 
 
 @pytest.fixture(scope="module")
-def ddp_and_fsdp2(tmp_path_factory, tiny_lm_dir):
+def ddp_and_fsdp2(tmp_path_factory, equivalence_batch):
     work = tmp_path_factory.mktemp("fsdp")
     script = str(REPO / "tests" / "fsdp_equivalence.py")
-    batch = work / "batch.pt"
-    env = cpu_env()
-    subprocess.run([sys.executable, script, "--prepare", "--batch", str(batch), "--work", str(work / "prep")],
-                   check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
+    batch, _ = equivalence_batch  # tests/conftest.py: test_distributed's batch, made once a session
     _torchrun(2, script, "--batch", str(batch), "--work", str(work / "two"), "--out", str(work / "two.pt"))
     return torch.load(work / "two.pt", weights_only=False)
 
