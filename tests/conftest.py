@@ -100,6 +100,23 @@ def tiny_lm_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_demo_run(tmp_path_factory, tiny_lm_dir):
+    """The README's text demo as a newcomer runs it, once a session: ``unirl train text --config tiny`` in a
+    subprocess (150 steps, vLLM, the progress bar on). Returns the run directory and the finished process
+    (its stdout and stderr are what the user saw)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm", reason="the demo config samples with vLLM (a CUDA machine without it: rollout.engine=hf)")
+    run = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(run)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run, proc
+
+
+@pytest.fixture(scope="session")
 def equivalence_batch(tmp_path_factory, tiny_lm_dir) -> tuple[Path, Path]:
     """``tests/dist_equivalence.py``'s global batch (a tiny-LM and a toy-SD3 rollout with fixed rewards) and
     the one-process update figures on it, made once by one CPU process: test_distributed compares two

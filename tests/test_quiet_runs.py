@@ -1,6 +1,6 @@
 """A default run's console: the progress bar and unirl's own lines; the libraries' output in RUN/run.log.
 
-One default tiny run (vLLM engine, progress bar on, two steps) through the CLI in a subprocess, then
+The README's default tiny run (vLLM engine, progress bar on; tests/conftest.py's ``tiny_demo_run``), then
 ``unirl eval`` of its checkpoint from another directory with its saved ``config.yaml`` and two
 rewards; and ``RunOutput``'s routing, line by line.
 """
@@ -29,12 +29,8 @@ def _unirl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory, tiny_lm_dir):
-    run = tmp_path_factory.mktemp("quiet") / "run"
-    proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "trainer.total_steps=2",
-                  "trainer.eval_every=2", "data.eval_size=8")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run, proc
+def default_run(tiny_demo_run):
+    return tiny_demo_run  # tests/conftest.py: the README's demo command (150 steps, the bar on), once a session
 
 
 @vllm_needed
@@ -44,11 +40,11 @@ def test_default_run_prints_a_start_line_the_bar_and_a_summary(default_run):
     # stdout: unirl's start line and its summary, nothing else.
     lines = proc.stdout.splitlines()
     assert lines[0] == f"unirl: training text with config tiny, model tiny -> {run}"
-    assert lines[1].startswith("unirl: done, 2 steps in ") and lines[1].endswith(" s")
+    assert lines[1].startswith("unirl: done, 150 steps in ") and lines[1].endswith(" s")
     summary = lines[2:]
     assert summary and all(line.startswith("  ") for line in summary), summary
-    for name, *texts in (("reward/mean", "(first and last 1 step)"), ("eval/accuracy", "(steps 0 -> 2)"),
-                         ("checkpoint", f"{run}/checkpoints/step_000002"),
+    for name, *texts in (("reward/mean", "(first and last 10 steps)"), ("eval/accuracy", "(steps 0 -> 150)"),
+                         ("checkpoint", f"{run}/checkpoints/step_000150"),
                          ("curves", f"{run}/metrics.jsonl (unirl plot {run})"), ("library log", f"{run}/run.log")):
         line = [line for line in summary if line.split("  ")[1] == name]
         assert len(line) == 1 and all(text in line[0] for text in texts), (name, summary)
@@ -72,14 +68,14 @@ def test_eval_from_another_directory_prints_one_line_with_the_weighted_total(def
     (tmp_path / "half.py").write_text("def half(samples, **kwargs):\n    return [0.5] * len(samples)\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    ckpt = run / "checkpoints" / "step_000002"
+    ckpt = run / "checkpoints" / "step_000150"
     # The run's saved config.yaml holds absolute paths, so it works from any directory; the rewards
     # as the command line's shorthand, the second one's weight by index.
     proc = _unirl("eval", "text", "--config", str(run / "config.yaml"), "--checkpoint", str(ckpt),
                   "--output-dir", str(tmp_path / "eval"), f"rewards=[gsm8k, {tmp_path / 'half.py'}:half]",
                   "rewards[1].weight=0.5", "rewards[0].kwargs={method: strict_normalized}", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 8 prompts x 1, reward ")
+    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 100 prompts x 1, reward ")
     # stderr: only unirl's line saying which config scored it (issue 37 item 18), no library output.
     assert proc.stderr.strip().splitlines() == [f"config: {run / 'config.yaml'} (the run's saved config)"], \
         proc.stderr[-2000:]

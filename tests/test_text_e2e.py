@@ -34,12 +34,8 @@ def _train_rows(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tiny_lm_dir) -> Path:
-    pytest.importorskip("vllm", reason="the demo config samples with vLLM (a CUDA machine without it: rollout.engine=hf)")
-    run = tmp_path_factory.mktemp("text") / "run"
-    proc = _unirl("train", "text", "--config", "tiny", "--output-dir", str(run), "trainer.progress=false")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run
+def tiny_run(tiny_demo_run) -> Path:
+    return tiny_demo_run[0]  # tests/conftest.py: the README's demo command, once a session
 
 
 def test_tiny_demo_reward_rises(tiny_run):
