@@ -236,17 +236,14 @@ def _answers(cfg, env, rows: list[dict], n: int) -> list:
     """``n`` answers per row from the config's engine (greedy when ``n`` is 1), grouped by row."""
     from transformers import AutoModelForCausalLM
 
-    from unirl.text.engines import HFEngine, VLLMEngine, kv_cache_bytes
+    from unirl.text.engines import HFEngine, VLLMEngine
 
     r = cfg.rollout
     if hasattr(env, "load_processor") and r.engine != "hf":
         raise ValueError(f"rollout.engine={r.engine}: a vision-language policy is evaluated with the transformers engine "
                          f"only (docs/vlm.md); pass rollout.engine=hf")
     if r.engine == "vllm":
-        engine = VLLMEngine(env.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, seed=cfg.trainer.seed,
-                            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-                            enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
-                            kv_cache_bytes=kv_cache_bytes(cfg, env.model_path, len(rows) * n))
+        engine = VLLMEngine.from_config(cfg, env.model_path, seed=cfg.trainer.seed, sequences=len(rows) * n)
     elif hasattr(env, "load_processor"):  # a vision-language policy: its images go to generate
         from transformers import AutoModelForImageTextToText
 

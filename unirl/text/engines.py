@@ -170,6 +170,17 @@ class VLLMEngine:
         silence_rotary_reload_warning()  # harmless and logged at every sync: see unirl/logs.py
         self.keep_trainer_threads()
 
+    @classmethod
+    def from_config(cls, cfg, model_dir: str, *, seed: int, sequences: int, sleep_level: int = 0) -> "VLLMEngine":
+        """The engine a run's ``rollout`` settings describe, on ``model_dir``. ``sequences``: the most one
+        call samples at once (it sizes the CPU's KV cache, ``kv_cache_bytes``); ``sleep_level``: a
+        training run's ``rollout.sleep_level`` (an evaluation's engine never sleeps)."""
+        r = cfg.rollout
+        return cls(model_dir, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, seed=seed,
+                   gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+                   enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, sleep_level=sleep_level,
+                   kv_cache_bytes=kv_cache_bytes(cfg, model_dir, sequences))
+
     def keep_trainer_threads(self) -> None:
         """Give torch back the trainer's thread count if vLLM lowered it (its serving set-up reduces
         torch to one thread, which would run the trainer's forward and backward on one core). vLLM's

@@ -19,7 +19,7 @@ from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
-from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, kv_cache_bytes, longest_call, push_weights
+from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, longest_call, push_weights
 from unirl.text.logprobs import response_logprobs
 from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
@@ -106,13 +106,9 @@ class TextEnvironment(Environment):
                                  eps=cfg.algo.adv_eps)
         r = cfg.rollout
         if r.engine == "vllm":
-            self.engine = VLLMEngine(
-                self.model_path, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
-                seed=cfg.trainer.seed + accelerator.process_index, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, max_model_len=r.max_model_len,
-                sleep_level=r.sleep_level, kv_cache_bytes=kv_cache_bytes(
-                    cfg, self.model_path, max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, len(self.test_rows))),
-            )
+            self.engine = VLLMEngine.from_config(
+                cfg, self.model_path, seed=cfg.trainer.seed + accelerator.process_index, sleep_level=r.sleep_level,
+                sequences=max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, len(self.test_rows)))
         elif cfg.rollout.engine == "server":  # `unirl serve-rollout` in its own process (unirl/text/rollout_server.py)
             self.engine = ServerEngine(cfg.rollout.server_url, timeout_s=cfg.rollout.server_timeout_s,
                                        processes=accelerator.num_processes)
