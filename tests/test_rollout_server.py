@@ -173,6 +173,8 @@ def test_the_guards_of_serve_reward_apply(tiny_lm_dir):
     assert weights.status_code == 400 and "safetensors" in weights.json()["error"]["message"]
     with pytest.raises(ValueError, match="--host 0.0.0.0 exposes the policy .* give a --token"):
         make_server("tiny", "0.0.0.0", 0, token=None)
+    with pytest.raises(ValueError, match=r"--kv-cache-gb must be > 0 \(GiB\), got 0"):
+        make_server("tiny", port=0, kv_cache_gb=0)  # before vLLM loads
 
 
 @pytest.mark.slow  # two server starts and a run
