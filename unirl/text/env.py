@@ -19,7 +19,8 @@ from unirl.text.critic_vocab import check_critic_vocabulary
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
-from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, longest_call, push_weights
+from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, push_weights
+from unirl.text.sizing import longest_call
 from unirl.text.logprobs import response_logprobs
 from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
