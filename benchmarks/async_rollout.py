@@ -12,7 +12,9 @@ Each mode is a ``unirl train text`` child process on the same two cores:
 - ``sync``: colocated vLLM, generation then training, both on the two cores in turn (OMP_NUM_THREADS=2);
 - ``async``: colocated vLLM, ``max_staleness=1``, the producer thread and the trainer at once in one process;
 - ``server``: ``unirl serve-rollout`` pinned to core 0 (one thread), the trainer pinned to core 1 (one
-  thread), ``max_staleness=1``: generation and training one core each.
+  thread), ``max_staleness=1``: generation and training one core each;
+- ``sync1``: ``sync`` pinned to core 0 with one thread: each stage's time on one core, so
+  max(rollout, update) of this run is the best step any one-core-each overlap can reach.
 
 The toy22m model is random (its reward stays near 0); the tiny recipe's model learns, so its reward
 columns compare learning per step. Printed: the median s/step over the steps after the first two,
@@ -58,6 +60,8 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path, model: str = "
     server = None
     if mode == "sync":
         cmd, env["OMP_NUM_THREADS"] = args, "2"
+    elif mode == "sync1":  # what each stage takes on one core: the bound on any one-core-each overlap
+        cmd, env["OMP_NUM_THREADS"] = ["taskset", "-c", "0", *args], "1"
     elif mode == "async":
         cmd, env["OMP_NUM_THREADS"] = [*args, "rollout.max_staleness=1"], "2"
     else:
