@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.trainer.sharded_state import Piece, Sharded, _read_rows, chunk_range, materialise
+from unirl.trainer.sharded_state import Sharded, _read_rows, materialise
+from unirl.trainer.state_files import Piece, chunk_range
 
 
 @pytest.mark.parametrize("n,world,expected", [

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from unirl.trainer.state_files import StateFileError, decode_lazily, read_json, save_state
+from unirl.trainer.state_files import Piece, StateFileError, chunk_range, decode_lazily, read_json, save_state
 
 
 @dataclass
@@ -48,16 +48,6 @@ class TensorRef:
 
 
 @dataclass
-class Piece:
-    """One process's rows of a sharded tensor: ``data`` (a tensor, or a ``TensorRef``) holds rows
-    ``offset ...`` along ``dim`` of a whole of ``shape``."""
-    data: Any
-    dim: int
-    offset: int
-    shape: tuple[int, ...]
-
-
-@dataclass
 class Sharded:
     """A tensor written in pieces by several processes."""
     pieces: list[Piece]
@@ -65,29 +55,6 @@ class Sharded:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.pieces[0].shape
-
-
-def chunk_range(n: int, world: int, rank: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of ``n`` that process ``rank`` of ``world`` holds (``torch.chunk``'s split)."""
-    size = -(-n // world) if n else 0
-    start = min(rank * size, n)
-    return start, min(start + size, n)
-
-
-def shard_layout(t, path: str = "tensor") -> tuple[int, int]:
-    """``(dim, offset)`` of a DTensor sharded ``Shard(dim)`` over a 1-D mesh: where its rows start."""
-    from torch.distributed.tensor import Shard
-
-    placements = t.placements
-    if len(placements) != 1 or not isinstance(placements[0], Shard):
-        raise TypeError(f"{path}: a DTensor placed {placements} cannot be saved (unirl writes FSDP2's Shard(dim) "
-                        f"over one mesh dimension)")
-    dim = placements[0].dim
-    mesh = t.device_mesh
-    start, stop = chunk_range(t.shape[dim], mesh.size(), mesh.get_local_rank())
-    if t.to_local().shape[dim] != stop - start:
-        raise TypeError(f"{path}: local rows {t.to_local().shape[dim]} are not torch.chunk's {stop - start}")
-    return dim, start
 
 
 # ===================================================================== write

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,41 @@ import torch
 
 class StateFileError(OSError):
     """A state file that cannot be read back (missing, truncated, corrupt, or not ours)."""
+
+
+# A sharded tensor (a DTensor, FSDP2's ``Shard(dim)``) is saved as this process's rows and their place in the
+# whole; unirl/trainer/sharded_state.py merges the pieces of several processes.
+@dataclass
+class Piece:
+    """One process's rows of a sharded tensor: ``data`` (a tensor, or a ``TensorRef``) holds rows
+    ``offset ...`` along ``dim`` of a whole of ``shape``."""
+    data: Any
+    dim: int
+    offset: int
+    shape: tuple[int, ...]
+
+
+def chunk_range(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``n`` that process ``rank`` of ``world`` holds (``torch.chunk``'s split)."""
+    size = -(-n // world) if n else 0
+    start = min(rank * size, n)
+    return start, min(start + size, n)
+
+
+def shard_layout(t, path: str = "tensor") -> tuple[int, int]:
+    """``(dim, offset)`` of a DTensor sharded ``Shard(dim)`` over a 1-D mesh: where its rows start."""
+    from torch.distributed.tensor import Shard
+
+    placements = t.placements
+    if len(placements) != 1 or not isinstance(placements[0], Shard):
+        raise TypeError(f"{path}: a DTensor placed {placements} cannot be saved (unirl writes FSDP2's Shard(dim) "
+                        f"over one mesh dimension)")
+    dim = placements[0].dim
+    mesh = t.device_mesh
+    start, stop = chunk_range(t.shape[dim], mesh.size(), mesh.get_local_rank())
+    if t.to_local().shape[dim] != stop - start:
+        raise TypeError(f"{path}: local rows {t.to_local().shape[dim]} are not torch.chunk's {stop - start}")
+    return dim, start
 
 
 def save_state(state: Any, stem: Path) -> None:
@@ -82,8 +118,6 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if _is_dtensor(value):  # FSDP2: this process's rows, and where they sit in the whole (unirl.trainer.sharded_state)
-        from unirl.trainer.sharded_state import shard_layout
-
         dim, offset = shard_layout(value, path)
         key = str(len(tensors))
         tensors[key] = value.to_local().detach().to("cpu", copy=True).contiguous()
@@ -121,8 +155,6 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if "__tensor__" in value:
         return tensors[value["__tensor__"]]
     if "__shard__" in value:
-        from unirl.trainer.sharded_state import Piece
-
         return Piece(tensors[value["__shard__"]], int(value["dim"]), int(value["offset"]), tuple(map(int, value["shape"])))
     if "__ndarray__" in value:
         return tensors[value["__ndarray__"]].numpy().astype(np.dtype(value["dtype"]))
