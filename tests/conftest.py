@@ -84,10 +84,10 @@ def text_env(tmp_path: Path, *overrides: str):
     from accelerate import Accelerator
 
     from unirl.cli import load_run_config
-    from unirl.text.env import TextEnvironment
+    from unirl.text import build_environment
 
     cfg = load_run_config("text", "tiny", ["rollout.engine=hf", *overrides], output_dir=str(tmp_path / "run"))
-    env = TextEnvironment(cfg)
+    env = build_environment(cfg)  # a VLMEnvironment for model.name_or_path=tiny_vlm
     env.setup(Accelerator(cpu=True))
     return env
 

@@ -137,6 +137,32 @@ def test_a_teacher_or_a_critic_beside_a_vlm_is_refused_before_anything_loads(tmp
         text_env(tmp_path, "model.name_or_path=tiny_vlm", override)
 
 
+def test_build_environment_picks_the_vlm_environment_and_the_text_one_refuses_a_vlm(tmp_path):
+    """``unirl.text.build_environment`` (what ``unirl train text`` and ``unirl eval`` construct) gives a
+    ``VLMEnvironment`` for a vision-language model and a ``TextEnvironment`` otherwise; a
+    ``TextEnvironment`` built directly for a VLM is refused, naming the field, rather than loading the
+    VLM as a causal LM."""
+    from unirl.cli import load_run_config
+    from unirl.config.environments import ENVIRONMENTS, import_object
+    from unirl.text import build_environment
+    from unirl.text.env import TextEnvironment
+    from unirl.text.vlm_env import VLMEnvironment
+
+    def cfg(model):
+        return load_run_config("text", "tiny", ["rollout.engine=hf", f"model.name_or_path={model}"],
+                               output_dir=str(tmp_path / "run"))
+
+    assert import_object(ENVIRONMENTS["text"][1]) is build_environment
+    assert type(build_environment(cfg("tiny"))) is TextEnvironment
+    assert type(build_environment(cfg("tiny_vlm"))) is VLMEnvironment
+    directory = tmp_path / "a-vlm"  # a local directory whose config has a vision_config
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {}}))
+    assert type(build_environment(cfg(str(directory)))) is VLMEnvironment
+    with pytest.raises(ValueError, match=r"model.name_or_path='tiny_vlm' is a vision-language model.*build_environment"):
+        TextEnvironment(cfg("tiny_vlm"))
+
+
 def test_vlm_environment_rollout_logprobs_equal_the_trainers_and_image_tokens_are_not_trained(tmp_path):
     """Through the text environment: the HF engine samples with the rows' images, the trainer's
     recompute (score_actions) gives the engine's log-probs, no trained token is an image token, the

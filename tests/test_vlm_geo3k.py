@@ -21,12 +21,12 @@ def _geometry3k_parquet(path, rows):
 
 def _env(tmp_path, train):
     from unirl.cli import load_run_config
-    from unirl.text.env import TextEnvironment
+    from unirl.text import build_environment
     from unirl.text.tiny_vlm import build_tiny_vlm
 
     cfg = load_run_config("text", "geo3k", ["model.name_or_path=tiny_vlm", f"data.train={train}", f"data.test={train}",
                                             "data.max_prompt_length=4096"], output_dir=str(tmp_path / "run"))
-    env = TextEnvironment(cfg)  # what setup does before loading the weights
+    env = build_environment(cfg)  # a VLMEnvironment; what setup does before loading the weights
     env.model_path = str(build_tiny_vlm())
     env.load_processor()
     env.tokenizer = env.processor.tokenizer

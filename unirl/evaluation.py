@@ -136,7 +136,7 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
     from transformers import AutoTokenizer
 
     from unirl.text.env import resolve_model_path
-    from unirl.text.vlm_env import vlm_model
+    from unirl.text.vlm import vlm_model
 
     base_path = resolve_model_path(base)
     if vlm_model(base_path):  # the adapter's base loads with the image-text class, and the processor comes along
@@ -216,9 +216,10 @@ def _text_policy(cfg, checkpoint: str, work: Path):
     from accelerate import Accelerator
     from transformers import AutoTokenizer
 
-    from unirl.text.env import TextEnvironment, resolve_model_path
+    from unirl.text import build_environment
+    from unirl.text.env import resolve_model_path
 
-    env = TextEnvironment(cfg)  # a VLMEnvironment for a vision-language model (unirl/text/vlm_env.py)
+    env = build_environment(cfg)  # a VLMEnvironment for a vision-language model (unirl/text/vlm_env.py)
     env.accelerator = Accelerator(cpu=True) if cfg.rollout.engine == "vllm" else Accelerator()
     env.model_path = resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work)
     if cfg.model.name_or_path in ("tiny", "tiny_vlm") and cfg.data.test == "tiny":  # the task ships with the model

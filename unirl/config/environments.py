@@ -9,7 +9,7 @@ import importlib
 
 #: environment -> (config dataclass, environment class or factory taking the config); imported only when used.
 ENVIRONMENTS = {
-    "text": ("unirl.text.config:TextConfig", "unirl.text.env:TextEnvironment"),
+    "text": ("unirl.text.config:TextConfig", "unirl.text:build_environment"),
     "diffusion": ("unirl.diffusion.config:DiffusionConfig", "unirl.diffusion:build_environment"),
 }
 

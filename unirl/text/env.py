@@ -28,7 +28,7 @@ from unirl.text.held_out import evaluate_held_out
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
-from unirl.text.vlm import refuse_images_for_text_model
+from unirl.text.vlm import refuse_images_for_text_model, vlm_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,15 +43,12 @@ def response_tokens(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 class TextEnvironment(Environment):
     recompute_old_logprobs = True
     left_padded = ("prompt_ids", "prompt_mask")
-
-    def __new__(cls, cfg: TextConfig, *args, **kwargs):
-        if cls is TextEnvironment:  # a vision-language model: its subclass (unirl/text/vlm_env.py)
-            from unirl.text.vlm_env import VLMEnvironment, vlm_model
-
-            cls = VLMEnvironment if vlm_model(cfg.model.name_or_path) else cls
-        return super().__new__(cls)
+    takes_images = False  # VLMEnvironment's (unirl/text/vlm_env.py): unirl.text.build_environment picks it
 
     def __init__(self, cfg: TextConfig):
+        if not self.takes_images and vlm_model(cfg.model.name_or_path):
+            raise ValueError(f"model.name_or_path={cfg.model.name_or_path!r} is a vision-language model: its "
+                             f"environment is a VLMEnvironment (unirl.text.build_environment(cfg) picks it)")
         self.cfg = cfg
         self._model = None
         self.ref = None

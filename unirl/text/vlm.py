@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,23 @@ def samples_markdown(records: list[dict], rows: list[dict]) -> str:
         lines.append(f"| {pictures} | {cell(row['prompt'])} | {cell(reference)} | {cell(record['response'])} | "
                      f"{record['reward']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def vlm_model(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory or hub
+    model whose ``config.json`` has a ``vision_config`` (a hub model's config is fetched, or read from the
+    cache; when it cannot be, the name is taken for a text model and loading it reports why)."""
+    if name_or_path == "tiny_vlm":
+        return True
+    config = Path(name_or_path) / "config.json"
+    if not config.is_file() and "/" in name_or_path and not Path(name_or_path).exists():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config = Path(hf_hub_download(name_or_path, "config.json"))
+        except Exception:  # offline and not cached, no such repo, ...: not known to be a VLM
+            return False
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 def refuse_images_for_text_model(rows: list[dict], source: str, model_path: str, key: str = IMAGES_KEY) -> None:

