@@ -15,7 +15,7 @@ from unirl.core import kl_divergence, overlong_penalty, rollout_is_weights, roll
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.reward_set import RewardSet
 from unirl.text.config import CriticConfig, TextConfig
-from unirl.text.critic_vocab import check_critic_vocabulary
+from unirl.text.critic import load_value_model
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
@@ -301,28 +301,10 @@ class TextEnvironment(Environment):
 
     # ---------------------------------------------------------------- critic
     def value_model(self, cfg: CriticConfig) -> torch.nn.Module:
-        """verl's critic: the policy's architecture (or ``cfg.name_or_path``'s) with a one-output head on
-        every token, dropout off, optionally LoRA (the head then trains beside the adapter)."""
-        from transformers import AutoConfig, AutoModelForTokenClassification
-
+        """verl's critic on the policy's architecture or ``cfg.name_or_path`` (``unirl/text/critic.py``)."""
         path = resolve_model_path(cfg.name_or_path) if cfg.name_or_path else self.model_path
-        config = AutoConfig.from_pretrained(path, num_labels=1)
-        if cfg.name_or_path:  # another model than the policy: it must read the policy's token ids
-            check_critic_vocabulary(path, config, self.tokenizer, what=f"critic.name_or_path={cfg.name_or_path}")
-        config.classifier_dropout = 0.0  # as verl: a value regressed with dropout would be noisy
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=_DTYPES[self.cfg.model.dtype])
-        if self.cfg.model.share_prompt:
-            check_packable(model.config)
-            use_packed_attention(model)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        if cfg.lora.enabled:
-            from peft import LoraConfig, get_peft_model
-
-            lora = cfg.lora
-            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                     target_modules=lora.target_modules, task_type="TOKEN_CLS"))
-        return model
+        return load_value_model(path, cfg, self.tokenizer, dtype=_DTYPES[self.cfg.model.dtype],
+                                share_prompt=self.cfg.model.share_prompt)
 
     def values(self, model, batch: Rollout) -> torch.Tensor:
         """[n, R] the value head's output at the positions whose hidden states predict the response

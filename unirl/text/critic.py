@@ -1,12 +1,43 @@
-"""A critic from another model (``critic.name_or_path``) reads the policy's token ids, so it must
-embed every one of them and, where it ships a tokenizer, give each token the policy's id. Checked when
-the critic loads, in one line, instead of an IndexError deep in the first step's forward (or, for a
+"""The text critic (``algo.adv_estimator: gae``): verl's value model, loaded.
+
+A critic from another model (``critic.name_or_path``) reads the policy's token ids, so it must embed
+every one of them and, where it ships a tokenizer, give each token the policy's id. Checked when the
+critic loads, in one line, instead of an IndexError deep in the first step's forward (or, for a
 same-sized vocabulary in another order, values learnt over the wrong tokens without any error).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+
+from unirl.text.packing import check_packable, use_packed_attention
+
+
+def load_value_model(path: str, cfg, policy_tokenizer, *, dtype: torch.dtype, share_prompt: bool) -> torch.nn.Module:
+    """verl's critic: the architecture at ``path`` (the policy's, or ``cfg.name_or_path``'s: ``cfg`` is
+    the ``CriticConfig``) with a one-output head on every token, dropout off, optionally LoRA (the head
+    then trains beside the adapter); packed as the policy is with ``model.share_prompt``."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    if cfg.name_or_path:  # another model than the policy: it must read the policy's token ids
+        check_critic_vocabulary(path, config, policy_tokenizer, what=f"critic.name_or_path={cfg.name_or_path}")
+    config.classifier_dropout = 0.0  # as verl: a value regressed with dropout would be noisy
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+    if share_prompt:
+        check_packable(model.config)
+        use_packed_attention(model)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if cfg.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        lora = cfg.lora
+        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 target_modules=lora.target_modules, task_type="TOKEN_CLS"))
+    return model
 
 
 def check_critic_vocabulary(critic_path: str, critic_config: Any, policy_tokenizer, *, what: str) -> None:
