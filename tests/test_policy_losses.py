@@ -128,7 +128,7 @@ def test_the_run_policy_loss_is_the_configured_one_first():
     from types import SimpleNamespace
 
     from unirl.config.schema import AlgoConfig
-    from unirl.trainer.loop import run_policy_loss
+    from unirl.trainer.update import run_policy_loss
 
     flowgrpo, nft = SimpleNamespace(policy_loss=None), SimpleNamespace(policy_loss="nft")
     assert run_policy_loss(flowgrpo, AlgoConfig()) == "clipped"

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from unirl.core import ADVANTAGE_ESTIMATORS
-from unirl.core.policy_losses import POLICY_LOSSES, LossSettings
+from unirl.core.policy_losses import POLICY_LOSSES
 from unirl.env import Environment, Rollout
 from unirl.rewards.registry import RewardError
 from unirl.config.schema import AlgoConfig, OptimConfig, TrainerConfig
@@ -42,6 +42,7 @@ from unirl.trainer import advantages as advantages_stage
 from unirl.trainer.async_rollout import AsyncRollouts, build_async_rollouts
 from unirl.trainer import logprobs as logprobs_stage
 from unirl.trainer import update as update_stage
+from unirl.trainer.update import loss_settings, run_policy_loss
 from unirl.trainer import zero_advantage
 from unirl.trainer.critic import Critic
 from unirl.trainer.distributed import cpu_processes, gather_rows, sum_over_processes
@@ -432,21 +433,6 @@ class Trainer:
 
 
 # ================================================================ helpers
-def run_policy_loss(env: Environment, algo: AlgoConfig) -> str:
-    """The registered policy loss of a run: ``algo.policy_loss`` when set (checked where the config loads),
-    else the environment's rollout mode's (DiffusionNFT: ``nft``), else the ratio loss at ``algo.level``
-    (``clipped`` per token, ``gspo`` per sequence)."""
-    return algo.policy_loss or env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
-
-
-def loss_settings(env: Environment | None, algo: AlgoConfig) -> LossSettings:
-    """The numbers the policy losses read, from ``algo`` and the environment's ``nft`` block if any."""
-    nft = getattr(getattr(env, "cfg", None), "nft", None)
-    extra = {} if nft is None else dict(nft_beta=nft.beta, nft_adv_clip=nft.adv_clip, nft_kl_coef=nft.kl_coef)
-    return LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                        loss_agg=algo.loss_agg, **extra)
-
-
 def rollout_staleness(env: Environment | None) -> int:
     """``rollout.max_staleness`` of the environment's config (text's), 0 where it has none (diffusion)."""
     return getattr(getattr(getattr(env, "cfg", None), "rollout", None), "max_staleness", 0)

@@ -20,11 +20,27 @@ import math
 import torch
 
 from unirl.core import aggregate, aggregate_denominator, policy_loss_metrics, rollout_is_weights
-from unirl.core.policy_losses import LossInputs
-from unirl.env import Rollout
+from unirl.core.policy_losses import LossInputs, LossSettings
+from unirl.config.schema import AlgoConfig
+from unirl.env import Environment, Rollout
 from unirl.trainer.fsdp import full, hold_gradients, is_sharded
 from unirl.trainer.metrics import MetricLog, reduce_over_processes
 from unirl.trainer.micro_batches import scatter_rows
+
+
+def run_policy_loss(env: Environment, algo: AlgoConfig) -> str:
+    """The registered policy loss of a run: ``algo.policy_loss`` when set (checked where the config loads),
+    else the environment's rollout mode's (DiffusionNFT: ``nft``), else the ratio loss at ``algo.level``
+    (``clipped`` per token, ``gspo`` per sequence)."""
+    return algo.policy_loss or env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
+
+
+def loss_settings(env: Environment | None, algo: AlgoConfig) -> LossSettings:
+    """The numbers the policy losses read, from ``algo`` and the environment's ``nft`` block if any."""
+    nft = getattr(getattr(env, "cfg", None), "nft", None)
+    extra = {} if nft is None else dict(nft_beta=nft.beta, nft_adv_clip=nft.adv_clip, nft_kl_coef=nft.kl_coef)
+    return LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                        loss_agg=algo.loss_agg, **extra)
 
 
 def update(trainer, rollout: Rollout) -> dict[str, float]:
