@@ -25,55 +25,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_configure(config):
     config.addinivalue_line("markers", "requires(*modules): skip, naming them, unless these optional modules are "
                                        "installed (a GPU machine without vLLM, a CPU one without rapidocr ...)")
-    config.addinivalue_line("markers", "builds(*models): the test needs these named toys whose build takes minutes "
-                                       "(tiny_search); the session starts building them in the background")
-
-
-_background_builds: list = []
-
-
-def pytest_collection_finish(session):
-    """Start building the slow toys that the collected tests name (``@pytest.mark.builds``) in a background
-    process at the lowest CPU priority, so that the build (the tiny search model's warm start: ~2 minutes
-    on two cores) takes the cores the tests before it leave idle instead of stopping the first test that
-    needs it. Nothing changes in what is built: ``cached_build`` builds on its own fixed threads whoever
-    builds, and under its lock, so a test that needs the toy sooner waits for it (or builds it itself
-    when the background process has not reached the lock yet). One process per session: under xdist the
-    first worker starts it, the controller does not."""
-    config = session.config
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker not in (None, "gw0") or (worker is None and getattr(config.option, "numprocesses", None)):
-        return
-    models = sorted({m for item in session.items for mark in item.iter_markers("builds") for m in mark.args})
-    if not models:
-        return
-    import subprocess
-
-    code = ("import sys\nfrom unirl.text.model_loading import resolve_model_path\n"
-            "for name in sys.argv[1:]:\n    resolve_model_path(name)\n")
-    cache = Path(os.environ["UNIRL_CACHE"])
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / "background-builds.log", "a") as log:
-        _background_builds.append(subprocess.Popen(
-            [sys.executable, "-c", code, *models], stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
-            preexec_fn=(lambda: os.nice(19)) if hasattr(os, "nice") else None))
-
-
-def pytest_sessionfinish(session):
-    """A background build still running at the end (a session cut short) is interrupted: ``cached_build``
-    then removes its half-written directory."""
-    import signal
-    import subprocess
-
-    for proc in _background_builds:
-        try:
-            proc.wait(timeout=2)  # a finished build's process may still be exiting
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def pytest_runtest_setup(item):

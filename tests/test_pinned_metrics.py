@@ -29,8 +29,6 @@ def _param(env: str, name: str):
     engine = ((yaml.safe_load((CONFIGS_ROOT / env / f"{name}.yaml").read_text()) or {}).get("rollout") or {}).get("engine")
     needs_vllm = env == "text" and engine in (None, "vllm") and importlib.util.find_spec("vllm") is None
     marks = [pytest.mark.skip(reason="samples with vLLM, not installed here")] if needs_vllm else []
-    if name == "tiny_search":
-        marks.append(pytest.mark.builds("tiny_search"))  # the fixture runs every config: built in the background
     return pytest.param(env, name, marks=marks, id=f"{env}-{name}")
 
 

@@ -213,7 +213,6 @@ def test_search_over_the_tiny_search_corpus_finds_each_name():
 
 
 @pytest.mark.slow  # builds the tiny search model once a session (test_tiny_search_e2e shares it)
-@pytest.mark.builds("tiny_search")
 def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
     """rollout.max_staleness with multi-turn search rollouts (docs/async.md); here because the tool's index
     imports numba in this process (the asynchronous loop's other tests: tests/test_async_rollout.py)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.builds("tiny_search")]
+pytestmark = pytest.mark.slow
 
 
 def test_tiny_search_reward_and_tool_calls_rise(tmp_path):

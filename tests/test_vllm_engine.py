@@ -148,7 +148,6 @@ def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_
     assert cache.num_gpu_blocks * cache.block_size >= sequences * longest
 
 
-@pytest.mark.builds("tiny_search")
 def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(tiny_lm_dir, monkeypatch, tmp_path):
     from unirl.cli import load_run_config
     from unirl.text.sizing import kv_cache_bytes
