@@ -17,24 +17,37 @@
 # of a CPU session's test cache carried in .gpu/cache) saves each worker its toy builds.
 #
 # Wheels the GPU machine lacks (diffusers, trl, datasets ...) are installed from $WHEELS (default .gpu/,
-# see ../shared/gpu-wheels/README.md). Run from the repository's root:  bash benchmarks/gpu_check.sh
+# see ../shared/gpu-wheels/README.md; WHEELS= installs none). Run from the repository's root:  bash benchmarks/gpu_check.sh
+# ASYNC_CACHES (default "dynamic static") picks compare-async's runs. A rehearsal on a CPU of the parts' commands,
+# at a toy's size (the script's own mistakes found before a GPU session spends its minutes on them):
+#   WHEELS= PY=.venv/bin/python DEVICE=cpu DTYPE=float32 SHAPE=toy NEW_TOKENS=16 PARTS="compare-static compare-async" \
+#     ASYNC_CACHES=static STATIC_STEPS=3 ASYNC_STEPS=3 OUT=/tmp/gpu-check-rehearsal bash benchmarks/gpu_check.sh
 # (the SD3.5-Medium-shape diffusion step is not part of it: building a 2.24B transformer at random and
 # stepping it does not fit beside the rest in 7 minutes).
 set -u
 OUT=${OUT:-/tmp/unirl-gpu-check}
-WHEELS=${WHEELS:-.gpu}
+WHEELS=${WHEELS-.gpu}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} SHAPE=${SHAPE:-qwen2.5-0.5b}
+# The 0.5B-shape comparison's batch: 16 prompts x 8 samples, 128 new tokens.
+SIZE="--device $DEVICE --dtype $DTYPE --shape $SHAPE --prompts 16 --group 8 --new-tokens ${NEW_TOKENS:-128}"
 SITE="${TMPDIR:-/tmp}/site"
 mkdir -p "$OUT"
 S="$OUT/summary.txt"
 T0=$(date +%s)
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
-  >>"$S" 2>&1 || echo "pip install of $WHEELS/*.whl failed" >>"$S"
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [[ -n $WHEELS ]]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+    >>"$S" 2>&1 || echo "pip install of $WHEELS/*.whl failed" >>"$S"
+  export PYTHONPATH="$SITE:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export UNIRL_CACHE=${UNIRL_CACHE:-${TMPDIR:-/tmp}/unirl-cache} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import sys, torch, transformers, accelerate, diffusers, trl, peft; print('python', sys.version.split()[0], \
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import sys, torch, transformers, accelerate, diffusers, trl, peft; print('python', sys.version.split()[0], \
 'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, \
 'diffusers', diffusers.__version__, 'trl', trl.__version__, 'peft', peft.__version__)"
 } >>"$S" 2>&1
@@ -54,41 +67,37 @@ W=${TMPDIR:-/tmp}/compare-trl
 
 # 1. The 0.5B-shape comparison with TRL: HF generate in both, bf16 weights, 16 prompts x 8, 128 new tokens.
 if [[ $PARTS == *" compare "* ]]; then
-part compare ${COMPARE_SECONDS:-200} "$OUT/compare.log" python3 benchmarks/compare_trl.py --device cuda --dtype bfloat16 \
-  --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${COMPARE_STEPS:-4} --runs unirl-hf,trl-hf \
-  --work "$W" --json "$OUT/compare.json"
+part compare ${COMPARE_SECONDS:-200} "$OUT/compare.log" $PY benchmarks/compare_trl.py $SIZE \
+  --steps ${COMPARE_STEPS:-4} --runs unirl-hf,trl-hf --work "$W" --json "$OUT/compare.json"
 tail -n 6 "$OUT/compare.log" >>"$S"
 fi
 
 # 1a. unirl again with rollout.hf_cache=static (transformers compiles decoding, once: the cache is sized for the
 # run's longest call; the first step pays for it): the same table, to set beside TRL's row above.
 if [[ $PARTS == *" compare-static "* ]]; then
-part compare-static ${COMPARE_SECONDS:-200} "$OUT/compare_static.log" python3 benchmarks/compare_trl.py --device cuda \
-  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${STATIC_STEPS:-${COMPARE_STEPS:-4}} \
-  --runs unirl-hf --unirl-override=rollout.hf_cache=static ${STATIC_OVERRIDES:-} --work "$W" --json "$OUT/compare_static.json"
+part compare-static ${COMPARE_SECONDS:-200} "$OUT/compare_static.log" $PY benchmarks/compare_trl.py $SIZE \
+  --steps ${STATIC_STEPS:-${COMPARE_STEPS:-4}} --runs unirl-hf --unirl-override=rollout.hf_cache=static ${STATIC_OVERRIDES:-} --work "$W" --json "$OUT/compare_static.json"
 tail -n 3 "$OUT/compare_static.log" >>"$S"
 fi
 
 # 1b. unirl with rollout.max_staleness=1 (issue 34): a producer thread samples the next batch with a copy of the
 # weights while the trainer updates, on the one GPU. Its s/step is the trainer's; the rollout column is its wait.
 if [[ $PARTS == *" compare-async "* ]]; then
-part compare-async ${COMPARE_SECONDS:-200} "$OUT/compare_async.log" python3 benchmarks/compare_trl.py --device cuda \
-  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${ASYNC_STEPS:-5} \
-  --runs unirl-hf --unirl-override=rollout.max_staleness=1 ${ASYNC_OVERRIDES:-} --work "$W" --json "$OUT/compare_async.json"
-tail -n 3 "$OUT/compare_async.log" >>"$S"
-# The same with the static cache: compiled decoding leaves the host (and the interpreter lock) to the trainer.
-part compare-async-static ${COMPARE_SECONDS:-200} "$OUT/compare_async_static.log" python3 benchmarks/compare_trl.py \
-  --device cuda --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --steps ${ASYNC_STEPS:-5} \
-  --runs unirl-hf --unirl-override=rollout.max_staleness=1 --unirl-override=rollout.hf_cache=static ${ASYNC_OVERRIDES:-} \
-  --work "$W" --json "$OUT/compare_async_static.json"
-tail -n 3 "$OUT/compare_async_static.log" >>"$S"
+# With the static cache too: compiled decoding leaves the host (and the interpreter lock) to the trainer.
+for cache in ${ASYNC_CACHES:-dynamic static}; do
+  name=compare-async; [[ $cache == static ]] && name=compare-async-static
+  part $name ${COMPARE_SECONDS:-200} "$OUT/${name//-/_}.log" $PY benchmarks/compare_trl.py $SIZE \
+    --steps ${ASYNC_STEPS:-5} --runs unirl-hf --unirl-override=rollout.max_staleness=1 \
+    --unirl-override=rollout.hf_cache=$cache ${ASYNC_OVERRIDES:-} --work "$W" --json "$OUT/${name//-/_}.json"
+  tail -n 3 "$OUT/${name//-/_}.log" >>"$S"
+done
 fi
 
 # 1c. The rollout alone: generate as TRL calls it against HFEngine (same model, prompts and seed), ~80 s.
 # PROFILE_FLAGS=--profile adds torch.profiler tables for two variants (~60 s more each on an H200).
 if [[ $PARTS == *" profile "* ]]; then
-part profile ${PROFILE_SECONDS:-120} "$OUT/profile.log" python3 benchmarks/generate_profile.py --device cuda \
-  --dtype bfloat16 --shape qwen2.5-0.5b --prompts 16 --group 8 --new-tokens 128 --repeats 2 ${PROFILE_FLAGS:-} \
+part profile ${PROFILE_SECONDS:-120} "$OUT/profile.log" $PY benchmarks/generate_profile.py --device $DEVICE \
+  --dtype $DTYPE --shape $SHAPE --prompts 16 --group 8 --new-tokens ${NEW_TOKENS:-128} --repeats 2 ${PROFILE_FLAGS:-} \
   --variants trl,trl+logprobs,unirl,unirl-static,unirl-packed --work "$W" --json "$OUT/profile.json"
 tail -n 7 "$OUT/profile.log" >>"$S"
 fi
@@ -97,15 +106,15 @@ fi
 if [[ $PARTS == *" tiny "* ]]; then
 R=${TMPDIR:-/tmp}/unirl-runs
 rm -rf "$R"
-part tiny-text 90 "$OUT/tiny.log" python3 -m unirl.cli train text --config tiny --output-dir "$R/text" \
+part tiny-text 90 "$OUT/tiny.log" $PY -m unirl.cli train text --config tiny --output-dir "$R/text" \
   rollout.engine=hf trainer.total_steps=60 trainer.eval_every=30 trainer.save_every=0 trainer.progress=false
-part tiny-diffusion 60 "$OUT/tiny.log" python3 -m unirl.cli train diffusion --config tiny --output-dir "$R/diffusion" \
+part tiny-diffusion 60 "$OUT/tiny.log" $PY -m unirl.cli train diffusion --config tiny --output-dir "$R/diffusion" \
   trainer.total_steps=10 trainer.eval_every=0 trainer.save_every=0 trainer.progress=false
 for run in text diffusion; do
   { echo "== $run: run_info.json, first and last metrics rows"; cat "$R/$run/run_info.json"
     grep reward/mean "$R/$run/metrics.jsonl" | sed -n '1p;$p'; grep eval/ "$R/$run/metrics.jsonl"; } >>"$OUT/tiny.log" 2>&1
 done
-grep -h '"eval/accuracy"' "$R/text/metrics.jsonl" 2>/dev/null | python3 -c "import sys, json; \
+grep -h '"eval/accuracy"' "$R/text/metrics.jsonl" 2>/dev/null | $PY -c "import sys, json; \
 print('tiny text eval/accuracy:', [round(json.loads(l)['eval/accuracy'], 3) for l in sys.stdin])" >>"$S" 2>&1
 fi
 
@@ -114,11 +123,11 @@ fi
 if [[ $PARTS == *" suite "* ]]; then
 TARGETS=${SUITE:-tests}
 if [[ -n ${SUITE_REST:-} ]]; then  # the tests an earlier part did not reach
-  TARGETS=$(python3 benchmarks/suite_rest.py "$SUITE_REST") || { echo "SUITE_REST=$SUITE_REST: no list, stopping" >>"$S"; exit 2; }
+  TARGETS=$($PY benchmarks/suite_rest.py "$SUITE_REST") || { echo "SUITE_REST=$SUITE_REST: no list, stopping" >>"$S"; exit 2; }
 fi
 export OMP_NUM_THREADS=2
 LEFT=$((${TOTAL_SECONDS:-410} - ($(date +%s) - T0)))
-[[ -n $TARGETS ]] && part suite "$((LEFT > 60 ? LEFT : 60))" "$OUT/suite.log" python3 -m pytest -n 8 -p no:cacheprovider \
+[[ -n $TARGETS ]] && part suite "$((LEFT > 60 ? LEFT : 60))" "$OUT/suite.log" $PY -m pytest -n 8 -p no:cacheprovider \
   -v -rfEs --timeout 240 --junitxml="$OUT/suite.xml" $TARGETS
 tail -n 3 "$OUT/suite.log" >>"$S"
 grep -E "^(FAILED|ERROR) " "$OUT/suite.log" >>"$S"
