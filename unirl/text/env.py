@@ -46,7 +46,8 @@ class TextEnvironment(Environment):
     takes_images = False  # VLMEnvironment's (unirl/text/vlm_env.py): unirl.text.build_environment picks it
 
     def __init__(self, cfg: TextConfig):
-        if not self.takes_images and vlm_model(cfg.model.name_or_path):
+        # A VLM given to this class directly; local files only (build_environment has asked the hub already).
+        if not self.takes_images and vlm_model(cfg.model.name_or_path, fetch=False):
             raise ValueError(f"model.name_or_path={cfg.model.name_or_path!r} is a vision-language model: its "
                              f"environment is a VLMEnvironment (unirl.text.build_environment(cfg) picks it)")
         self.cfg = cfg

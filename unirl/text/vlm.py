@@ -113,14 +113,15 @@ def samples_markdown(records: list[dict], rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def vlm_model(name_or_path: str) -> bool:
+def vlm_model(name_or_path: str, fetch: bool = True) -> bool:
     """Whether ``name_or_path`` names a vision-language model: ``tiny_vlm``, or a local directory or hub
     model whose ``config.json`` has a ``vision_config`` (a hub model's config is fetched, or read from the
-    cache; when it cannot be, the name is taken for a text model and loading it reports why)."""
+    cache; when it cannot be, the name is taken for a text model and loading it reports why). ``fetch=False``
+    looks at local files only."""
     if name_or_path == "tiny_vlm":
         return True
     config = Path(name_or_path) / "config.json"
-    if not config.is_file() and "/" in name_or_path and not Path(name_or_path).exists():
+    if fetch and not config.is_file() and "/" in name_or_path and not Path(name_or_path).exists():
         try:
             from huggingface_hub import hf_hub_download
 
