@@ -59,9 +59,18 @@ def stub():
                 first = state.seen[marker] == 1
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            self.counted = True
             try:
                 self._answer(marker, first)
             finally:
+                self._done()
+
+        def _done(self):
+            """A request leaves the in-flight count before its answer is written: once the client has read
+            the answer it may send its next request before this thread would get to a later decrement, and
+            the stub would count a third request in flight under a limit of two."""
+            if self.counted:
+                self.counted = False
                 with state.lock:
                     state.in_flight -= 1
 
@@ -82,6 +91,7 @@ def stub():
 
         def _send(self, code: int, payload: dict):
             raw = json.dumps(payload).encode()
+            self._done()
             try:
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
