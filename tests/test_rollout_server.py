@@ -84,7 +84,8 @@ PROMPTS = ["3+4=?", "12+9=?"]
 def test_samples_equal_the_colocated_engines_and_pushed_weights_give_the_trainers_logprobs(server, chat_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.text.engines import VLLMEngine, hf_checkpoint_weights
+    from unirl.text.engines import VLLMEngine
+    from unirl.text.policy_weights import hf_checkpoint_weights
     from unirl.text.rollout_client import ServerEngine
 
     tok = AutoTokenizer.from_pretrained(chat_model_dir)

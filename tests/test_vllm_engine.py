@@ -82,7 +82,7 @@ def test_lora_merged_weights_sync(env):
 
     from peft import LoraConfig, get_peft_model
 
-    from unirl.text.engines import hf_checkpoint_weights
+    from unirl.text.policy_weights import hf_checkpoint_weights
 
     base = copy.deepcopy(env.model)
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -104,7 +104,7 @@ def test_weight_sync_logs_no_rotary_warning_but_other_failures_get_through(env):
     import logging
 
     from unirl.logs import RotaryReloadFilter
-    from unirl.text.engines import hf_checkpoint_weights
+    from unirl.text.policy_weights import hf_checkpoint_weights
 
     records: list[logging.LogRecord] = []
 

@@ -19,7 +19,8 @@ from unirl.text.critic import load_value_model
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
-from unirl.text.engines import HFEngine, VLLMEngine, export_sharded, hf_checkpoint_weights, push_weights
+from unirl.text.engines import HFEngine, VLLMEngine
+from unirl.text.policy_weights import export_sharded, hf_checkpoint_weights, push_weights
 from unirl.text.sizing import longest_call
 from unirl.text.logprobs import response_logprobs
 from unirl.text.rollout_client import ServerEngine
