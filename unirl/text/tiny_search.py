@@ -14,14 +14,27 @@ The model. ``unirl/text/tiny.py``'s architecture and character tokenizer with ``
 ``)`` added, and a supervised warm start on *other* names (none of the task's), so it knows no task
 code. Three quarters of its examples search and then copy the code from the observation (the
 observation itself is not trained on, as in RL), the rest answer at once with a random code; the
-choice between the two is trained for a 10% prior (the built model samples a search 21% of the time
-on the test names). GRPO then raises the reward only by making it search more.
+choice between the two is trained for a 10% prior (the built model's probability of searching
+swings between ~1% and ~20% from one check to the next; with seed 0 it stops at 7%, and samples a
+search 9% of the time on the training names). GRPO then raises the reward only by making it search more.
 
 Reading the code from the observation is what the 2-layer character model learns last: trained on
 whole trajectories only, its loss on the answer's digit stayed at ln 8 (a uniform guess) after 600
 steps, so searching did not pay and GRPO had nothing to reinforce. The warm start therefore adds
-reading drills (``reading_drill``) and stops once the model reads 90% of 64 held-out codes, checked
-every 50 steps (900 steps with seed 0, ~4 minutes on 2 shared cores); the seed fixes where it stops.
+reading drills (``reading_drill``); reading arrives at once after a plateau (held-out reading
+accuracy ~10% for a few hundred steps, then ~100% within 25-50 steps). It stops once a search,
+sampled at temperature 1, is written right to the end (query, answer tags, code, EOS) with mean
+probability 0.85 on 64 held-out names (``search_probabilities``), checked every 25 steps: 425 steps
+with seed 0, ~1 minute on 2 cores. Measured (2026-11-27, a script of these steps on 1 thread): the
+old recipe (learning rate 2e-3, 16 trajectories and 32 drills a step, stopping at 90% teacher-forced
+reading accuracy) read at step 875 with seed 0, and did not read within 1000 steps at 4e-3 (100
+warm-up steps); the plateau is shorter at a lower rate and with more drills (7e-4 with 12 + 40: reading
+by step 200-250 on seeds 0, 1 and 2; 1e-3 with 12 + 40, kept here: the whole search at 0.80 by step 375
+and 0.85 by 425 with seed 0). A model stopped as soon as it read and copied the name (teacher-forced
+argmax, 200 steps) sampled a whole search right 4% of the time: GRPO made it search more (0.04 ->
+0.53 calls a sample by step 6), but its searches failed and the reward did not rise in 10 steps. Hence the stop on the
+sampled search's probability (the old model's: 0.79).
+
 Search-R1 needs no warm start: its 3B model follows the instruction in its prompt.
 """
 
@@ -39,15 +52,20 @@ from unirl.text.tiny_search_task import code, distinct_names, passage, question,
 #: Everything that changes the built model goes into the cache key.
 TINY_SEARCH_SPEC = {
     **tiny.TINY_LM_SPEC,
-    "version": 1,
+    "version": 2,
     "extra_chars": "<>()",
     "max_position_embeddings": 192,  # prompt + call + observation + answer is about 115 characters
-    "warm_start_steps": 1500,  # at most: it stops once it reads the code (reading_accuracy)
-    "reading_accuracy": 0.9,
-    "warm_start_lr": 2e-3,
+    "warm_start_steps": 1500,  # at most: it stops once it writes a whole search right (exact_search)
+    "exact_search": 0.85,
+    "check_every": 25,  # steps between checks of it
+    "warm_start_lr": 1e-3,
+    "trajectories_per_step": 12,
+    "drills_per_step": 40,
     "search_examples": 0.75,
-    "search_prior": 0.1,  # trained for 0.1; the built model searches about a fifth of the time
+    "search_prior": 0.1,  # trained for 0.1; the built model's share swings around it (module doc)
 }
+
+
 def build_tiny_search_lm(seed: int = 0) -> Path:
     """Build (or reuse) the warm-started tiny search model; return its directory (``model.name_or_path:
     tiny_search``)."""
@@ -69,8 +87,8 @@ def _build(directory: Path, spec: dict, seed: int) -> dict:
 
 
 def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
-    """``spec["warm_start_steps"]`` steps on names outside the task (see the module doc), each of 16
-    whole trajectories and 32 reading drills.
+    """At most ``spec["warm_start_steps"]`` steps on names outside the task (see the module doc), each of
+    ``trajectories_per_step`` whole trajectories and ``drills_per_step`` reading drills.
 
     Most trajectories search; the choice itself (the ``s`` of ``<search>`` or the ``a`` of
     ``<answer>``) is trained on every answer-at-once example and on a share ``r`` of the searching
@@ -86,19 +104,20 @@ def warm_start(model, tokenizer, spec: dict, seed: int) -> int:
     r = prior * (1 - s) / ((1 - prior) * s)
     held_out = [(name, code(rng)) for name in distinct_names(rng, 64, exclude=task_names | set(pool))]
     for step in range(1, spec["warm_start_steps"] + 1):
-        if step % 50 == 0:
-            accuracy = reading_accuracy(model, tokenizer, held_out)
-            progress(f"tiny search model warm start: step {step}, reads {accuracy:.0%} of held-out codes "
-                     f"(done at {spec['reading_accuracy']:.0%}, step {spec['warm_start_steps']} at most)")
-            if accuracy >= spec["reading_accuracy"]:
-                break  # learned to read (the step it happens varies with the data; the seed fixes it)
+        if step % spec["check_every"] == 0:
+            searches_now, exact = search_probabilities(model, tokenizer, held_out)
+            progress(f"tiny search model warm start: step {step}, searches {searches_now:.0%} of the time, writes "
+                     f"{exact:.0%} of searches right to the end (done at {spec['exact_search']:.0%}, step "
+                     f"{spec['warm_start_steps']} at most)")
+            if exact >= spec["exact_search"]:
+                break  # the step it happens varies with the data; the seed fixes it
         searches, guesses = [], []
-        for _ in range(16):
+        for _ in range(spec["trajectories_per_step"]):
             search = rng.random() < s
             (searches if search else guesses).append(example(
                 tokenizer, rng.choice(pool), code(rng), search=search, guess=code(rng),
                 choice_trained=not search or rng.random() < r))
-        drills = [reading_drill(tokenizer, rng.choice(pool), code(rng)) for _ in range(32)]
+        drills = [reading_drill(tokenizer, rng.choice(pool), code(rng)) for _ in range(spec["drills_per_step"])]
         _accumulated_step(model, optimizer, [searches, guesses, drills], tokenizer.pad_token_id)
     model.eval()
     return step
@@ -117,19 +136,23 @@ def _accumulated_step(model, optimizer, groups: list[list[tuple[list[int], list[
 
 
 @torch.no_grad()
-def reading_accuracy(model, tokenizer, pairs: list[tuple[str, str]]) -> float:
-    """Share of ``(name, code)`` whose code is the model's most likely token after a search that showed
-    it (``...<answer>``)."""
+def search_probabilities(model, tokenizer, pairs: list[tuple[str, str]]) -> tuple[float, float]:
+    """Over ``(name, code)``: the mean probability that the model searches (``s`` after the question's
+    ``<``), and the mean probability that, having chosen to search, it writes the rest of the searching
+    trajectory exactly (``earch>NAME</search>``, then after the observation ``<answer>CODE</answer>`` and
+    EOS): what a sample at temperature 1 gets right. Reading the code is what it learns last (module doc)."""
     model.eval()
     examples = [example(tokenizer, name, code, search=True, guess=code) for name, code in pairs]
     batch = tiny.padded_batch(examples, tokenizer.pad_token_id)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [n, L, V]
-    right = 0
-    for i, ((ids, _), (_, c)) in enumerate(zip(examples, pairs)):
-        at = len(ids) - 1 - len("</answer>") - 1 - 1  # the position that predicts the code's digit
-        right += int(logits[i, at].argmax()) == tokenizer.convert_tokens_to_ids(c)
+    logp = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.log_softmax(-1)
+    searches = exact = 0.0
+    for i, ((ids, labels), (name, _)) in enumerate(zip(examples, pairs)):
+        choice = len(tokenizer(question(name) + "<").input_ids)  # the "s" of <search>
+        searches += logp[i, choice - 1, ids[choice]].exp().item()
+        rest = [t for t in range(choice + 1, len(ids)) if labels[t] != -100]  # the observation is not written
+        exact += logp[i, [t - 1 for t in rest], [ids[t] for t in rest]].sum().exp().item()
     model.train()
-    return right / len(pairs)
+    return searches / len(pairs), exact / len(pairs)
 
 
 def reading_drill(tokenizer, name: str, code: str) -> tuple[list[int], list[int]]:
