@@ -4,6 +4,7 @@ imports numba; the run itself: tests/test_tiny_search_e2e.py)."""
 
 from __future__ import annotations
 
+import math
 
 import pytest
 
@@ -41,6 +42,31 @@ def test_warm_start_example_trains_on_what_the_model_writes_only():
     assert labels[len(prompt) + 1] == -100 and tok.decode([ids[len(prompt) + 1]]) == "s"  # the choice, untrained
     ids, labels = tiny_search.example(tok, "Bako", "7", search=False, guess="3")
     assert tok.decode(ids) == prompt + "<answer>3</answer><|endoftext|>"
+
+
+def test_the_warm_start_stops_on_the_probability_of_sampling_a_whole_search_right():
+    """``search_probabilities`` (one padded batch) against each example scored alone, by hand: P(the "s" of
+    ``<search>`` after the question's "<") and P(every written character after it | searching), the
+    observation conditioned on and not counted."""
+    import torch
+
+    tok = tiny.build_tokenizer(extra="<>()")
+    model = tiny.new_model(tok, tiny_search.TINY_SEARCH_SPEC, seed=1).eval()  # random weights: far from 0 or 1
+    pairs = [("Bako", "7"), ("Tidesa", "3"), ("Nu", "9")]  # names of different lengths: padding matters
+    searches, exact = tiny_search.search_probabilities(model, tok, pairs)
+    by_hand = []
+    for name, c in pairs:
+        prompt, call = f"{name}. What is its code?", f"<search>{name}</search>"
+        observation = f"\n\n<information>Doc 1(Title: {name}) code {c}</information>\n\n"
+        ids = tok(prompt + call + observation + f"<answer>{c}</answer>").input_ids + [tok.eos_token_id]
+        with torch.no_grad():
+            logp = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)  # [L, V]
+        written = list(range(len(prompt) + 2, len(prompt + call))) + list(range(len(prompt + call + observation), len(ids)))
+        by_hand.append((logp[len(prompt), ids[len(prompt) + 1]].exp().item(),
+                        sum(logp[t - 1, ids[t]].item() for t in written)))
+    assert searches == pytest.approx(sum(s for s, _ in by_hand) / 3, rel=1e-5, abs=0)
+    assert exact == pytest.approx(sum(math.exp(e) for _, e in by_hand) / 3, rel=1e-4, abs=0)  # ~1e-80: no abs slack
+    assert 0 < exact < searches < 1
 
 
 # ------------------------------------------------------------------ building once (issue 37 item 16)

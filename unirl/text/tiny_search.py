@@ -32,8 +32,8 @@ warm-up steps); the plateau is shorter at a lower rate and with more drills (7e-
 by step 200-250 on seeds 0, 1 and 2; 1e-3 with 12 + 40, kept here: the whole search at 0.80 by step 375
 and 0.85 by 425 with seed 0). A model stopped as soon as it read and copied the name (teacher-forced
 argmax, 200 steps) sampled a whole search right 4% of the time: GRPO made it search more (0.04 ->
-0.53 calls a sample by step 6), but its searches failed and the reward did not rise in 10 steps. Hence the stop on the
-sampled search's probability (the old model's: 0.79).
+0.53 calls a sample by step 6), but its searches failed and the reward did not rise in 10 steps.
+Hence the stop on the sampled search's probability (the old model's: 0.79).
 
 Search-R1 needs no warm start: its 3B model follows the instruction in its prompt.
 """
@@ -72,7 +72,7 @@ def build_tiny_search_lm(seed: int = 0) -> Path:
     spec = dict(TINY_SEARCH_SPEC, seed=seed)
     directory = default_cache_dir() / f"tiny-search-{spec_digest(spec)}"
     return cached_build(directory, spec, "unirl_tiny.json", lambda work: _build(work, spec, seed),
-                        what="the tiny search model (a warm start of a few minutes on a CPU)")
+                        what="the tiny search model (a warm start of about a minute on a CPU)")
 
 
 def _build(directory: Path, spec: dict, seed: int) -> dict:
@@ -144,7 +144,8 @@ def search_probabilities(model, tokenizer, pairs: list[tuple[str, str]]) -> tupl
     model.eval()
     examples = [example(tokenizer, name, code, search=True, guess=code) for name, code in pairs]
     batch = tiny.padded_batch(examples, tokenizer.pad_token_id)
-    logp = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.log_softmax(-1)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = logits.log_softmax(-1).double()  # a whole search's probability of an untrained model is ~1e-80
     searches = exact = 0.0
     for i, ((ids, labels), (name, _)) in enumerate(zip(examples, pairs)):
         choice = len(tokenizer(question(name) + "<").input_ids)  # the "s" of <search>
