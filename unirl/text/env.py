@@ -27,7 +27,8 @@ from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.held_out import evaluate_held_out
 from unirl.text.multiturn import multi_turn_generate
-from unirl.text.multiturn_rollout import build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout
+from unirl.text.multiturn_rollout import (build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout,
+                                          turn_limits)
 from unirl.text.packing import check_packable, pack_shared_prompts, use_packed_attention
 from unirl.text.vlm import refuse_images_for_text_model, vlm_model
 
@@ -194,10 +195,8 @@ class TextEnvironment(Environment):
         if self.tools is not None:  # multi-turn, with tool calls (unirl/text/multiturn.py)
             fmt, runner = self.tools
             groups = multi_turn_generate(self.engine, self.tokenizer, fmt, runner, prompt_ids, n=group_size,
-                                         max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
-                                         max_total_tokens=r.max_total_tokens, temperature=r.temperature,
-                                         top_p=r.top_p, top_k=r.top_k, max_observation_tokens=r.max_observation_tokens,
-                                         truncated_text=r.observation_truncated_text)
+                                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                         top_k=r.top_k, **turn_limits(r))
             return trajectories_to_rollout(rows, groups, self.tokenizer)
         gens = self.engine.generate(prompt_ids, n=group_size, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from unirl.text.multiturn import multi_turn_generate
+from unirl.text.multiturn_rollout import turn_limits
 
 
 @torch.no_grad()
@@ -28,10 +29,8 @@ def evaluate_held_out(env, step: int, run_dir: Path) -> dict[str, float]:
         prompt_ids = [env.encode_prompt(row, i) for i, row in zip(mine, rows)]
         if env.tools is not None:  # greedy multi-turn, the tools called as in training
             groups = multi_turn_generate(env.engine, env.tokenizer, *env.tools, prompt_ids, n=1, greedy=True,
-                                         temperature=1.0, max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                                         max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens,
-                                         max_observation_tokens=r.max_observation_tokens,
-                                         truncated_text=r.observation_truncated_text)
+                                         temperature=1.0, max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens,
+                                         **turn_limits(r))
             texts = [env.tokenizer.decode(g[0].ids, skip_special_tokens=True) for g in groups]
         else:
             gens = env.engine.generate(prompt_ids, n=1, greedy=True, temperature=1.0,

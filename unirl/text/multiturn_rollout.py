@@ -31,6 +31,14 @@ def build_tools(rollout_cfg, tokenizer):
     return fmt, runner
 
 
+def turn_limits(rollout_cfg) -> dict:
+    """``multi_turn_generate``'s limits from ``rollout``, the same for training, the run's held-out
+    evaluation and ``unirl eval``: turns, total tokens, and how an observation is cut."""
+    return dict(max_turns=rollout_cfg.max_turns, max_total_tokens=rollout_cfg.max_total_tokens,
+                max_observation_tokens=rollout_cfg.max_observation_tokens,
+                truncated_text=rollout_cfg.observation_truncated_text)
+
+
 def trajectories_to_rollout(rows: list[dict], groups: list[list[Trajectory]], tokenizer) -> Rollout:
     """N = B*G samples: prompts left-padded [N, P], responses right-padded [N, R] with the loss mask's
     holes at observations; per-sample turns, calls, errors, latency and observation tokens [N] for the
