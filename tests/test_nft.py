@@ -108,10 +108,10 @@ def test_no_reward_signal_leaves_the_old_policy_a_fixed_point(seed):
 def test_velocity_kl_and_bad_arguments():
     v, v_old, *_ = inputs(0)
     torch.testing.assert_close(velocity_kl(v, v_old), ((v - v_old) ** 2).mean(dim=(1, 2, 3)))
-    from unirl.diffusion.config import NftConfig
+    from unirl.core.policy_losses import NftArgs
 
-    with pytest.raises(ValueError, match="beta"):  # checked once, where the config loads
-        NftConfig(beta=0.0)
+    with pytest.raises(ValueError, match="beta"):  # checked once, where the config loads (algo.loss_args)
+        NftArgs(beta=0.0)
 
 
 # ------------------------------------------------------------------------------------- old policy
@@ -159,9 +159,11 @@ def test_shipped_nft_config_is_the_benchmarks_overrides_of_flowgrpos():
 
 @pytest.mark.parametrize("override, match", [
     ("sampling.train_cfg=true", "CFG-free"),
-    ("algo.kl_coef=0.04", "nft.kl_coef"),
+    ("algo.kl_coef=0.04", "algo.loss_args.kl_coef"),
     ("sampling.sde_window.size=2", "sde_window"),
-    ("nft.beta=0", "beta"),
+    ("algo.loss_args.beta=0", "beta"),
+    ("nft.beta=0.1", "moved to algo.loss_args.beta"),
+    ("algo.loss_args.betta=0.1", "algo.loss_args.betta: not a setting of the policy loss 'nft'; its settings: adv_clip, beta, kl_coef"),
     ("nft.old_decay_max=1.0", "old_decay_max"),
 ])
 def test_bad_nft_settings_fail_with_the_key(override, match):
@@ -183,7 +185,7 @@ def make_trainer(tmp_path, *overrides: str):
 
 
 def test_rollout_keeps_clean_latents_and_the_first_update_starts_at_the_old_policy(tmp_path):
-    trainer = make_trainer(tmp_path, "sampling.timestep_fraction=0.5", "nft.kl_coef=0.01")
+    trainer = make_trainer(tmp_path, "sampling.timestep_fraction=0.5", "algo.loss_args.kl_coef=0.01")
     env = trainer.env
     rollout = env.rollout(env.next_prompts(0), 4)
     N, T = 8, 2  # int(4 * 0.5) noise levels per sample, drawn from the 4-step schedule

@@ -62,6 +62,17 @@ def check_policy_loss(name: str | None) -> None:
         raise ValueError(f"policy_loss: {POLICY_LOSSES.unknown_message(name)}")
 
 
+def check_loss_args(algo: "AlgoConfig", default: str | None = None) -> str:
+    """The run's policy loss (``algo.policy_loss``, else the rollout mode's ``default``, else the ratio loss
+    at ``algo.level``: ``clipped`` per token, ``gspo`` per sequence), after checking ``algo.loss_args``
+    against its registered settings (``ValueError`` naming the bad key); environment configs call it."""
+    from unirl.core.policy_losses import build_loss_args
+
+    name = algo.policy_loss or default or ("gspo" if algo.level == "sequence" else "clipped")
+    build_loss_args(name, algo.loss_args)
+    return name
+
+
 def check_groups(algo: "AlgoConfig", trainer: "TrainerConfig") -> None:
     """A group estimator with one sample per prompt trains on all-zero advantages: refused."""
     if algo.adv_estimator in GROUP_ESTIMATORS and trainer.group_size < 2:
@@ -151,6 +162,10 @@ class AlgoConfig:
     #: ``nft``, or one you register, docs/architecture.md); null: the environment's rollout mode's
     #: (DiffusionNFT: ``nft``), else ``clipped``, or ``gspo`` with ``level: sequence``.
     policy_loss: Optional[str] = None
+    #: The policy loss's own settings, by the names of the dataclass it registered (``unirl config losses``
+    #: lists each loss's settings and defaults, which are its reference's): ``{beta: 0.1}`` for ``nft``.
+    #: Checked where the config loads; an unknown key names the loss's valid ones.
+    loss_args: dict[str, Any] = field(default_factory=dict)
     #: Loss aggregation (verl's names): token-mean, seq-mean-token-mean, seq-mean-token-sum,
     #: seq-mean-token-sum-norm (Dr. GRPO: divided by sequences x the environment's constant length,
     #: ``rollout.max_new_tokens`` for text, like TRL's ``dr_grpo``).

@@ -220,10 +220,16 @@ def join_path(path: str, part: str | int) -> str:
 
 
 def unknown_keys_message(cls: type, path: str, keys: list) -> str:
+    """One line per unknown key: where a key moved (the class's ``config_moved``: old key -> the new
+    key's full path), that path; else the close matches and the valid keys."""
     valid = list(fields_of(cls))
     where = f"{path} ({cls.__name__})" if path else cls.__name__
+    moved = getattr(cls, "config_moved", {})
     lines = []
     for key in keys:
+        if key in moved:
+            lines.append(f"{join_path(path, str(key))}: this key moved to {moved[key]}; set it there")
+            continue
         close = difflib.get_close_matches(str(key), valid, n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         lines.append(f"{join_path(path, str(key))}: unknown key.{hint} Valid keys of {where}: {', '.join(valid)}")

@@ -77,7 +77,7 @@ class Trainer:
         if policy_loss is None and env is not None:
             policy_loss = run_policy_loss(env, algo)
         self.policy_loss = None if policy_loss is None else POLICY_LOSSES.get(policy_loss)
-        self.loss_settings = loss_settings(env, algo)
+        self.loss_settings = loss_settings(policy_loss, algo)
         self.run_dir = Path(run_dir)
         self.config_dict = config_dict or {}
         self.step = 0

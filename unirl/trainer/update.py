@@ -20,7 +20,7 @@ import math
 import torch
 
 from unirl.core import aggregate, aggregate_denominator, policy_loss_metrics, rollout_is_weights
-from unirl.core.policy_losses import LossInputs, LossSettings
+from unirl.core.policy_losses import LossInputs, LossSettings, build_loss_args
 from unirl.config.schema import AlgoConfig
 from unirl.env import Environment, Rollout
 from unirl.trainer.fsdp import full, hold_gradients, is_sharded
@@ -35,12 +35,11 @@ def run_policy_loss(env: Environment, algo: AlgoConfig) -> str:
     return algo.policy_loss or env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
 
 
-def loss_settings(env: Environment | None, algo: AlgoConfig) -> LossSettings:
-    """The numbers the policy losses read, from ``algo`` and the environment's ``nft`` block if any."""
-    nft = getattr(getattr(env, "cfg", None), "nft", None)
-    extra = {} if nft is None else dict(nft_beta=nft.beta, nft_adv_clip=nft.adv_clip, nft_kl_coef=nft.kl_coef)
+def loss_settings(name: str | None, algo: AlgoConfig) -> LossSettings:
+    """The numbers the policy loss ``name`` reads: ``algo``'s shared clip range and aggregation, and
+    ``algo.loss_args`` as the loss's own settings (``unirl.core.policy_losses.build_loss_args``)."""
     return LossSettings(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                        loss_agg=algo.loss_agg, **extra)
+                        loss_agg=algo.loss_agg, args=None if name is None else build_loss_args(name, algo.loss_args))
 
 
 def update(trainer, rollout: Rollout) -> dict[str, float]:
