@@ -119,7 +119,7 @@ def test_each_step_trains_exactly_prompts_per_step_varied_groups(tmp_path, tiny_
     try:
         seen_batches = 0
         for _ in range(3):
-            filtered = trainer.dynamic_sampling()
+            filtered = trainer.producer.draw_filtered()
             rollout = filtered.rollout
             raw = rollout.tensors["score/scripted"]
             assert len(torch.unique(rollout.group_ids)) == 4 and len(rollout) == 12
@@ -133,7 +133,7 @@ def test_each_step_trains_exactly_prompts_per_step_varied_groups(tmp_path, tiny_
             assert m["filter/kept_groups"] == 4 and m["filter/prompts_seen"] == 4 * m["filter/gen_batches"]
             assert m["filter/varied_groups"] >= 4
             seen_batches += int(m["filter/gen_batches"])
-            assert trainer.prompt_batches == seen_batches  # prompts are drawn in order, none twice
+            assert trainer.producer.prompt_batches == seen_batches  # prompts are drawn in order, none twice
         assert seen_batches > 3, "the data has constant groups: some step needed a second batch"
         metrics = trainer.train_step()  # the whole step on a filtered batch
         assert metrics["filter/kept_groups"] == 4 and metrics["adv/zero_std_frac"] == 0.0
@@ -148,9 +148,9 @@ def test_at_the_limit_it_stops_with_a_clear_error_or_trains_on_what_was_kept(tmp
                        "trainer.mini_batch_size=24", "trainer.micro_batch_size=24")
     try:
         with pytest.raises(SamplingExhausted, match=r"max_num_gen_batches\) kept \d of trainer.prompts_per_step=8"):
-            trainer.dynamic_sampling()
+            trainer.producer.draw_filtered()
         trainer.algo.filter_groups.on_exhausted = "train"
-        filtered = trainer.dynamic_sampling()
+        filtered = trainer.producer.draw_filtered()
         groups = len(torch.unique(filtered.rollout.group_ids))
         assert 0 < groups < 8 and filtered.metrics["filter/kept_groups"] == groups
         assert {_kind(p) for p in filtered.rollout.prompts} == {2}

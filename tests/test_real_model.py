@@ -126,7 +126,7 @@ def test_lora_on_the_tied_model_merges_under_the_checkpoints_names(model_dir, tm
     from safetensors.torch import load_file
 
     from unirl.cli import load_run_config
-    from unirl.text.policy_weights import hf_checkpoint_weights
+    from unirl.rollout.weights import hf_checkpoint_weights
     from unirl.text.env import TextEnvironment
 
     overrides = ["rollout.engine=hf", "model.lora.enabled=true", "data.test=null"]

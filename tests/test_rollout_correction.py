@@ -145,15 +145,16 @@ def _async_grpo_loss(logp, engine_logp, advantages, mask, clip_low, clip_high):
 
 
 def test_bypass_mode_resolves_from_the_staleness():
+    from unirl.config.schema import SourceConfig
     from unirl.diffusion.env import DiffusionEnvironment
-    from unirl.trainer.update import resolve_bypass_mode
+    from unirl.rollout.sources import resolve_bypass_mode
 
-    assert resolve_bypass_mode(AlgoConfig(), None, 0) is False  # the synchronous loop: verl's decoupled default
-    assert resolve_bypass_mode(AlgoConfig(), None, 1) is True  # batches sampled ahead: TRL's AsyncGRPO anchor
-    assert resolve_bypass_mode(AlgoConfig(bypass_mode=False), None, 2) is False
-    assert resolve_bypass_mode(AlgoConfig(bypass_mode=True), None, 0) is True
-    with pytest.raises(ValueError, match="algo.bypass_mode=true: DiffusionEnvironment samples with the policy itself"):
-        resolve_bypass_mode(AlgoConfig(bypass_mode=True), DiffusionEnvironment.__new__(DiffusionEnvironment), 0)
+    assert resolve_bypass_mode(SourceConfig(), None) is False  # the synchronous loop: verl's decoupled default
+    assert resolve_bypass_mode(SourceConfig(max_staleness=1), None) is True  # sampled ahead: TRL's AsyncGRPO anchor
+    assert resolve_bypass_mode(SourceConfig(max_staleness=2, bypass_mode=False), None) is False
+    assert resolve_bypass_mode(SourceConfig(bypass_mode=True), None) is True
+    with pytest.raises(ValueError, match="source.bypass_mode=true: DiffusionEnvironment samples with the policy itself"):
+        resolve_bypass_mode(SourceConfig(bypass_mode=True), DiffusionEnvironment.__new__(DiffusionEnvironment))
 
 
 def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir):
@@ -168,7 +169,7 @@ def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir
     cfg = load_run_config("text", "tiny", [
         "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
         "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.progress=false", "algo.loss_agg=token-mean",
-        "algo.bypass_mode=true", "algo.tis_cap=2.0", "algo.clip_high=0.28", "model.share_prompt=false",
+        "source.bypass_mode=true", "algo.tis_cap=2.0", "algo.clip_high=0.28", "model.share_prompt=false",
     ], output_dir=str(tmp_path / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()

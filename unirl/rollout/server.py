@@ -14,7 +14,7 @@ push never lands inside a generation, and generations queue.
   "top_p", "top_k", "greedy", "stop", "seed"}`` -> ``{"generations": [[{"response_ids", "logprobs",
   "text", "finished"}]]}``, the engine's ``generate`` (log-probs of the tempered distribution).
 - ``POST /weights/connect`` ``{"host", "port"}``: join the trainer's two-process gloo group
-  (``unirl.text.weight_channel``); ``POST /weights/receive`` ``{"tensors": [{"name", "shape", "dtype"}],
+  (``unirl.rollout.weight_channel``); ``POST /weights/receive`` ``{"tensors": [{"name", "shape", "dtype"}],
   "version"}``: receive the tensors the trainer broadcasts over it and reload them in place
   (``VLLMEngine.load_weights``). What the trainer uses: ~10x faster than a file over HTTP here.
 - ``POST /weights``: the same from a safetensors file in the body (HF checkpoint names), for a pusher
@@ -77,8 +77,8 @@ class RolloutService:
         return len(weights)
 
     def connect(self, request: dict) -> dict:
-        """Join a trainer's weight group (``unirl.text.weight_channel``); a new trainer replaces the old one."""
-        from unirl.text.weight_channel import WeightGroup
+        """Join a trainer's weight group (``unirl.rollout.weight_channel``); a new trainer replaces the old one."""
+        from unirl.rollout.weight_channel import WeightGroup
 
         host, port = request.get("host"), request.get("port")
         if not isinstance(host, str) or not isinstance(port, int):
@@ -313,7 +313,7 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
     """A server (bound, not yet serving) with vLLM loaded on ``model`` (a directory, a hub name or a
     toy: ``tiny``). ``port=0`` picks a free port (``server.server_address[1]``)."""
     from unirl.rewards.remote import RewardServer
-    from unirl.text.engines import VLLMEngine
+    from unirl.rollout.vllm import VLLMEngine
     from unirl.text.model_loading import resolve_model_path
 
     if not 0 <= port <= 65535:

@@ -1,7 +1,7 @@
-"""The trainer's side of the rollout server (``rollout.engine: server``, ``unirl.text.rollout_server``):
+"""The trainer's side of the rollout server (``rollout.engine: server``, ``unirl.rollout.server``):
 an engine with the colocated engines' ``generate`` / ``load_weights`` / ``close``, over HTTP.
 
-Weights travel over a two-process gloo group the client opens at start (``unirl.text.weight_channel``):
+Weights travel over a two-process gloo group the client opens at start (``unirl.rollout.weight_channel``):
 the names, shapes and dtypes go over HTTP, the tensors by broadcast. Measured in benchmarks/README.md
 ("Weight push"), it is about 10x faster than one safetensors file over HTTP on this CPU; the group is the
 client's own (not the default process group), and a restarted trainer opens a new one.
@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from unirl.text.engines import Generation
+from unirl.rollout.engine import Generation
 
 #: The environment variable with the server's token (``unirl serve-rollout --token``).
 TOKEN_ENV = "UNIRL_ROLLOUT_TOKEN"
@@ -30,6 +30,9 @@ class RolloutServerError(ConnectionError):
 
 class ServerEngine:
     """Samples from, and pushes weights to, ``unirl serve-rollout`` at ``url``."""
+
+    weights_format = "hf_checkpoint"
+    shares_policy = False
 
     def __init__(self, url: str, *, timeout_s: float = 600.0, token: str | None = None, processes: int = 1):
         if processes > 1:
@@ -47,7 +50,7 @@ class ServerEngine:
         import threading
         import urllib.parse
 
-        from unirl.text.weight_channel import WeightGroup
+        from unirl.rollout.weight_channel import WeightGroup
 
         server = urllib.parse.urlsplit(self.url)
         with socket.create_connection((server.hostname, server.port or 80), timeout=30) as probe:
@@ -80,7 +83,7 @@ class ServerEngine:
         group; returns once the server has reloaded them."""
         import threading
 
-        from unirl.text.weight_channel import describe
+        from unirl.rollout.weight_channel import describe
 
         weights = list(weights)
         self.version += 1
@@ -103,6 +106,12 @@ class ServerEngine:
             return self._call(method, path, body, content_type="application/json")
         except RolloutServerError as err:
             return err
+
+    def sleep(self) -> None:  # the server's devices are its own
+        pass
+
+    def wake_up(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -1,6 +1,11 @@
-"""The policy's weights under Hugging Face checkpoint names, LoRA merged in: whole (``hf_checkpoint_weights``)
-or, for an FSDP2-sharded policy, gathered a bucket at a time (``sharded_checkpoint_weights``); pushed into a
-rollout engine every step (``push_weights``) or written as a plain model directory (``export_sharded``)."""
+"""The one way the policy's weights reach a rollout engine: ``policy_weights`` gives them as named tensors in
+buckets, in the names the engine takes (``Engine.weights_format``): Hugging Face checkpoint names with LoRA
+merged in (vLLM, the rollout server; whole via ``hf_checkpoint_weights``, or for an FSDP2-sharded policy
+gathered a bucket at a time via ``sharded_checkpoint_weights``), or the policy module's own state names
+(the transformers engine's private copy). ``publish`` pushes them into an engine (the synchronous step);
+``snapshot`` keeps a copy as a ``WeightVersion`` that a batch source loads into its engine later
+(asynchronous rollouts, the rollout server's producer); both iterate the same buckets. ``export_sharded``
+writes a sharded policy as a plain model directory from the same buckets."""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ from typing import Iterator
 
 import torch
 
-from unirl.text.engines import VLLMEngine
 
 
 def hf_checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -85,19 +89,53 @@ def _merged(model: torch.nn.Module, layer: str, base: torch.Tensor, a: torch.Ten
     return (base.float() + delta).to(base.dtype)
 
 
-def push_weights(engine, model: torch.nn.Module, bucket_mb: int) -> None:
-    """The policy's weights into ``engine``: a whole model in one call, a sharded one bucket by bucket
-    (``rollout.sync_bucket_mb``), each bucket freed once the engine has it."""
-    from unirl.sharding import is_sharded
+WEIGHT_FORMATS = ("hf_checkpoint", "module_state")
 
+
+def policy_weights(model: torch.nn.Module, fmt: str, bucket_mb: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The policy's (unwrapped) weights as buckets of named tensors in ``fmt``: ``hf_checkpoint`` (HF names,
+    LoRA merged) or ``module_state`` (the module's ``state_dict`` names). A whole model is one bucket; a
+    sharded one (FSDP2) is gathered ``bucket_mb`` MB at a time, a collective every process iterates to the end."""
+    from unirl.sharding import gathered_state, is_sharded
+
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights format {fmt!r}: an engine takes one of {', '.join(WEIGHT_FORMATS)}")
     if not is_sharded(model):
-        engine.load_weights(hf_checkpoint_weights(model))
-    else:
-        for bucket in sharded_checkpoint_weights(model, bucket_mb << 20):
+        if fmt == "hf_checkpoint":
+            yield list(hf_checkpoint_weights(model))
+        else:
+            yield [(name, t.detach()) for name, t in model.state_dict().items()]
+        return
+    buckets = sharded_checkpoint_weights if fmt == "hf_checkpoint" else gathered_state
+    yield from buckets(model, bucket_mb << 20)
+
+
+def publish(engine, model: torch.nn.Module, bucket_mb: int) -> None:
+    """The policy's weights into ``engine`` now (the synchronous step's sync), bucket by bucket, each freed
+    once the engine has it; then the engine is woken (vLLM's KV cache comes back after the weights,
+    ``rollout.sleep_level``). An engine that samples from the live policy (``shares_policy``) needs none."""
+    if not getattr(engine, "shares_policy", False):
+        for bucket in policy_weights(model, engine.weights_format, bucket_mb):
             engine.load_weights(bucket)
             del bucket
-    if isinstance(engine, VLLMEngine):
-        engine.wake_up()  # the KV cache, after the weights (rollout.sleep_level)
+    engine.wake_up()
+
+
+class WeightVersion:
+    """A copy of the policy's weights in an engine's format, taken after ``optimizer_steps`` optimizer steps,
+    for a batch source to load into its engine while the trainer goes on updating."""
+
+    def __init__(self, model: torch.nn.Module, fmt: str, bucket_mb: int, optimizer_steps: int):
+        self.format, self.optimizer_steps = fmt, optimizer_steps
+        self.buckets = [[(name, t.detach().clone()) for name, t in bucket]
+                        for bucket in policy_weights(model, fmt, bucket_mb)]
+
+    def load_into(self, engine) -> None:
+        if engine.weights_format != self.format:
+            raise ValueError(f"a {self.format} weight version cannot load into an engine taking {engine.weights_format}")
+        for bucket in self.buckets:
+            engine.load_weights(iter(bucket))
+        engine.wake_up()
 
 
 def export_sharded(model: torch.nn.Module, directory: Path, *, main: bool, bucket_mb: int) -> None:

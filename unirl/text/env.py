@@ -19,11 +19,9 @@ from unirl.text.critic import load_value_model
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
-from unirl.text.engines import HFEngine, VLLMEngine
-from unirl.text.policy_weights import export_sharded, hf_checkpoint_weights, push_weights
-from unirl.text.sizing import longest_call
+from unirl.rollout import EngineContext, build_engine
+from unirl.rollout.weights import export_sharded, publish
 from unirl.text.logprobs import response_logprobs
-from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.held_out import evaluate_held_out
 from unirl.text.multiturn import multi_turn_generate
@@ -57,7 +55,6 @@ class TextEnvironment(Environment):
         self.ref = None
         self.teacher = None  # distill.teacher, loaded at setup
         self.engine = None
-        self.sampler_model = None  # the transformers engine's own copy, with asynchronous rollouts
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
@@ -105,22 +102,23 @@ class TextEnvironment(Environment):
         # 4. Rewards and the rollout engine.
         self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
                                  eps=cfg.algo.adv_eps)
-        r = cfg.rollout
-        if r.engine == "vllm":
-            self.engine = VLLMEngine.from_config(
-                cfg, self.model_path, seed=cfg.trainer.seed + accelerator.process_index, sleep_level=r.sleep_level,
-                sequences=max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, len(self.test_rows)))
-        elif cfg.rollout.engine == "server":  # `unirl serve-rollout` in its own process (unirl/text/rollout_server.py)
-            self.engine = ServerEngine(cfg.rollout.server_url, timeout_s=cfg.rollout.server_timeout_s,
-                                       processes=accelerator.num_processes)
-        elif cfg.rollout.max_staleness:  # asynchronous: sample from a copy the trainer's updates do not touch
-            self.sampler_model = copy.deepcopy(model).eval().requires_grad_(False).to(accelerator.device)
-            self.engine = HFEngine(lambda: self.sampler_model, self.tokenizer, cache=r.hf_cache,
-                                   max_cache_len=longest_call(cfg))
-        else:
-            self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer,
-                                   cache=r.hf_cache, max_cache_len=longest_call(cfg))
+        self.engine = build_engine(self.engine_name, self.engine_context(
+            self.model_path, sequences=max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, len(self.test_rows)),
+            seed=cfg.trainer.seed + accelerator.process_index))
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
+
+    #: The registered engine (``unirl.rollout.ENGINES``) this environment samples with: ``rollout.engine``.
+    @property
+    def engine_name(self) -> str:
+        return self.cfg.rollout.engine
+
+    def engine_context(self, model_path: str, *, purpose: str = "train", sequences: int = 1, seed: int = 0,
+                       policy=None) -> EngineContext:
+        """What ``build_engine`` needs for this environment's engine: the run's config, the model directory,
+        the tokenizer and the policy it samples from (the trained one, unless ``policy`` gives another)."""
+        policy = policy or (lambda: self.accelerator.unwrap_model(self._model))
+        return EngineContext(cfg=self.cfg, model_path=model_path, tokenizer=self.tokenizer, accelerator=self.accelerator,
+                             policy=policy, purpose=purpose, sequences=sequences, seed=seed)
 
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
         return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
@@ -361,28 +359,12 @@ class TextEnvironment(Environment):
         yield self.teacher  # None with distill.teacher null: the trainer asks only when it is set
 
     def release_rollout_memory(self) -> None:
-        if isinstance(self.engine, VLLMEngine):
-            self.engine.sleep()  # rollout.sleep_level (0: nothing)
+        self.engine.sleep()  # vLLM's rollout.sleep_level (0, and the other engines: nothing)
 
     def sync_weights(self) -> None:
-        if isinstance(self.engine, (VLLMEngine, ServerEngine)):  # a sharded policy bucket by bucket (FSDP2)
-            push_weights(self.engine, self.accelerator.unwrap_model(self._model), self.cfg.rollout.sync_bucket_mb)
-        elif self.sampler_model is not None:
-            self.load_policy_snapshot(self.policy_snapshot())
-
-    def policy_snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of the policy's weights for asynchronous rollouts: HF checkpoint names for vLLM and the
-        server, the module's own state for the transformers engine's copy."""
-        model = self.accelerator.unwrap_model(self._model)
-        if self.sampler_model is not None:
-            return [(name, t.detach().clone()) for name, t in model.state_dict().items()]
-        return [(name, t.clone()) for name, t in hf_checkpoint_weights(model)]
-
-    def load_policy_snapshot(self, snapshot: list[tuple[str, torch.Tensor]]) -> None:
-        if self.sampler_model is not None:
-            self.sampler_model.load_state_dict(dict(snapshot))
-        else:
-            self.engine.load_weights(iter(snapshot))
+        """The policy's weights into the engine (``unirl.rollout.weights.publish``; a sharded policy bucket
+        by bucket, ``rollout.sync_bucket_mb``)."""
+        publish(self.engine, self.accelerator.unwrap_model(self._model), self.cfg.rollout.sync_bucket_mb)
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         mask = rollout.tensors["response_mask"].bool()

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from unirl.env import Rollout
-from unirl.text.engines import HFEngine
+from unirl.rollout import EngineContext, register_engine
+from unirl.rollout.hf import HFEngine
 from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
 from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
@@ -64,6 +65,15 @@ class VLMHFEngine(HFEngine):
         return super().generate(prompt_ids, extra_inputs=extra, **kwargs)
 
 
+@register_engine("vlm")
+def vlm_engine(ctx: EngineContext) -> VLMHFEngine:
+    """The transformers engine of a vision-language policy (``VLMEnvironment``'s ``rollout.engine: hf``), on
+    the live policy or a private copy of it (``ctx.own_weights``)."""
+    if ctx.own_weights:
+        return VLMHFEngine.with_own_copy(ctx.policy(), ctx.tokenizer, ctx.accelerator.device, processor=ctx.processor)
+    return VLMHFEngine(ctx.policy, ctx.tokenizer, ctx.processor)
+
+
 class VLMEnvironment(TextEnvironment):
     """``TextEnvironment`` for a vision-language policy (module docstring)."""
 
@@ -76,7 +86,15 @@ class VLMEnvironment(TextEnvironment):
                              f"set rollout.engine=hf")
         self._refuse_text_only_parts()
         super().setup(accelerator)
-        self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
+
+    @property
+    def engine_name(self) -> str:
+        return "vlm"  # rollout.engine: hf, with the pictures passed to generate
+
+    def engine_context(self, model_path: str, **kwargs) -> EngineContext:
+        ctx = super().engine_context(model_path, **kwargs)
+        ctx.processor = self.processor
+        return ctx
 
     def _refuse_text_only_parts(self) -> None:
         """A teacher or a critic beside a vision-language policy is refused before anything loads: both

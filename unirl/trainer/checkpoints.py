@@ -277,8 +277,8 @@ def check_config(directory: Path, config: dict[str, Any] | None) -> None:
 
 def _state_bearing(key: str) -> bool:
     parts = key.split(".")
-    # rollout.max_staleness: the batches in flight were saved for that schedule (unirl.trainer.async_rollout)
-    return "lora" in parts or ("optim" in parts[:-1] and parts[-1] in OPTIMIZER_KEYS) or key == "rollout.max_staleness"
+    # source.max_staleness: the batches in flight were saved for that schedule (unirl.rollout.sources)
+    return "lora" in parts or ("optim" in parts[:-1] and parts[-1] in OPTIMIZER_KEYS) or key == "source.max_staleness"
 
 
 def _optimizer_settings(accelerator) -> list[list[dict]]:

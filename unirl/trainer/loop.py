@@ -6,9 +6,10 @@ of ``unirl.trainer``:
     rollout -> score -> advantages -> old_logprobs (+ reference) -> update -> sync -> log
     (+ evaluate and checkpoint every N steps)
 
-With ``rollout.max_staleness: k >= 1`` the rollout and score stages run ahead in a producer thread
-(``unirl.trainer.async_rollout``): a step takes its batch, sampled with weights up to k steps old, and
-publishes its weights for the batch k steps ahead instead of syncing the engine.
+The rollout and score stages are the run's batch source (``unirl.rollout.sources``): inline (sampled when the
+step asks, the weights synced into the engine after the update), threaded (``source.max_staleness: k >= 1``:
+a producer thread samples ahead with weights up to k steps old; the step publishes its weights for the
+batch k steps ahead instead of syncing) or remote (``source.urls``: rollout servers). One step for all.
 
 PPO with a critic (``algo.adv_estimator: gae``) and the KL in the reward run verl's order, where the
 rewards on tokens read the old and reference log-probs and the advantages read the critic's values:
@@ -39,7 +40,7 @@ from unirl.rewards.registry import RewardError
 from unirl.config.schema import AlgoConfig, OptimConfig, TrainerConfig
 from unirl.trainer import checkpoints, fsdp
 from unirl.trainer import advantages as advantages_stage
-from unirl.trainer.async_rollout import AsyncRollouts, build_async_rollouts
+from unirl.rollout.sources import build_source, resolve_bypass_mode
 from unirl.trainer import logprobs as logprobs_stage
 from unirl.trainer import update as update_stage
 from unirl.trainer.update import loss_settings, run_policy_loss
@@ -47,7 +48,8 @@ from unirl.trainer import zero_advantage
 from unirl.trainer.critic import Critic
 from unirl.trainer.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.trainer.fsdp import prepare as fsdp_prepare, uses_fsdp2
-from unirl.trainer.dynamic_sampling import FilteredBatch, SamplingStopped, sample_filtered
+from unirl.trainer.dynamic_sampling import SamplingStopped
+from unirl.trainer.produce import Producer
 from unirl.trainer.kl_control import build_kl_controller
 from unirl.trainer.nonfinite import NonFiniteWatch, skip_save_line
 from unirl.trainer.micro_batches import num_mini_batches, plan_micro_batches, split_to_count
@@ -62,11 +64,14 @@ __all__ = ["Preempted", "Trainer"]
 class Trainer:
     def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
                  run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None,
-                 policy_loss: str | None = None, distill: Any = None):
+                 policy_loss: str | None = None, distill: Any = None, source: Any = None):
         """``policy_loss``: a registered policy loss (``unirl.core.policy_losses``) by name, instead of the
         configured one (``run_policy_loss``: ``algo.policy_loss``, else the environment's rollout mode's,
         else the ratio loss at ``algo.level``). ``distill``: the environment's ``distill`` block (text's
-        ``DistillConfig``); with a teacher, on-policy distillation (``unirl.core.distill``)."""
+        ``DistillConfig``); with a teacher, on-policy distillation (``unirl.core.distill``). ``source``: the
+        run's ``source`` block (``SourceConfig``: where batches come from; None: sampled when the step asks)."""
+        from unirl.config.schema import SourceConfig
+
         self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
         self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
         self.critic: Critic | None = None  # built at setup when the advantage estimator reads values
@@ -82,11 +87,11 @@ class Trainer:
         self.config_dict = config_dict or {}
         self.step = 0
         self.optimizer_steps = 0  # across all training steps; drives Environment.after_optimizer_step
-        self.prompt_batches = 0  # prompt batches drawn by dynamic sampling (without it, batch k is step k's)
         self.signals = StopSignals()  # SIGTERM/SIGINT: stop after the current step
-        self.max_staleness = rollout_staleness(env)  # 0: the synchronous loop
-        self.rollouts: AsyncRollouts | None = None  # the producer, with max_staleness >= 1
-        self.bypass_mode = update_stage.resolve_bypass_mode(algo, env, self.max_staleness)  # the ratio's anchor
+        self.source_cfg = source if source is not None else SourceConfig()
+        self.source = None  # the batch source (unirl.rollout.sources), built at setup
+        self.producer: Producer | None = None  # the rollout and score stages the source asks, built at setup
+        self.bypass_mode = resolve_bypass_mode(self.source_cfg, env)  # the ratio's anchor
         self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
         self.zero_adv = zero_advantage.ZeroAdvantageWatch()  # every advantage 0 for steps in a row: a warning line
 
@@ -98,7 +103,7 @@ class Trainer:
 
         return cls(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
                    config_dict=config_to_dict(cfg), critic=getattr(cfg, "critic", None),
-                   distill=getattr(cfg, "distill", None), **kwargs)
+                   distill=getattr(cfg, "distill", None), source=cfg.source, **kwargs)
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -111,6 +116,14 @@ class Trainer:
         set_seed(cfg.seed)
         self._guard_run_dir()
         self.env.setup(self.accelerator)
+        # The batch source, before the policy is sharded or wrapped (a threaded source may copy it for its engine).
+        self.producer = Producer(self.env, self.accelerator, self.algo.filter_groups,
+                                 prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size)
+        self.source = build_source(self.source_cfg, self.env, self.producer,
+                                   policy=lambda: self.accelerator.unwrap_model(self.env.model),
+                                   total_steps=cfg.total_steps, num_processes=self.accelerator.num_processes,
+                                   dynamic_sampling=self.algo.filter_groups.enabled,
+                                   stop=lambda: self.signals.requested(self.accelerator))
         if uses_fsdp2(cfg):  # the policy and the reference sharded before the optimizer sees their parameters
             fsdp.ensure_process_group(self.accelerator)
             fsdp.shard(self.env.model, self.accelerator, mixed_precision=cfg.mixed_precision, offload=cfg.fsdp.offload,
@@ -135,17 +148,15 @@ class Trainer:
         self.accelerator.register_for_checkpointing(scheduler)  # after the environment's: their files keep their numbers
         if self.critic is not None:
             self.accelerator.register_for_checkpointing(self.critic.scheduler)
-        if self.max_staleness:  # last: the files of the objects before keep their numbers
-            self.rollouts = build_async_rollouts(self, self.max_staleness)
-            self.accelerator.register_for_checkpointing(self.rollouts)
+        if hasattr(self.source, "state_dict"):  # last: the files of the objects before keep their numbers
+            self.accelerator.register_for_checkpointing(self.source)
         self.run_log = RunLog(self.accelerator, self.run_dir, cfg)
         if cfg.resume:  # before config.yaml is rewritten: a refused resume leaves the run's record as it was
             self._resume()
         self.run_log.start(self.config_dict)
         self.perf = PerfMeter.start(self.accelerator, self.env.model, self.run_dir, cfg.ppo_epochs)  # run_info.json
         self.env.sync_weights()
-        if self.rollouts is not None:
-            self.rollouts.start(self.step, self.env.policy_snapshot(), self.optimizer_steps)
+        self.source.start(self.step, self.optimizer_steps)
 
     def _build_critic(self) -> Critic | None:
         """A critic when the advantage estimator reads values (``reads_values``: ``gae``), else None."""
@@ -216,55 +227,26 @@ class Trainer:
             self.signals.restore()
             progress.close()
             self.run_log.finish()
-            if self.rollouts is not None:
-                self.rollouts.close(wait=sys.exc_info()[0] is None)  # before the engine it samples with
+            if self.source is not None:
+                self.source.close(wait=sys.exc_info()[0] is None)  # before the engine it samples with
             self.env.close()
         return history
 
     def train_step(self) -> dict[str, float]:
-        if self.rollouts is not None:
-            return self.async_train_step()
+        """One step: the batch from the source (sampled now, or ahead with weights up to ``max_staleness``
+        steps old), then the stages after scoring (``learn``), and the step's figures."""
         start = time.perf_counter()
-        times: dict[str, float] = {}
-        filtered = None
-        with _timer(times, "rollout"):
-            if self.algo.filter_groups.enabled:  # DAPO: generate and score until enough groups vary
-                filtered = self.dynamic_sampling()
-                rollout = filtered.rollout
-            else:
-                rollout = self.env.rollout(self.env.next_prompts(self.step), self.cfg.group_size)
-        # The weights that sampled every sample of this step: those after the optimizer steps so far.
-        rollout.policy_version = torch.full((len(rollout),), self.optimizer_steps, dtype=torch.long)  # [N]
-        with _timer(times, "score"):
-            rewards, reward_metrics = (filtered.rewards, filtered.reward_metrics) if filtered else self.env.score(rollout)
-        rollout, learn_metrics = self.learn(rollout, rewards, times)
+        trained_from = self.optimizer_steps  # staleness: against the weights this step starts from
+        batch, waited = self.source.get(self.step, self.optimizer_steps)
+        times: dict[str, float] = dict(batch.times)
+        rollout, learn_metrics = self.learn(batch.rollout, batch.rewards, times)
         self.step += 1
-        metrics = {"step": self.step, **self._global_reward_metrics(rewards, reward_metrics, rollout), **learn_metrics,
-                   **(filtered.metrics if filtered else {})}
+        metrics = {"step": self.step, **self._global_reward_metrics(batch.rewards, batch.reward_metrics, rollout),
+                   **learn_metrics, **(batch.filter_metrics or {}),
+                   **self.source.step_metrics(batch, trained_from, waited)}
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["time/step"] = time.perf_counter() - start  # the stages and the gathering of figures between them
         metrics.update(self.perf.step_metrics(rollout, metrics["time/step"]))  # perf/*: memory, throughput, MFU
-        return metrics
-
-    def async_train_step(self) -> dict[str, float]:
-        """``train_step`` with the batch from the producer (sampled and scored ahead, with weights up to
-        ``max_staleness`` steps old); the weights are published for the batches still to sample."""
-        start = time.perf_counter()
-        times: dict[str, float] = {}
-        if self.rollouts.needs_weights(self.step):  # the weights after self.step steps, before they change
-            with _timer(times, "publish"):
-                self.rollouts.publish(self.step, self.env.policy_snapshot(), self.optimizer_steps)
-        with _timer(times, "rollout"):
-            produced, waited = self.rollouts.get(self.step)
-        rollout, trained_from = produced.rollout, self.optimizer_steps  # staleness: against the weights this step starts from
-        rollout, learn_metrics = self.learn(rollout, produced.rewards, times)
-        self.step += 1
-        metrics = {"step": self.step, **self._global_reward_metrics(produced.rewards, produced.reward_metrics, rollout),
-                   **learn_metrics, **(produced.filter_metrics or {}),
-                   **self.rollouts.step_metrics(produced, trained_from, waited)}
-        metrics.update({f"time/{k}": v for k, v in times.items()})
-        metrics["time/step"] = time.perf_counter() - start
-        metrics.update(self.perf.step_metrics(rollout, metrics["time/step"]))
         return metrics
 
     def learn(self, rollout: Rollout, rewards: torch.Tensor, times: dict[str, float] | None = None
@@ -301,23 +283,9 @@ class Trainer:
         if self.cfg.critic_warmup <= self.step + 1:
             with _timer(times, "update"):
                 metrics.update(self.update(rollout))
-            if self.rollouts is None:  # asynchronous: the producer loads published weights between generations
-                with _timer(times, "sync"):
-                    self.env.sync_weights()
+            with _timer(times, "sync"):  # inline: the new weights into the engine; threaded: published at the next step
+                self.source.after_update()
         return rollout, metrics
-
-    def dynamic_sampling(self, stop: bool = True) -> FilteredBatch:
-        """Rollout and score for DAPO's dynamic sampling (``unirl.trainer.dynamic_sampling``): batches of
-        prompts drawn in order (``prompt_batches`` counts them, checkpointed) until the step's groups are kept.
-        ``stop=False`` (the asynchronous producer): a signal does not give the batch up; it is finished and saved."""
-
-        def next_rows() -> list[dict]:
-            self.prompt_batches += 1
-            return self.env.next_prompts(self.prompt_batches - 1)
-
-        return sample_filtered(self.env, self.accelerator, self.algo.filter_groups, prompts_per_step=self.cfg.prompts_per_step,
-                               group_size=self.cfg.group_size, next_rows=next_rows,
-                               stop=(lambda: self.signals.requested(self.accelerator)) if stop else None)
 
     # ================================================= the stages, each in its own module
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
@@ -368,12 +336,8 @@ class Trainer:
     def _evaluate_and_log(self) -> None:
         """``evaluate`` and its row in the logs; a failure says where the last checkpoint is."""
         try:
-            if self.rollouts is None:
+            with self.source.for_evaluation():  # threaded: the producer drained, the engine given the current weights
                 self.run_log.log({"step": self.step, **self.evaluate()})
-            else:  # the engine is shared with the producer: drained, then given the current weights
-                with self.rollouts.exclusive_engine():
-                    self.env.sync_weights()
-                    self.run_log.log({"step": self.step, **self.evaluate()})
         except RewardError as e:
             raise RewardError(f"evaluation at step {self.step}: {e}; {checkpoints.last_checkpoint_hint(self.run_dir)}") from e
         except Exception as e:
@@ -415,9 +379,8 @@ class Trainer:
         if why is not None:
             self.accelerator.print(skip_save_line(self.step, why, self.run_dir))
             return (checkpoints.checkpoint_dirs(self.run_dir) or [None])[-1]
-        if self.rollouts is not None:  # the in-flight batches finished (saved with the state), prompt_batches settled
-            self.rollouts.drain()
-        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
+        self.source.drain()  # threaded: the in-flight batches finished (saved with the state), prompt_batches settled
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.producer.prompt_batches}
         if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
             state["kl_ctrl"] = self.kl_ctrl.state_dict()
         return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
@@ -427,17 +390,12 @@ class Trainer:
         state = checkpoints.resume(self.accelerator, self.run_dir, self.config_dict)
         if state is not None:
             self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
-            self.prompt_batches = state.get("prompt_batches", 0)
+            self.producer.prompt_batches = state.get("prompt_batches", 0)
             if self.kl_ctrl is not None and "kl_ctrl" in state:
                 self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
 
 # ================================================================ helpers
-def rollout_staleness(env: Environment | None) -> int:
-    """``rollout.max_staleness`` of the environment's config (text's), 0 where it has none (diffusion)."""
-    return getattr(getattr(getattr(env, "cfg", None), "rollout", None), "max_staleness", 0)
-
-
 @contextlib.contextmanager
 def _timer(times: dict[str, float], name: str):
     start = time.perf_counter()

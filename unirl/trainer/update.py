@@ -48,7 +48,7 @@ def update(trainer, rollout: Rollout) -> dict[str, float]:
     Without ``old_logp`` in the rollout (on-policy, see ``unirl.trainer.logprobs``) each micro-batch's
     first forward gives its old log-probs (detached: ratio 1, the gradient of the ratio is that of the
     log-prob); they are stored in ``rollout.old_logp`` afterwards and the ``rollout/*`` figures (and TIS
-    weights) come from them. In bypass mode (``algo.bypass_mode``) the ratio is taken against the engine's
+    weights) come from them. In bypass mode (``source.bypass_mode``) the ratio is taken against the engine's
     log-probs instead, and the trainer's own still give the ``rollout/*`` figures."""
     from unirl.trainer.logprobs import rollout_metrics
 
@@ -210,8 +210,8 @@ def _loss_inputs(trainer, micro: Rollout, cur: dict, columns: slice, device) -> 
     weights = None
     if trainer.bypass_mode:  # the ratio against the behaviour policy: it carries the correction itself
         if micro.engine_logp is None:
-            raise ValueError("algo.bypass_mode takes the PPO ratio against the rollout engine's log-probs, and this "
-                             "rollout has none (Rollout.engine_logp); set algo.bypass_mode=false")
+            raise ValueError("source.bypass_mode takes the PPO ratio against the rollout engine's log-probs, and this "
+                             "rollout has none (Rollout.engine_logp); set source.bypass_mode=false")
         old_logp = micro.engine_logp[:, columns].to(device)
     elif algo.tis_cap is not None and micro.engine_logp is not None:
         engine_logp = micro.engine_logp[:, columns].to(device)
@@ -219,19 +219,6 @@ def _loss_inputs(trainer, micro: Rollout, cur: dict, columns: slice, device) -> 
                                      low=algo.rollout_is_min)
     inputs = LossInputs(cur, advantages, old_logp=old_logp, weights=weights)
     return inputs, {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
-
-
-def resolve_bypass_mode(algo, env, max_staleness: int) -> bool:
-    """Whether the PPO ratio is taken against the rollout engine's log-probs (``algo.bypass_mode``; null:
-    exactly when batches are sampled ahead, ``max_staleness >= 1``). An environment whose sampler is the
-    policy itself (``recompute_old_logprobs`` false: diffusion) has no engine log-probs to anchor at."""
-    if algo.bypass_mode is None:
-        return max_staleness >= 1
-    if algo.bypass_mode and env is not None and not env.recompute_old_logprobs:
-        raise ValueError(f"algo.bypass_mode=true: {type(env).__name__} samples with the policy itself, so there is "
-                         f"no rollout engine whose log-probs the ratio could be taken against; set algo.bypass_mode "
-                         f"to false or null")
-    return algo.bypass_mode
 
 
 def optimizer_step(trainer) -> float:

@@ -69,4 +69,4 @@ class ZeroAdvantageWatch:
                 f"samples got the same reward; reward/mean {metrics.get('reward/mean', float('nan')):.3f}), so the policy "
                 f"gradient is 0 and the run has stopped learning. Check the reward and the samples; more samples a "
                 f"group (trainer.group_size), dynamic sampling (algo.filter_groups.enabled) or a lower optim.lr can "
-                f"help, and an asynchronous run should keep algo.bypass_mode on (docs/async.md)")
+                f"help, and an asynchronous run should keep source.bypass_mode on (docs/async.md)")
