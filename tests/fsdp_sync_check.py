@@ -24,7 +24,7 @@ def max_gap(env, rollout) -> float:
 
 
 def check(lora: bool, work: Path) -> dict:
-    from unirl.trainer.fsdp import is_sharded
+    from unirl.sharding import is_sharded
 
     overrides = ["rollout.engine=vllm", "trainer.strategy=fsdp2", "rollout.sync_bucket_mb=1", "rollout.max_new_tokens=8"]
     if lora:

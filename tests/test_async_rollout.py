@@ -166,7 +166,7 @@ def test_staleness_one_samples_with_the_weights_one_step_back_and_resumes_exactl
     stopped.train_step = signalled_at_step_two
     with pytest.raises(Preempted, match="stopped by SIGTERM after step 2"):
         stopped.train()
-    saved = json.loads((tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state" / "custom_1.json").read_text())
+    saved = json.loads((tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state" / "source.json").read_text())
     assert [item["batch"] for item in saved["batches"]] == [2]
     with pytest.raises(CheckpointError, match="source.max_staleness: 1 in the checkpoint, 0 now"):
         _run(tmp_path, "split", "trainer.total_steps=4", "source.max_staleness=0", "trainer.resume=true")

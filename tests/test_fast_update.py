@@ -34,13 +34,13 @@ def _trainer(tmp_path, name: str, *overrides: str) -> Trainer:
 def _update_with_grads(trainer: Trainer, rollout: Rollout) -> tuple[dict, list[torch.Tensor]]:
     """``update``, keeping a copy of the accumulated gradient at its (single) optimizer step."""
     grads: list[list[torch.Tensor]] = []
-    step = trainer.optimizer_step
+    step = trainer.backend.clip_and_step  # the optimizer step every update takes
 
-    def recording_step():
+    def recording_step(*args, **kwargs):
         grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
-        return step()
+        return step(*args, **kwargs)
 
-    trainer.optimizer_step = recording_step
+    trainer.backend.clip_and_step = recording_step
     metrics = trainer.update(rollout)
     assert len(grads) == 1
     return metrics, grads[0]

@@ -7,6 +7,7 @@ same parameters as the whole mini-batch at once, for every loss aggregation mode
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -20,13 +21,13 @@ def _record_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
     """Keep a copy of the accumulated gradients at every optimizer step (Adam's update would hide
     a wrong overall scale, the gradient does not)."""
     grads: list[list[torch.Tensor]] = []
-    step = trainer.optimizer_step
+    step = trainer.backend.clip_and_step  # the optimizer step every update takes
 
-    def recording_step():
+    def recording_step(*args, **kwargs):
         grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
-        return step()
+        return step(*args, **kwargs)
 
-    trainer.optimizer_step = recording_step
+    trainer.backend.clip_and_step = recording_step
     return grads
 
 
@@ -177,13 +178,15 @@ def test_each_sample_carries_the_optimizer_steps_of_the_weights_that_sampled_it(
     ], output_dir=str(tmp_path / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
-    seen, update = [], trainer.update
+    seen = []
+    i = trainer.plan.names.index("update")  # the plan's update stage, wrapped to see what it is given
+    update = trainer.plan.stages[i]
 
-    def recording_update(rollout):
-        seen.append((rollout.policy_version.clone(), trainer.optimizer_steps))
-        return update(rollout)
+    def recording_update(ctx, state, rollout):
+        seen.append((rollout.policy_version.clone(), state.optimizer_steps))
+        return update.run(ctx, state, rollout)
 
-    trainer.update = recording_update
+    trainer.plan.stages[i] = dataclasses.replace(update, run=recording_update)
     for _ in range(2):
         trainer.train_step()
     trainer.env.close()

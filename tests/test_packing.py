@@ -238,13 +238,13 @@ def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
         metrics, grads = [], []
         for trainer, batch in ((packed, rollout), (padded, other)):
             trainer.old_and_reference(batch)
-            step = trainer.optimizer_step
+            step = trainer.backend.clip_and_step  # the optimizer step every update takes
 
-            def recording_step(trainer=trainer, step=step):  # the summed gradient at the optimizer step
+            def recording_step(*args, trainer=trainer, step=step, **kwargs):  # the summed gradient at the optimizer step
                 grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
-                return step()
+                return step(*args, **kwargs)
 
-            trainer.optimizer_step = recording_step
+            trainer.backend.clip_and_step = recording_step
             metrics.append(trainer.update(batch))
         for key in ("loss/policy", "loss/kl", "loss/total", "actor/grad_norm"):
             assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-6), key

@@ -291,9 +291,10 @@ class Environment(ABC):
         Called on every process (gathering a sharded model's state dict is collective); only the main
         process writes."""
 
-    def checkpoint_objects(self) -> list[Any]:
-        """Extra stateful objects (``state_dict``/``load_state_dict``) saved with checkpoints, e.g. an EMA."""
-        return []
+    def checkpoint_objects(self) -> dict[str, Any]:
+        """Extra stateful objects (``state_dict``/``load_state_dict``) saved with checkpoints by name, e.g.
+        ``{"ema": ...}``."""
+        return {}
 
     def close(self) -> None:
         """Release engines and worker pools."""

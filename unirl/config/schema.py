@@ -363,8 +363,8 @@ class TrainerConfig:
     #: process holds 1/N of the parameters, gradients and optimizer state (the same code on CPU/gloo and
     #: GPU/NCCL; with ``mixed_precision: bf16`` on a GPU, bf16 parameters and float32 gradient reduction).
     #: Checkpoints are then written as each process's shards and resume on any number of processes
-    #: (docs/scaling.md).
-    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    #: (docs/scaling.md). A registered training backend (``unirl.trainer.backends``; one you register counts).
+    strategy: str = "ddp"
     #: FSDP2's memory settings (read with ``strategy: fsdp2``).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     #: Extra trackers besides metrics.jsonl: wandb, tensorboard. They write under the run directory
@@ -408,8 +408,9 @@ class TrainerConfig:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
-        if self.strategy == "fsdp2" and self.mixed_precision == "fp16":  # its loss scaler does not unscale DTensor shards
-            raise ValueError("mixed_precision=fp16 with strategy=fsdp2: use bf16 (FSDP2's mixed-precision policy) or no")
+        from unirl.trainer.backends import check_backend
+
+        check_backend(self.strategy, self.mixed_precision)
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
         for name in ("eval_every", "save_every", "max_nonfinite_steps"):
@@ -474,3 +475,13 @@ class RunConfig:
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         check_groups(self.algo, self.trainer)
+        check_loss_args(self.algo, self.mode_policy_loss())
+
+    def mode_policy_loss(self) -> str | None:
+        """The registered policy loss the environment's rollout mode trains with when ``algo.policy_loss`` is
+        null (DiffusionNFT: ``nft``); None: the ratio loss of ``algo``."""
+        return None
+
+    def policy_loss_name(self) -> str:
+        """The run's policy loss (``check_loss_args``)."""
+        return check_loss_args(self.algo, self.mode_policy_loss())

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from unirl.config import PATH
-from unirl.config.schema import RewardConfig, RunConfig, check_loss_args, check_range
+from unirl.config.schema import RewardConfig, RunConfig, check_range
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
@@ -332,7 +332,6 @@ class DiffusionConfig(RunConfig):
             raise ValueError("source.bypass_mode=true: diffusion samples with the policy itself, so there is no "
                              "rollout engine whose log-probs the ratio could be taken against; set source.bypass_mode "
                              "to false or null")
-        check_loss_args(self.algo, "nft" if self.algorithm == "nft" else None)
         family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
         if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:
             raise ValueError(
@@ -349,6 +348,9 @@ class DiffusionConfig(RunConfig):
         if self.sampling.num_frames != 1 and not family.frames:
             raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
                              f"videos; set sampling.num_frames: 1")
+
+    def mode_policy_loss(self) -> str | None:
+        return "nft" if self.algorithm == "nft" else None  # DiffusionNFT's rollouts feed the nft loss only
 
     def _check_nft(self) -> None:
         """DiffusionNFT has no SDE steps, no log-probs and no CFG in training: settings for those are refused."""

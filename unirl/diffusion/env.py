@@ -264,8 +264,8 @@ class DiffusionEnvironment(Environment):
             else:
                 model.save_pretrained(directory / "transformer", state_dict=full)
 
-    def checkpoint_objects(self) -> list:
-        return [*([self.ema] if self.ema is not None else []), *self.mode.checkpoint_objects()]
+    def checkpoint_objects(self) -> dict:
+        return {**({"ema": self.ema} if self.ema is not None else {}), **self.mode.checkpoint_objects()}
 
     def close(self) -> None:
         if getattr(self, "rewards", None) is not None:

@@ -92,8 +92,8 @@ class NFTRollout(RolloutMode):
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         self.old.saw(optimizer_steps)  # after the environment's evaluation EMA
 
-    def checkpoint_objects(self) -> list:
-        return [self.old]
+    def checkpoint_objects(self) -> dict:
+        return {"old_policy": self.old}
 
     # ---------------------------------------------------------------- rollout
     def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:

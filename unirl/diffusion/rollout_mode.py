@@ -60,6 +60,6 @@ class RolloutMode(ABC):
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         """After each optimizer step, after the environment's EMA."""
 
-    def checkpoint_objects(self) -> list:
-        """The mode's stateful objects, saved after the environment's."""
-        return []
+    def checkpoint_objects(self) -> dict:
+        """The mode's stateful objects by name, saved after the environment's."""
+        return {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from unirl.rollout.engine import EngineContext, register_engine
 
 
-@register_engine("vllm")
+@register_engine("vllm", loads_weights=True)
 def vllm_engine(ctx: EngineContext):
     """A colocated vLLM over ``ctx.model_path`` (one per process, seeded by rank); it sleeps during the
     update at ``rollout.sleep_level`` in training (an evaluation's engine never sleeps)."""

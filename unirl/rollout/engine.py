@@ -88,9 +88,24 @@ EngineBuilder = Callable[[EngineContext], Engine]
 ENGINES: Registry[EngineBuilder] = Registry("rollout engine")
 
 
-def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
-    """Register ``builder(ctx: EngineContext) -> Engine`` as the rollout engine ``name`` (``rollout.engine``)."""
+def register_engine(name: str, *, loads_weights: bool = False) -> Callable[[EngineBuilder], EngineBuilder]:
+    """Register ``builder(ctx: EngineContext) -> Engine`` as the rollout engine ``name`` (``rollout.engine``);
+    ``loads_weights``: it loads ``ctx.model_path`` itself (as vLLM), never the trainer's module."""
+    if loads_weights:
+        LOADS_WEIGHTS.add(name)
     return ENGINES.register(name)
+
+
+#: Engines that load the model directory themselves (no trainer-side policy): ``unirl eval`` leaves them the device.
+LOADS_WEIGHTS: set[str] = set()
+
+
+def engine_loads_weights(name: str) -> bool:
+    """Whether the engine ``name`` loads the model directory itself (vLLM) rather than sampling a trainer-side
+    module; registering an engine with ``register_engine(name, loads_weights=True)`` says so."""
+    from unirl.rollout import builtin_engines  # noqa: F401
+
+    return name in LOADS_WEIGHTS
 
 
 def check_engine(name: str) -> None:

@@ -361,3 +361,13 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     bucket_mb = env.cfg.rollout.sync_bucket_mb
     return ThreadedSource(k, total_steps, produce, lambda version: version.load_into(env.engine), env.sync_weights,
                           snapshot=lambda steps: WeightVersion(policy(), env.engine.weights_format, bucket_mb, steps))
+
+
+def describe_source(source_cfg) -> str:
+    """One line saying where a run's batches come from (``unirl train --dry-run``)."""
+    where = f"{len(source_cfg.urls)} rollout server(s) ({', '.join(source_cfg.urls)})" if source_cfg.urls else \
+        "the run's engine (rollout.engine)"
+    if source_cfg.max_staleness:
+        return (f"threaded: a producer samples ahead with weights up to {source_cfg.max_staleness} step(s) old, "
+                f"from {where}")
+    return f"inline: sampled when the step asks, from {where}"

@@ -44,7 +44,7 @@ def hf_checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.T
 
 def sharded_checkpoint_weights(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """An FSDP2-sharded policy's weights under HF checkpoint names, in buckets of about ``bucket_bytes``
-    gathered whole one at a time (``unirl.trainer.fsdp.gathered_state``): every process must iterate to
+    gathered whole one at a time (``unirl.sharding.gathered_state``): every process must iterate to
     the end. With peft, each adapted layer's merged weight ``W + scaling * B @ A`` is formed from its
     gathered pieces (the sharded model itself is not merged and unmerged, so its weights stay bit for
     bit what they were); the adapter's own tensors are not sent."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from unirl.config import FILE_SPEC, PATH
-from unirl.config.schema import OptimConfig, RunConfig, check_loss_args, check_range
+from unirl.config.schema import OptimConfig, RunConfig, check_range
 
 
 @dataclass
@@ -330,7 +330,6 @@ class TextConfig(RunConfig):
             raise ValueError(f"overlong.penalty_factor must be >= 0, got {self.overlong.penalty_factor}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
-        check_loss_args(self.algo)
         if self.distill.teacher and self.distill.mode == "alone" and self.algo.adv_estimator == "gae":
             raise ValueError("distill.mode=alone leaves out the outcome advantages, so algo.adv_estimator=gae would "
                              "train a critic that nothing reads; use distill.mode=added or a critic-free estimator")

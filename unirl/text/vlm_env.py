@@ -87,6 +87,12 @@ class VLMEnvironment(TextEnvironment):
         self._refuse_text_only_parts()
         super().setup(accelerator)
 
+    def _prepare_for_evaluation(self) -> None:
+        if self.cfg.rollout.engine != "hf":
+            raise ValueError(f"rollout.engine={self.cfg.rollout.engine}: a vision-language policy is evaluated with the "
+                             f"transformers engine only (docs/vlm.md); pass rollout.engine=hf")
+        self.load_processor()
+
     @property
     def engine_name(self) -> str:
         return "vlm"  # rollout.engine: hf, with the pictures passed to generate

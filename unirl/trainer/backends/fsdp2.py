@@ -1,4 +1,5 @@
-"""FSDP2 (``trainer.strategy: fsdp2``): the trained models sharded over the processes by unirl itself.
+"""FSDP2 (``trainer.strategy: fsdp2``, the ``fsdp2`` backend): the trained models sharded over the processes by
+unirl itself.
 
 PyTorch's ``torch.distributed.fsdp.fully_shard`` is applied to each transformer block (the classes a
 model lists in ``_no_split_modules``: transformers' decoder layers, diffusers' transformer blocks) and
@@ -20,15 +21,72 @@ Accelerate's ``prepare`` (on CPU processes it would wrap it in DDP): only its op
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
 from unirl.sharding import fsdp_unit, full, gathered_state, is_sharded, resharded  # noqa: F401 (also the trainer's names)
+from unirl.trainer.backends import register_backend
+from unirl.trainer.backends.base import Backend
 
 
-def uses_fsdp2(trainer_cfg) -> bool:
-    return getattr(trainer_cfg, "strategy", "ddp") == "fsdp2"
+@register_backend("fsdp2")
+class FSDP2Backend(Backend):
+    """Each trained model sharded block by block (``shard``); gradients reduce-scattered in the mini-batch's
+    last backward; the gradient norm gathered over the shards; checkpoints written as each process's shards
+    (``unirl.trainer.sharded_state``: any number of processes reads them back)."""
+
+    name = "fsdp2"
+    shards = True
+    #: fp16's loss scaler does not unscale DTensor shards.
+    refuses_mixed_precision = {"fp16": "use bf16 (FSDP2's mixed-precision policy) or no"}
+
+    def __init__(self, accelerator, trainer_cfg):
+        super().__init__(accelerator, trainer_cfg)
+        ensure_process_group(accelerator)
+
+    def shard(self, model: torch.nn.Module, what: str = "model") -> torch.nn.Module:
+        return shard(model, self.accelerator, mixed_precision=self.cfg.mixed_precision, offload=self.cfg.fsdp.offload,
+                     what=what)
+
+    def prepare(self, model: torch.nn.Module, optimizer):
+        return prepare(self.accelerator, model, optimizer)
+
+    def is_sharded(self, model: torch.nn.Module) -> bool:
+        return is_sharded(self.unwrap(model))
+
+    def holds_back(self, model: torch.nn.Module) -> bool:
+        return True  # the shards' gradients are reduce-scattered in a backward, even in a world of one
+
+    @contextlib.contextmanager
+    def hold_gradients(self, model: torch.nn.Module) -> Iterator[None]:
+        with hold_gradients(self.accelerator, model):
+            yield
+
+    def grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        return float(full(self.accelerator.clip_grad_norm_(model.parameters(), max_norm)))
+
+    def save_model(self, model: torch.nn.Module, stem: Path) -> None:
+        """Every process writes its shards (``<stem>.rank<r>of<W>.*``)."""
+        from unirl.trainer.sharded_state import save_shards
+
+        save_shards(resharded(model).state_dict(), stem, self.accelerator.process_index, self.num_processes)
+
+    def save_object(self, obj: Any, stem: Path) -> None:
+        """Every process writes its part of ``obj``'s state (an optimizer's shards, an EMA's; plain numbers whole)."""
+        from unirl.trainer.sharded_state import save_shards
+
+        save_shards(obj.state_dict(), stem, self.accelerator.process_index, self.num_processes)
+
+    def load_model(self, model: torch.nn.Module, stem: Path) -> None:
+        from unirl.trainer.checkpoints import CheckpointError
+        from unirl.trainer.sharded_state import has_shards
+
+        if not has_shards(stem):
+            raise CheckpointError(f"{stem}.safetensors: written by a run holding whole models (trainer.strategy=ddp), "
+                                  f"which an FSDP2 run does not read; resume with trainer.strategy=ddp")
+        super().load_model(model, stem)
 
 
 def ensure_process_group(accelerator) -> None:
@@ -106,13 +164,9 @@ def hold_gradients(accelerator, model: torch.nn.Module) -> Iterator[None]:
         unit.set_requires_gradient_sync(True)
 
 
-def prepare(accelerator, model: torch.nn.Module, optimizer, trainer_cfg):
-    """``accelerator.prepare(model, optimizer)`` for either strategy. A sharded model is not given to
-    Accelerate (on CPU processes it would wrap it in DDP); only its optimizer is prepared, and the
-    model joins ``accelerator._models``, where checkpoints and the non-finite watch find every
-    trained model in preparation order."""
+def prepare(accelerator, model: torch.nn.Module, optimizer):
+    """A sharded model is not given to Accelerate (on CPU processes it would wrap it in DDP): only its
+    optimizer is prepared."""
     if not is_sharded(model):
         return accelerator.prepare(model, optimizer)
-    optimizer = accelerator.prepare_optimizer(optimizer)
-    accelerator._models.append(model)
-    return model, optimizer
+    return model, accelerator.prepare_optimizer(optimizer)
