@@ -193,9 +193,9 @@ class _ClaimedVersionCheck(Trainer):
         model, mask = self.accelerator.unwrap_model(self.env.model), rollout.tensors["response_mask"].bool()
         with torch.no_grad():
             now_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            now = score_all(self, self.env.model, rollout)["logp"]
+            now = score_all(self.ctx, self.env.model, rollout)["logp"]
             model.load_state_dict(self.versions[int(rollout.policy_version[0])])
-            claimed = score_all(self, self.env.model, rollout)["logp"]
+            claimed = score_all(self.ctx, self.env.model, rollout)["logp"]
             model.load_state_dict(now_state)
         gap = lambda x: (rollout.engine_logp - x).abs()[mask].max().item()  # noqa: E731
         self.gaps.append((self.step, gap(claimed), gap(now)))

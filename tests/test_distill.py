@@ -184,7 +184,7 @@ def test_the_teachers_logprobs_are_its_own_and_added_to_the_outcome_advantages(t
                       distill=cfg.distill)
     trainer.setup()
     try:
-        rollout = env.rollout(env.next_prompts(0), 2)
+        rollout = env.sampler.rollout(env.prompts.next(0), 2)
         trainer.old_and_reference(rollout)
         t = rollout.tensors
         for i in range(len(rollout)):

@@ -47,8 +47,8 @@ def _update_with_grads(trainer: Trainer, rollout: Rollout) -> tuple[dict, list[t
 
 
 def _scored_rollout(trainer: Trainer) -> Rollout:
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-    rewards, _ = trainer.env.score(rollout)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+    rewards, _ = trainer.env.scorer.score(rollout)
     if rewards.std() == 0:  # the group advantages must not all be zero: spread the rewards by hand
         rewards = torch.linspace(0, 1, len(rollout))
     trainer.advantages(rollout, rewards)
@@ -81,11 +81,11 @@ def test_on_policy_update_takes_old_logprobs_from_its_first_forward(tmp_path, ti
 
         # The separate pass, by hand, on the same weights and batch.
         with torch.no_grad():
-            by_hand.old_logp = score_all(separate, separate.env.model, by_hand)["logp"]
+            by_hand.old_logp = score_all(separate.ctx, separate.env.model, by_hand)["logp"]
         m_rollout = rollout_metrics(separate, by_hand)
         if kl > 0:
-            with separate.env.reference_model() as ref, torch.no_grad():
-                by_hand.ref["logp"] = score_all(separate, ref, by_hand)["logp"]
+            with separate.env.models.reference() as ref, torch.no_grad():
+                by_hand.ref["logp"] = score_all(separate.ctx, ref, by_hand)["logp"]
         m_sep, g_sep = _update_with_grads(separate, by_hand)
 
         mask = rollout.tensors["response_mask"].bool()
@@ -131,9 +131,9 @@ def test_token_budget_micro_batches_give_the_padded_update(tmp_path, tiny_lm_dir
         lengths = rollout.tensors["response_mask"].sum(-1)
         assert lengths.min() < lengths.max(), "need responses of different lengths"
         chunks = packed.micro_batches(rollout)
-        widths = {int(packed.env.trim_padding(rollout.select(c)).tensors["response_ids"].shape[1]) for c in chunks}
+        widths = {int(packed.env.actions.trim_padding(rollout.select(c)).tensors["response_ids"].shape[1]) for c in chunks}
         assert len(chunks) > 1 and len(widths) > 1  # several micro-batches, padded to different widths
-        tokens = packed.env.sample_tokens(rollout)
+        tokens = packed.env.actions.sample_tokens(rollout)
         for c in chunks:  # each within the budget unless a single sample is longer
             assert len(c) == 1 or len(c) * int(tokens[c].max()) <= 40
         assert sorted(torch.cat(chunks).tolist()) == list(range(len(rollout)))

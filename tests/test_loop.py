@@ -49,8 +49,8 @@ def test_micro_batches_give_the_same_update(tmp_path, tiny_lm_dir, agg, share_pr
     kl = 0.1 if agg == "token-mean" else 0.0
     whole, split = _trainer(tmp_path, 16, agg, kl, share_prompt), _trainer(tmp_path, 4, agg, kl, share_prompt)
     try:
-        rollout = whole.env.rollout(whole.env.next_prompts(0), 4)
-        rewards, _ = whole.env.score(rollout)
+        rollout = whole.env.sampler.rollout(whole.env.prompts.next(0), 4)
+        rewards, _ = whole.env.scorer.score(rollout)
         assert rewards.std() > 0, "need a non-zero advantage somewhere"
         whole.advantages(rollout, rewards)
         whole.old_and_reference(rollout)
@@ -86,8 +86,8 @@ def test_micro_batches_give_the_same_update(tmp_path, tiny_lm_dir, agg, share_pr
 def test_on_policy_first_mini_batch_has_ratio_one(tmp_path, tiny_lm_dir):
     trainer = _trainer(tmp_path, 16, "token-mean", 0.0)
     try:
-        rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-        rewards, _ = trainer.env.score(rollout)
+        rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+        rewards, _ = trainer.env.scorer.score(rollout)
         trainer.advantages(rollout, rewards)
         trainer.old_and_reference(rollout)
         metrics = trainer.update(rollout)  # one mini-batch: the whole step is on-policy
@@ -110,8 +110,8 @@ def test_update_trains_in_training_mode_and_sampling_restores_it(tmp_path, tiny_
     try:
         model.eval()
         for _ in range(2):
-            rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-            rewards, _ = trainer.env.score(rollout)
+            rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+            rewards, _ = trainer.env.scorer.score(rollout)
             trainer.advantages(rollout, rewards)
             trainer.old_and_reference(rollout)
             trainer.update(rollout)
@@ -134,14 +134,14 @@ def test_old_logprobs_keep_the_rollout_width_when_the_widest_response_ends_maske
     if not on_policy:
         trainer.cfg.mini_batch_size = 8  # two mini-batches: old log-probs recomputed before the update
     try:
-        rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+        rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
         t = rollout.tensors
         width = t["response_mask"].shape[1]
         for name, value in list(t.items()):  # two masked columns past every response: R grows, nothing real does
             if value.ndim == 2 and value.shape[1] == width:
                 t[name] = torch.nn.functional.pad(value, (0, 2))
         rollout.engine_logp = torch.nn.functional.pad(rollout.engine_logp, (0, 2))  # the sampler's, a typed field
-        rewards, _ = trainer.env.score(rollout)
+        rewards, _ = trainer.env.scorer.score(rollout)
         metrics = {}
         trainer.advantages(rollout, rewards)
         metrics.update(trainer.old_and_reference(rollout))

@@ -51,7 +51,7 @@ def _trainer(tmp_path, *overrides) -> Trainer:
 
 def _loss_and_grads(trainer: Trainer, batch):
     model = trainer.env.model
-    loss, _, _ = micro_loss(trainer, model, trainer.env.trim_padding(batch), mini_denominator(trainer, batch))
+    loss, _, _ = micro_loss(trainer.ctx, model, trainer.env.actions.trim_padding(batch), mini_denominator(trainer.ctx, batch))
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
@@ -64,8 +64,8 @@ def test_truncated_completions_add_nothing_to_the_loss_or_gradient(tmp_path, tin
     try:
         env = trainer.env
         torch.manual_seed(0)
-        rollout = env.rollout(env.next_prompts(0), 4)
-        rewards, metrics = env.score(rollout)
+        rollout = env.sampler.rollout(env.prompts.next(0), 4)
+        rewards, metrics = env.scorer.score(rollout)
         finished = rollout.tensors["finished"]
         assert 0 < int(finished.sum()) < len(finished), "need finished and truncated samples"
         # The overlong penalty is on the combined reward only: max 6, buffer 3.
@@ -75,7 +75,7 @@ def test_truncated_completions_add_nothing_to_the_loss_or_gradient(tmp_path, tin
         assert metrics["reward/overlong_penalty"] < 0
         trainer.advantages(rollout, rewards)
         trainer.old_and_reference(rollout)
-        assert (env.loss_mask(rollout)[~finished] == 0).all()
+        assert (env.actions.loss_mask(rollout)[~finished] == 0).all()
         full_loss, full_grads = _loss_and_grads(trainer, rollout)
         kept_loss, kept_grads = _loss_and_grads(trainer, rollout.select(finished.nonzero().squeeze(-1)))
         torch.testing.assert_close(full_loss, kept_loss)

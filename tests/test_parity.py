@@ -126,8 +126,8 @@ def text_trainer(tmp_path_factory, tiny_lm_dir):
     ], output_dir=str(tmp_path_factory.mktemp("parity") / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-    rewards, _ = trainer.env.score(rollout)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+    rewards, _ = trainer.env.scorer.score(rollout)
     yield trainer, rollout, rewards
     trainer.env.close()
 
@@ -139,7 +139,7 @@ def test_dr_grpo_normaliser_is_sequences_times_max_new_tokens(text_trainer):
     assert mask.sum(-1).max() < 24 or mask.shape[1] <= 24
     trainer.algo.loss_agg = "seq-mean-token-sum-norm"
     try:
-        denominator = mini_denominator(trainer, rollout)
+        denominator = mini_denominator(trainer.ctx, rollout)
     finally:
         trainer.algo.loss_agg = "token-mean"
     assert int(denominator) == len(rollout) * 24
@@ -303,7 +303,7 @@ def test_text_kl_clamps_k3_like_verls_low_var_kl_by_default(seed):
     d = (ref_logp - logp).clamp(-20, 20)
     expected = (torch.exp(d) - d - 1).clamp(-10, 10)
     env = TextEnvironment(load_config(TextConfig, {"algo": {"kl_estimator": "k3"}}))
-    torch.testing.assert_close(env.kl({"logp": logp}, {"logp": ref_logp}), expected)
+    torch.testing.assert_close(env.actions.kl({"logp": logp}, {"logp": ref_logp}), expected)
     unclamped = TextEnvironment(load_config(TextConfig, {"algo": {"kl_clamp": None}})).kl({"logp": logp}, {"logp": ref_logp})
     assert unclamped.max() > 1e3  # the exact value (3.3e6 at a log-ratio of -15) stays an option
 

@@ -145,7 +145,9 @@ def _async_grpo_loss(logp, engine_logp, advantages, mask, clip_low, clip_high):
 
 
 def test_bypass_mode_resolves_from_the_staleness():
+    from unirl.config import load_config
     from unirl.config.schema import SourceConfig
+    from unirl.diffusion.config import DiffusionConfig
     from unirl.diffusion.env import DiffusionEnvironment
     from unirl.rollout.sources import resolve_bypass_mode
 
@@ -154,7 +156,7 @@ def test_bypass_mode_resolves_from_the_staleness():
     assert resolve_bypass_mode(SourceConfig(max_staleness=2, bypass_mode=False), None) is False
     assert resolve_bypass_mode(SourceConfig(bypass_mode=True), None) is True
     with pytest.raises(ValueError, match="source.bypass_mode=true: DiffusionEnvironment samples with the policy itself"):
-        resolve_bypass_mode(SourceConfig(bypass_mode=True), DiffusionEnvironment.__new__(DiffusionEnvironment))
+        resolve_bypass_mode(SourceConfig(bypass_mode=True), DiffusionEnvironment(load_config(DiffusionConfig, None, [])))
 
 
 def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir):
@@ -175,13 +177,13 @@ def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir
     trainer.setup()
     try:
         env, model = trainer.env, trainer.env.model
-        rollout = env.rollout(env.next_prompts(0), 4)  # engine_logp: the weights before the move below
-        rewards, _ = env.score(rollout)
+        rollout = env.sampler.rollout(env.prompts.next(0), 4)  # engine_logp: the weights before the move below
+        rewards, _ = env.scorer.score(rollout)
         trainer.advantages(rollout, rewards + torch.linspace(0, 1, len(rollout)))  # groups that vary
         with torch.no_grad():  # the trainer's weights move on, as one update would: the batch is now stale
             for p in model.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.device))
-        micro = env.trim_padding(rollout)
+        micro = env.actions.trim_padding(rollout)
         assert micro.old_logp is None  # on-policy layout: the trainer's own log-probs come from this forward
 
         def loss_and_grads(bypass: bool):
@@ -193,7 +195,7 @@ def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir
             return loss.detach(), grads, figures
 
         loss, grads, figures = loss_and_grads(True)
-        out = env.score_actions(model, micro)
+        out = env.actions.score_actions(model, micro)
         device = out["logp"].device
         mask = out["mask"].to(out["logp"].dtype)
         engine_logp = micro.engine_logp.to(device)

@@ -30,13 +30,13 @@ def env(tiny_lm_dir):
 
 def _max_gap(env, rollout, model) -> float:
     with torch.no_grad():
-        trainer = env.score_actions(model, rollout)
+        trainer = env.actions.score_actions(model, rollout)
     mask = rollout.tensors["response_mask"].bool()
     return (trainer["logp"] - rollout.engine_logp).abs()[mask].max().item()
 
 
 def test_generation_logprobs_match_trainer(env):
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     assert len(rollout) == 4 * env.cfg.trainer.prompts_per_step
     assert rollout.tensors["response_mask"].sum() > len(rollout)  # real multi-token responses
     assert all(isinstance(s, str) for s in rollout.samples)
@@ -46,17 +46,17 @@ def test_generation_logprobs_match_trainer(env):
 
 
 def test_weight_sync_moves_engine_to_trainer(env):
-    before = env.rollout(env.next_prompts(1), group_size=4)
+    before = env.sampler.rollout(env.prompts.next(1), group_size=4)
     # Change the trainer's weights substantially.
     torch.manual_seed(0)
     with torch.no_grad():
         for p in env.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     # Before the sync the engine still samples from the old weights: its log-probs are far off.
-    stale = env.rollout(env.next_prompts(2), group_size=4)
+    stale = env.sampler.rollout(env.prompts.next(2), group_size=4)
     assert _max_gap(env, stale, env.model) > 1e-2
-    env.sync_weights()
-    after = env.rollout(env.next_prompts(2), group_size=4)
+    env.sampler.sync_weights()
+    after = env.sampler.rollout(env.prompts.next(2), group_size=4)
     gap = _max_gap(env, after, env.model)
     print(f"vLLM vs trainer max |logp diff| after sync: {gap:.2e}")
     assert gap < 1e-4
@@ -68,7 +68,7 @@ def test_weight_sync_moves_engine_to_trainer(env):
     with torch.no_grad():
         for p in env.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    later = env.rollout(env.next_prompts(3), group_size=4)
+    later = env.sampler.rollout(env.prompts.next(3), group_size=4)
     assert _max_gap(env, later, env.model) > 1e-2
     with torch.no_grad():
         for n, p in env.model.named_parameters():
@@ -94,10 +94,10 @@ def test_lora_merged_weights_sync(env):
     env.engine.load_weights(hf_checkpoint_weights(peft_model))
     # The adapter is unmerged again after the copy: the peft model still has separate LoRA weights.
     assert any("lora_A" in n for n, _ in peft_model.named_parameters())
-    rollout = env.rollout(env.next_prompts(3), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(3), group_size=4)
     assert _max_gap(env, rollout, peft_model) < 1e-4
     assert _max_gap(env, rollout, env.model) > 1e-3
-    env.sync_weights()  # back to the plain policy for any later test
+    env.sampler.sync_weights()  # back to the plain policy for any later test
 
 
 def test_weight_sync_logs_no_rotary_warning_but_other_failures_get_through(env):

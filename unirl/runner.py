@@ -115,13 +115,7 @@ def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
         env.setup = output.quiet(env.setup)
         trainer = Trainer.from_config(env, cfg)
         history = trainer.train()
-        # Several processes leave together: one tearing the process group down while another is still
-        # busy (the main process writing logs) can abort gloo ("terminate called without an active exception").
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():  # vLLM's shutdown may have torn it down already
-            trainer.accelerator.wait_for_everyone()
-            trainer.accelerator.state.destroy_process_group()
+        trainer.leave()
     result = collect_result(run_dir, history, cfg)
     if main:
         print(end_line(result, time.perf_counter() - start, output.path if not verbose else None), flush=True)

@@ -46,7 +46,7 @@ class FlowGRPORollout(RolloutMode):
         device = env.accelerator.device
         B, G = len(rows), group_size
         N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env._step
+        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env.step
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
@@ -56,7 +56,7 @@ class FlowGRPORollout(RolloutMode):
         noise = env.family.noise(B if s.same_noise_per_group else N, env.latent_shape, generator)
         # The window comes from the seed and the step only: every process, and a resumed run, uses the same one.
         w = s.sde_window
-        start, stop = window_bounds(env._step, num_steps=s.num_steps, size=w.size, window_range=w.range,
+        start, stop = window_bounds(env.step, num_steps=s.num_steps, size=w.size, window_range=w.range,
                                     schedule=w.schedule, shift_interval=w.shift_interval, stride=w.stride,
                                     seed=cfg.trainer.seed)
         sigmas, timesteps, stochastic, dpm, coefficients = self._plan(start, stop)
@@ -81,7 +81,7 @@ class FlowGRPORollout(RolloutMode):
                                       guidance_scale=env.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
                                       generator=generator, coefficients=coefficients, start=first, dpm=dpm)
-            images += env._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
+            images += env.sampler.decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
             outs.append(out)
         # 5. Everything training needs to re-evaluate the trained steps.
         sig = sigmas.cpu()

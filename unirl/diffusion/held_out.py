@@ -40,14 +40,14 @@ def sample_deterministic(env, rows: list[dict], positions: list[int] | None = No
     return images
 
 
-def held_out_evaluation(env, step: int, run_dir: Path) -> dict[str, float]:
+def held_out_evaluation(env, step: int, run_dir: Path) -> tuple[dict[str, float], dict]:
     """Deterministic (ODE) images of the held-out prompts with the EMA weights, scored by the
     config's rewards. With several processes each samples every world-th prompt and the scores
     (and the grid's images) are gathered; the main process writes ``eval/step_N.png`` (videos: their
     first frames, and ``eval/step_N.gif`` playing them), and
     ``eval/step_N.jsonl`` with a judge reward's answers when one is configured."""
     if not env.test_rows:
-        return {}
+        return {}, {}
     from accelerate.utils import gather_object
 
     acc, k = env.accelerator, env.cfg.data.grid_size
@@ -55,6 +55,7 @@ def held_out_evaluation(env, step: int, run_dir: Path) -> dict[str, float]:
     rows = [env.test_rows[i] for i in mine]
     with env._ema_weights():
         images = env.sample_deterministic(rows, mine)
+    media = {}
     comps, judged = {}, {}  # judged: a judge reward's answers, by reward
     if rows:
         columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}
@@ -76,5 +77,5 @@ def held_out_evaluation(env, step: int, run_dir: Path) -> dict[str, float]:
             with open(path.with_suffix(".jsonl"), "w") as f:
                 for i, scores, _, judge in results:
                     f.write(json.dumps({"prompt": env.test_rows[i]["prompt"], **scores, "judge": judge}) + "\n")
-        env.evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
-    return out
+        media = {"images": {"eval/grid": grid}}  # for the trackers
+    return out, media

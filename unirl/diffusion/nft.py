@@ -102,7 +102,7 @@ class NFTRollout(RolloutMode):
         device = env.accelerator.device
         B, G = len(rows), group_size
         N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env._step
+        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env.step
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
@@ -123,7 +123,7 @@ class NFTRollout(RolloutMode):
                 cond = {k: v[lo:hi] for k, v in encoded.items()}
                 out = sample_with_logprob(env.family, env._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                           guidance_scale=1.0, noise_level=0.0, stochastic=ode)
-                images += env._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
+                images += env.sampler.decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
                 finals.append(out.final.cpu())
         # 3. The training inputs: T noise levels per sample from the sampling schedule (NVlabs: a random
         #    permutation of its S timesteps, the first int(S * timestep_fraction)) and their fresh noise.
@@ -166,7 +166,7 @@ class NFTRollout(RolloutMode):
                                                            timestep, cond, 1.0))
             out["velocity"].append(guided_velocity(env.family, model, noisy, timestep, cond, 1.0))
             if "ref_velocity" in out:
-                with torch.no_grad(), env.reference_model() as ref:
+                with torch.no_grad(), env.models.reference() as ref:
                     out["ref_velocity"].append(guided_velocity(env.family, ref, noisy, timestep, cond, 1.0))
             out["noisy"].append(noisy)
             out["sigma"].append(sigma)

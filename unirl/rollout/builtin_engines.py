@@ -7,7 +7,7 @@ from __future__ import annotations
 from unirl.rollout.engine import EngineContext, register_engine
 
 
-@register_engine("vllm", loads_weights=True)
+@register_engine("vllm", loads_weights=True, hf_weights=True)
 def vllm_engine(ctx: EngineContext):
     """A colocated vLLM over ``ctx.model_path`` (one per process, seeded by rank); it sleeps during the
     update at ``rollout.sleep_level`` in training (an evaluation's engine never sleeps)."""
@@ -30,7 +30,7 @@ def hf_engine(ctx: EngineContext):
     return HFEngine(ctx.policy, ctx.tokenizer, **cache)
 
 
-@register_engine("server")
+@register_engine("server", hf_weights=True)
 def server_engine(ctx: EngineContext):
     """``unirl serve-rollout`` at ``rollout.server_url`` (its own process and devices)."""
     from unirl.rollout.server_client import ServerEngine

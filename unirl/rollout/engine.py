@@ -88,24 +88,38 @@ EngineBuilder = Callable[[EngineContext], Engine]
 ENGINES: Registry[EngineBuilder] = Registry("rollout engine")
 
 
-def register_engine(name: str, *, loads_weights: bool = False) -> Callable[[EngineBuilder], EngineBuilder]:
+def register_engine(name: str, *, loads_weights: bool = False, hf_weights: bool = False
+                    ) -> Callable[[EngineBuilder], EngineBuilder]:
     """Register ``builder(ctx: EngineContext) -> Engine`` as the rollout engine ``name`` (``rollout.engine``);
-    ``loads_weights``: it loads ``ctx.model_path`` itself (as vLLM), never the trainer's module."""
+    ``loads_weights``: it loads ``ctx.model_path`` itself (as vLLM), never the trainer's module; ``hf_weights``:
+    it takes the policy's weights under Hugging Face names, LoRA merged."""
     if loads_weights:
         LOADS_WEIGHTS.add(name)
+    if hf_weights:
+        TAKES_HF_WEIGHTS.add(name)
     return ENGINES.register(name)
 
 
-#: Engines that load the model directory themselves (no trainer-side policy): ``unirl eval`` leaves them the device.
+#: Engines that load ``ctx.model_path`` themselves (no trainer-side policy): ``unirl eval`` leaves them the device.
 LOADS_WEIGHTS: set[str] = set()
+#: Engines that take the policy's weights under Hugging Face names with LoRA merged (``hf_checkpoint``).
+TAKES_HF_WEIGHTS: set[str] = set()
 
 
 def engine_loads_weights(name: str) -> bool:
     """Whether the engine ``name`` loads the model directory itself (vLLM) rather than sampling a trainer-side
-    module; registering an engine with ``register_engine(name, loads_weights=True)`` says so."""
+    module or a server's; ``register_engine(name, loads_weights=True)`` says so."""
     from unirl.rollout import builtin_engines  # noqa: F401
 
     return name in LOADS_WEIGHTS
+
+
+def engine_takes_hf_weights(name: str) -> bool:
+    """Whether the engine ``name`` is given the policy's weights under Hugging Face names with LoRA merged (vLLM,
+    the rollout server), so a LoRA must be mergeable there; ``register_engine(name, hf_weights=True)``."""
+    from unirl.rollout import builtin_engines  # noqa: F401
+
+    return name in TAKES_HF_WEIGHTS
 
 
 def check_engine(name: str) -> None:

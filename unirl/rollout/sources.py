@@ -315,7 +315,7 @@ def resolve_bypass_mode(source_cfg, env) -> bool:
     policy itself (``recompute_old_logprobs`` false: diffusion) has no engine log-probs to anchor at."""
     if source_cfg.bypass_mode is None:
         return source_cfg.max_staleness >= 1
-    if source_cfg.bypass_mode and env is not None and not env.recompute_old_logprobs:
+    if source_cfg.bypass_mode and env is not None and not env.actions.recompute_old_logprobs:
         raise ValueError(f"source.bypass_mode=true: {type(env).__name__} samples with the policy itself, so there is "
                          f"no rollout engine whose log-probs the ratio could be taken against; set source.bypass_mode "
                          f"to false or null")
@@ -328,7 +328,7 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     ``source.urls`` a ``RemoteEngine`` over those servers replaces it). Built right after the environment's
     setup, before the trainer shards or wraps the policy: a threaded source whose engine samples from the
     live policy (the transformers engine) gives it a private copy of the policy first, so the producer never
-    samples from weights the trainer is changing; ``policy()`` (the trained module, unwrapped) is what it
+    samples from weights the trainer is changing (the environment's ``sampler`` holds the engine); ``policy()`` (the trained module, unwrapped) is what it
     publishes, ``rollout.sync_bucket_mb`` at a time when sharded. Refuses what it cannot run, in one line."""
     from unirl.rollout.weights import WeightVersion
 
@@ -336,31 +336,34 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     if source_cfg.urls:
         from unirl.rollout.remote import RemoteEngine
 
-        if getattr(env, "engine", None) is None:
+        sampler = env.sampler
+        if getattr(sampler, "engine", None) is None:
             raise ValueError(f"source.urls: {type(env).__name__} samples with the policy itself (no rollout engine)")
-        env.engine.close()
-        env.engine = RemoteEngine(source_cfg.urls, timeout_s=env.cfg.rollout.server_timeout_s,
+        sampler.engine.close()
+        sampler.engine = RemoteEngine(source_cfg.urls, timeout_s=env.cfg.rollout.server_timeout_s,
                                   processes=num_processes)
     if k == 0:
-        return InlineSource(produce, env.sync_weights, stop)
-    if getattr(env, "engine", None) is None:
+        return InlineSource(produce, env.sampler.sync_weights, stop)
+    sampler = env.sampler
+    if getattr(sampler, "engine", None) is None:
         raise ValueError(f"source.max_staleness={k}: {type(env).__name__} has no rollout engine to sample ahead with")
     if dynamic_sampling and num_processes > 1:
         raise ValueError(f"source.max_staleness={k} with algo.filter_groups.enabled runs on one process only: dynamic "
                          f"sampling counts groups over processes, which the producer thread cannot do beside the "
                          f"trainer's own collectives; set source.max_staleness=0 or use one process")
-    if env.engine.shares_policy:  # sample from a copy the trainer's updates do not touch
+    if sampler.engine.shares_policy:  # sample from a copy the trainer's updates do not touch
         import dataclasses
 
         from unirl.rollout.engine import build_engine
 
-        live = env.engine
-        ctx = env.engine_context(env.model_path)
-        env.engine = build_engine(env.engine_name, dataclasses.replace(ctx, own_weights=True))
+        live = sampler.engine
+        ctx = sampler.engine_context(env.model_path)
+        sampler.engine = build_engine(sampler.engine_name, dataclasses.replace(ctx, own_weights=True))
         live.close()
     bucket_mb = env.cfg.rollout.sync_bucket_mb
-    return ThreadedSource(k, total_steps, produce, lambda version: version.load_into(env.engine), env.sync_weights,
-                          snapshot=lambda steps: WeightVersion(policy(), env.engine.weights_format, bucket_mb, steps))
+    return ThreadedSource(k, total_steps, produce, lambda version: version.load_into(sampler.engine),
+                          sampler.sync_weights,
+                          snapshot=lambda steps: WeightVersion(policy(), sampler.engine.weights_format, bucket_mb, steps))
 
 
 def describe_source(source_cfg) -> str:

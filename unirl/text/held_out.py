@@ -61,12 +61,13 @@ def score(rewards, rows: list[dict], answers: list[list[Answer]]
 
 
 @torch.no_grad()
-def evaluate_held_out(env, step: int, run_dir: Path) -> dict[str, float]:
+def evaluate_held_out(env, step: int, run_dir: Path) -> tuple[dict[str, float], dict]:
     """Greedy answers to the held-out prompts, scored by the config's rewards. With several
     processes each answers every world-th prompt and the scores are gathered; the main process
-    writes the first 16 answers to ``eval_samples.jsonl`` (with a judge reward's answers under ``judge``)."""
+    writes the first 16 answers to ``eval_samples.jsonl`` (with a judge reward's answers under ``judge``).
+    Returns the figures and what the trackers show (the first 16 answers as a table)."""
     if not env.test_rows:
-        return {}
+        return {}, {}
     from accelerate.utils import gather_object
 
     acc = env.accelerator
@@ -85,8 +86,8 @@ def evaluate_held_out(env, step: int, run_dir: Path) -> dict[str, float]:
             for i, text, s, judge in results[:16]:
                 f.write(json.dumps({"step": step, "prompt": env.test_rows[i]["prompt"], "response": text,
                                     "score": s[names[0]], **({"judge": judge} if judge else {})}) + "\n")
-    env.evaluation_media = {"tables": {"eval/samples": (
+    media = {"tables": {"eval/samples": (
         ["prompt", "response", names[0]], [[env.test_rows[i]["prompt"], text, s[names[0]]] for i, text, s, _ in results[:16]])}}
     out = {"eval/accuracy": (first >= 1.0).float().mean().item()}
     out.update({f"eval/reward/{k}": v.nanmean().item() for k, v in scores.items()})
-    return out
+    return out, media

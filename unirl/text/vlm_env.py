@@ -26,6 +26,7 @@ import torch
 from unirl.env import Rollout
 from unirl.rollout import EngineContext, register_engine
 from unirl.rollout.hf import HFEngine
+from unirl.text.actions import TextActions
 from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
 from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
@@ -74,10 +75,30 @@ def vlm_engine(ctx: EngineContext) -> VLMHFEngine:
     return VLMHFEngine(ctx.policy, ctx.tokenizer, ctx.processor)
 
 
+class VLMActions(TextActions):
+    """``TextActions`` with each sample's pictures in its forward (``VLMEnvironment``'s ``actions``)."""
+
+    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
+        images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
+        if not images:
+            return None, extra
+        pixels = self.env.processor.image_processor(images=images, return_tensors="pt")
+        return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
+                                   self.env.processor.image_token_id)
+
+    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
+                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
+        n = t["prompt_ids"].shape[0]
+        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
+        return pack_with_pictures(self.env.accelerator.unwrap_model(model), self.env.processor, t["prompt_ids"],
+                                  t["prompt_mask"], t["response_ids"], tokens, images)
+
+
 class VLMEnvironment(TextEnvironment):
     """``TextEnvironment`` for a vision-language policy (module docstring)."""
 
     takes_images = True
+    actions_class = VLMActions
 
     def setup(self, accelerator) -> None:
         if self.cfg.rollout.engine != "hf":
@@ -158,22 +179,6 @@ class VLMEnvironment(TextEnvironment):
         super().save_pretrained(directory)
         if self.accelerator.is_main_process:
             self.processor.save_files(self.model_path, directory)
-
-    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
-        images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
-        if not images:
-            return None, extra
-        pixels = self.processor.image_processor(images=images, return_tensors="pt")
-        return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
-                                   self.processor.image_token_id)
-
-    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
-                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
-        n = t["prompt_ids"].shape[0]
-        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
-        return pack_with_pictures(self.accelerator.unwrap_model(model), self.processor, t["prompt_ids"],
-                                  t["prompt_mask"], t["response_ids"], tokens, images)
-
 
 def pack_with_pictures(model, processor: VLMProcessor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        response_ids: torch.Tensor, response_mask: torch.Tensor,

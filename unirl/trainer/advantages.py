@@ -28,7 +28,7 @@ def compute_advantages(ctx: StepContext, state: RunState, rollout: Rollout) -> d
     trained token, minus the KL penalty when it is in the reward) and, as ``rewards``, their row sums
     (the scores themselves without the KL penalty); ``gae`` also the critic's values."""
     algo, acc, rewards = ctx.algo, ctx.accelerator, rollout.rewards
-    mask = ctx.env.loss_mask(rollout).bool()  # [N, T]
+    mask = ctx.env.actions.loss_mask(rollout).bool()  # [N, T]
     # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank (one
     # process: its ids as they are, the estimators take any integers).
     rank, n = acc.process_index, len(rollout)
@@ -95,7 +95,7 @@ def _token_rewards(ctx: StepContext, state: RunState, rollout: Rollout, rewards:
     kl_ctrl = state.kl_ctrl
     if kl_ctrl is None:
         return scores, {}
-    kl = ctx.env.kl(rollout.old, rollout.ref).float()  # [N, T]
+    kl = ctx.env.actions.kl(rollout.old, rollout.ref).float()  # [N, T]
     beta = kl_ctrl.value
     penalised, sequence_kl = kl_penalized_rewards(scores, kl[:, : mask.shape[1]], mask, beta)  # [N, T], [N]
     everyone = gather_rows(ctx.accelerator, sequence_kl)  # [N_all]

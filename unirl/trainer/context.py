@@ -76,7 +76,7 @@ class StepContext:
         padded only to their own longest (``env.trim_padding``). With several processes every one runs
         as many micro-batches as the busiest, as FSDP's collective forwards need."""
         budget = self.cfg.micro_batch_tokens
-        lengths = None if budget is None else self.env.sample_tokens(batch)  # [n]
+        lengths = None if budget is None else self.env.actions.sample_tokens(batch)  # [n]
         chunks = plan_micro_batches(len(batch), micro_batch_size=self.cfg.micro_batch_size, lengths=lengths,
                                     token_budget=budget)
         backend = self.backend

@@ -42,7 +42,7 @@ class Critic:
         self.micro_batches, self.num_mini = micro_batches, num_mini_batches
         self.epochs = cfg.ppo_epochs or ppo_epochs
         self.seed = seed
-        model = backend.shard(env.value_model(cfg), what="critic")  # before its optimizer sees the parameters
+        model = backend.shard(env.models.value_model(cfg), what="critic")  # before its optimizer sees the parameters
         optimizer = build_optimizer(model, cfg.optim, what="critic")
         # Its optimizer steps over the run: every training step's passes of mini-batches.
         self.scheduler = build_scheduler(optimizer, cfg.optim, total_steps=total_steps * self.epochs * num_mini_batches)
@@ -58,8 +58,8 @@ class Critic:
             return
         parts = []
         for idx in self.micro_batches(rollout):
-            parts.append((idx, self.env.values(self.model, self.env.trim_padding(rollout.select(idx))).cpu()))
-        rollout.values = scatter_rows(parts, len(rollout), self.env.loss_mask(rollout).shape[1])  # [N, T]
+            parts.append((idx, self.env.actions.values(self.model, self.env.actions.trim_padding(rollout.select(idx))).cpu()))
+        rollout.values = scatter_rows(parts, len(rollout), self.env.actions.loss_mask(rollout).shape[1])  # [N, T]
 
     def update(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch AdamW steps on the clipped value loss against
@@ -85,7 +85,7 @@ class Critic:
                 chunks = self.micro_batches(mini_batch)
                 mini = MetricLog()
                 for k, micro_idx in enumerate(chunks):
-                    micro = self.env.trim_padding(mini_batch.select(micro_idx))
+                    micro = self.env.actions.trim_padding(mini_batch.select(micro_idx))
                     mini.add(self._micro_backward(micro, denominator, sync=k == len(chunks) - 1))
                 log.add(mini.result(sum_shares=True))
                 log.add({"critic/grad_norm": self._optimizer_step()})
@@ -99,8 +99,8 @@ class Critic:
         # DDP and FSDP2 reduce the gradients in the mini-batch's last backward.
         hold_back = backend.holds_back(self.model) and not sync
         with backend.hold_gradients(self.model) if hold_back else contextlib.nullcontext():
-            values = self.env.values(self.model, micro)  # [n, T']
-            mask = self.env.loss_mask(micro).to(device).bool()  # [n, T']
+            values = self.env.actions.values(self.model, micro)  # [n, T']
+            mask = self.env.actions.loss_mask(micro).to(device).bool()  # [n, T']
             old, returns = (getattr(micro, k)[:, : values.shape[1]].to(device) for k in ("values", "returns"))
             loss, metrics = value_loss(values, old, returns, mask, clip=self.cfg.cliprange_value,
                                        agg=self.cfg.loss_agg, denominator=denominator)
@@ -117,6 +117,6 @@ class Critic:
 
     def _explained_variance(self, rollout: Rollout) -> float:
         acc = self.accelerator
-        mask = gather_rows(acc, self.env.loss_mask(rollout).bool())  # [N_all, T]
+        mask = gather_rows(acc, self.env.actions.loss_mask(rollout).bool())  # [N_all, T]
         values, returns = (gather_rows(acc, getattr(rollout, k).float()) for k in ("values", "returns"))
         return float(explained_variance(values, returns, mask))

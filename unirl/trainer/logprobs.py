@@ -27,7 +27,7 @@ def old_and_reference(ctx: StepContext, state: RunState, rollout: Rollout) -> di
     if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv)
         return metrics
     old = None
-    if env.recompute_old_logprobs:
+    if env.actions.recompute_old_logprobs:
         if ctx.on_policy():
             rollout.old_logp = None  # a stale copy would be used instead of the first forward's
         else:
@@ -40,11 +40,11 @@ def old_and_reference(ctx: StepContext, state: RunState, rollout: Rollout) -> di
         old = score_all(ctx, model, rollout) if old is None else old
         rollout.old = dict(old)
     if ctx.algo.kl_coef > 0 or state.kl_ctrl is not None:
-        with env.reference_model() as ref:
+        with env.models.reference() as ref:
             ref_out = score_all(ctx, ref, rollout)
         rollout.ref = {k: v for k, v in ref_out.items() if k != "mask"}
     if ctx.distill is not None:  # the teacher scores the sampled tokens as the reference does
-        with env.teacher_model() as teacher:
+        with env.models.teacher() as teacher:
             rollout.teacher_logp = score_all(ctx, teacher, rollout)["logp"]
     return metrics
 
@@ -56,7 +56,7 @@ def rollout_metrics(ctx: StepContext, rollout: Rollout) -> dict[str, float]:
     if backend.num_processes > 1:
         rollout = rollout.map_tensors(lambda name, v: backend.gather_rows(v),
                                       group_ids=backend.gather_rows(rollout.group_ids), prompts=[], samples=[], columns={})
-    return ctx.env.rollout_metrics(rollout)
+    return ctx.env.sampler.rollout_metrics(rollout)
 
 
 def score_all(ctx: StepContext, model, rollout: Rollout) -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def score_all(ctx: StepContext, model, rollout: Rollout) -> dict[str, torch.Tens
     longest sample), returned in rollout order on CPU, right-padded with zeros to the full width."""
     env, parts = ctx.env, []
     for idx in ctx.micro_batches(rollout):
-        out = env.score_actions(model, env.trim_padding(rollout.select(idx)))
+        out = env.actions.score_actions(model, env.actions.trim_padding(rollout.select(idx)))
         parts.append((idx, {k: v.detach().cpu() for k, v in out.items() if v is not None}))  # no mask: all trained
-    width = env.loss_mask(rollout).shape[1]  # [N, T]: the rollout's T, whatever the parts' widths
+    width = env.actions.loss_mask(rollout).shape[1]  # [N, T]: the rollout's T, whatever the parts' widths
     return {k: scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout), width) for k in parts[0][1]}

@@ -131,9 +131,8 @@ class Trainer:
         # 3. The policy (and the frozen reference and teacher) laid out before the optimizer sees the parameters.
         self.backend = backend = build_backend(self.accelerator, cfg)
         backend.shard(self.env.model, what="policy")
-        for frozen in ("ref", "teacher"):  # the reference copy and distillation's teacher, no optimizer
-            if getattr(self.env, frozen, None) is not None:
-                backend.shard(getattr(self.env, frozen), what="reference" if frozen == "ref" else "teacher")
+        for name, frozen in self.env.models.frozen.items():  # the reference copy, distillation's teacher: no optimizer
+            backend.shard(frozen, what=name)
         optimizer = build_optimizer(self.env.model, self.optim_cfg, what="environment's model")
         # The scheduler is not prepared: Accelerate's wrapper steps it once per process at every call
         # (it assumes a dataloader split over processes), so 2 processes would warm up twice as fast.
@@ -154,7 +153,7 @@ class Trainer:
             self._resume()
         self.run_log.start(self.config_dict)
         self.perf = PerfMeter.start(self.accelerator, self.env.model, self.run_dir, cfg.ppo_epochs)  # run_info.json
-        self.env.sync_weights()
+        self.env.sampler.sync_weights()
         self.source.start(self.step, self.optimizer_steps)
 
     def _build_critic(self) -> Critic | None:
@@ -325,11 +324,21 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
-        out = self.env.evaluation(self.step, self.run_dir)
+        out, media = self.env.evaluation(self.step, self.run_dir)
         if out:
             out["time/eval"] = time.perf_counter() - start
-        self.run_log.log_media(self.env.evaluation_media, self.step)
+        self.run_log.log_media(media, self.step)
         return out
+
+    def leave(self) -> None:
+        """After ``train``: several processes leave together, since one tearing the process group down while
+        another is still busy (the main process writing logs) can abort gloo ("terminate called without an
+        active exception")."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # vLLM's shutdown may have torn it down already
+            self.accelerator.wait_for_everyone()
+            self.accelerator.state.destroy_process_group()
 
     # ========================================================= checkpoints
     def save_checkpoint(self) -> Path | None:

@@ -88,7 +88,7 @@ class StepPlan:
 
 # ------------------------------------------------------------------- the stages
 def _sleep_engine(ctx, state, rollout):
-    ctx.env.release_rollout_memory()  # vLLM asleep during the passes (rollout.sleep_level) until the publish
+    ctx.env.sampler.release_memory()  # vLLM asleep during the passes (rollout.sleep_level) until the publish
 
 
 def _old_logprobs(ctx, state, rollout):

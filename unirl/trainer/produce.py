@@ -38,10 +38,10 @@ class Producer:
             times["score"] = 0.0  # scored while drawing
             return filtered.rollout, filtered.rewards, filtered.reward_metrics, filtered.metrics
         begin = time.perf_counter()
-        rollout = env.rollout(env.next_prompts(batch), self.group_size)
+        rollout = env.sampler.rollout(env.prompts.next(batch), self.group_size)
         times["rollout"] = time.perf_counter() - begin
         begin = time.perf_counter()
-        rewards, reward_metrics = env.score(rollout)
+        rewards, reward_metrics = env.scorer.score(rollout)
         times["score"] = time.perf_counter() - begin
         return rollout, rewards, reward_metrics, None
 
@@ -53,4 +53,4 @@ class Producer:
 
     def _next_rows(self) -> list[dict]:
         self.prompt_batches += 1
-        return self.env.next_prompts(self.prompt_batches - 1)
+        return self.env.prompts.next(self.prompt_batches - 1)

@@ -31,7 +31,7 @@ def run_policy_loss(env: Environment, algo: AlgoConfig) -> str:
     """The registered policy loss of a run: ``algo.policy_loss`` when set (checked where the config loads),
     else the environment's rollout mode's (DiffusionNFT: ``nft``), else the ratio loss at ``algo.level``
     (``clipped`` per token, ``gspo`` per sequence)."""
-    return algo.policy_loss or env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
+    return algo.policy_loss or env.actions.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
 
 
 def loss_settings(name: str | None, algo: AlgoConfig) -> LossSettings:
@@ -81,7 +81,7 @@ def update(ctx: StepContext, state: RunState, rollout: Rollout) -> dict[str, flo
             micro_chunks = ctx.micro_batches(mini_batch)
             mini = MetricLog()
             for k, micro_idx in enumerate(micro_chunks):
-                micro = ctx.env.trim_padding(mini_batch.select(micro_idx))
+                micro = ctx.env.actions.trim_padding(mini_batch.select(micro_idx))
                 first_logp = [] if first_forward else None
                 mini.add(micro_backward(ctx, model, micro, denominator, sync=k == len(micro_chunks) - 1,
                                         first_logp=first_logp))
@@ -92,7 +92,7 @@ def update(ctx: StepContext, state: RunState, rollout: Rollout) -> dict[str, flo
     out = reduce_over_processes(ctx.accelerator, log.result(sum_shares=False))
     out["actor/lr"] = ctx.scheduler.get_last_lr()[0]
     if first_forward:
-        rollout.old_logp = scatter_rows(recorded, len(rollout), ctx.env.loss_mask(rollout).shape[1])
+        rollout.old_logp = scatter_rows(recorded, len(rollout), ctx.env.actions.loss_mask(rollout).shape[1])
         out.update(rollout_metrics(ctx, rollout))
     return out
 
@@ -111,10 +111,10 @@ def micro_backward(ctx: StepContext, model, micro: Rollout, denominator: torch.T
     ``first_logp``: when the micro-batch has no ``old_logp``, the detached log-probs [n, T] of this
     forward (used as the old ones) are appended to it."""
     backend, algo, policy_loss = ctx.backend, ctx.algo, ctx.policy_loss
-    pieces = [slice(None)] if policy_loss.whole_sequences else ctx.env.column_slices(micro)
+    pieces = [slice(None)] if policy_loss.whole_sequences else ctx.env.actions.column_slices(micro)
     seq_lengths = None
     if len(pieces) > 1 and algo.loss_agg == "seq-mean-token-mean":  # it divides by each whole sequence's length
-        seq_lengths = ctx.env.loss_mask(micro).to(backend.device).sum(dim=-1)
+        seq_lengths = ctx.env.actions.loss_mask(micro).to(backend.device).sum(dim=-1)
     hold_back = backend.holds_back(model)  # gradient sync deferred to the last piece
     shares: dict[str, list[torch.Tensor]] = {}  # loss/* and actor/entropy of each piece (they add up)
     parts: dict[str, list[torch.Tensor]] = {}  # logp, old_logp, advantages, mask of each piece, [n, T']
@@ -154,7 +154,7 @@ def mini_denominator(ctx: StepContext, mini: Rollout) -> torch.Tensor:
 def global_denominator(acc, env, mini: Rollout, loss_agg: str) -> torch.Tensor:
     """``loss_agg``'s normaliser of ``mini`` summed over processes: the actor's and the critic's losses
     share it, so micro-batch and process shares add up to the global mini-batch's loss."""
-    local = aggregate_denominator(env.loss_mask(mini).to(acc.device), loss_agg, norm_length=env.loss_norm_length)
+    local = aggregate_denominator(env.actions.loss_mask(mini).to(acc.device), loss_agg, norm_length=env.actions.loss_norm_length)
     if acc.num_processes == 1:
         return local
     return acc.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
@@ -168,7 +168,7 @@ def micro_loss(ctx: StepContext, model, micro: Rollout, denominator: torch.Tenso
 
     Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones."""
     algo, device, policy_loss = ctx.algo, ctx.backend.device, ctx.policy_loss
-    cur = ctx.env.score_actions(model, micro, columns)
+    cur = ctx.env.actions.score_actions(model, micro, columns)
     mask = cur.get("mask")  # [n, T'], or None: every position trained
     agg = dict(denominator=denominator, seq_lengths=seq_lengths)
     inputs, figures_in = _loss_inputs(ctx, micro, cur, columns, device) if policy_loss.reads_logprobs else (
@@ -178,7 +178,7 @@ def micro_loss(ctx: StepContext, model, micro: Rollout, denominator: torch.Tenso
     loss = policy
     if algo.kl_coef > 0:
         ref = {k: v[:, columns].to(device) for k, v in micro.ref.items()}
-        kl = aggregate(ctx.env.kl(cur, ref), mask, algo.loss_agg, **agg)
+        kl = aggregate(ctx.env.actions.kl(cur, ref), mask, algo.loss_agg, **agg)
         loss = loss + algo.kl_coef * kl
         shares["loss/kl"] = kl.detach()
     if "entropy" in cur:  # logged whatever entropy_coef (text: from the chunked head, no gradient unless trained)
