@@ -63,12 +63,14 @@ __all__ = ["Preempted", "Trainer"]
 class Trainer:
     def __init__(self, env: Environment, *, algo: AlgoConfig, optim: OptimConfig, trainer: TrainerConfig,
                  run_dir: str | Path, config_dict: dict[str, Any] | None = None, critic: Any = None,
-                 policy_loss: str | None = None, distill: Any = None, source: SourceConfig | None = None):
+                 policy_loss: str | None = None, distill: Any = None, source: SourceConfig | None = None,
+                 stages: list | None = None):
         """``policy_loss``: a registered policy loss (``unirl.core.policy_losses``) by name, instead of the
         configured one (``run_policy_loss``: ``algo.policy_loss``, else the environment's rollout mode's,
         else the ratio loss at ``algo.level``). ``distill``: the environment's ``distill`` block (text's
         ``DistillConfig``); with a teacher, on-policy distillation (``unirl.core.distill``). ``source``: the
-        run's ``source`` block (``SourceConfig``: where batches come from; None: sampled when the step asks)."""
+        run's ``source`` block (``SourceConfig``: where batches come from; None: sampled when the step asks).
+        ``stages``: your own ``unirl.trainer.plan.Stage``s, placed in the step plan by what they read."""
         self.env, self.algo, self.optim_cfg, self.cfg = env, algo, optim, trainer
         self.critic_cfg = critic  # the environment's critic block (text: ``critic``), read when a critic is built
         self.distill = distill if distill is not None and distill.teacher else None
@@ -86,7 +88,8 @@ class Trainer:
         self.bypass_mode = resolve_bypass_mode(self.source_cfg, env)  # the ratio's anchor
         self.plan: StepPlan = build_plan(
             algo, trainer, critic=bool(getattr(ADVANTAGE_ESTIMATORS.get(algo.adv_estimator), "reads_values", False)),
-            distill=self.distill is not None, reads_logprobs=self.policy_loss is None or self.policy_loss.reads_logprobs)
+            distill=self.distill is not None, reads_logprobs=self.policy_loss is None or self.policy_loss.reads_logprobs,
+            extra=list(stages or []))
         self.source = self.producer = self.ctx = self.critic = None  # built at setup
         self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
         self.zero_adv = zero_advantage.ZeroAdvantageWatch()  # every advantage 0 for steps in a row: a warning line

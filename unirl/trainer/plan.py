@@ -40,6 +40,8 @@ class Stage:
     actor: bool = False
     timer: str | None = None
     about: str = ""
+    #: A stage added to a run (``build_plan(extra=...)``, ``Trainer(stages=...)``): the consumer it runs before.
+    before: str = "update"
 
 
 @dataclass
@@ -127,10 +129,12 @@ def _publish(ctx, state, rollout):
     ctx.source.after_update()  # inline: the new weights into the engine; threaded: published at the next step
 
 
-def build_plan(algo, trainer_cfg, *, critic: bool, distill: bool, reads_logprobs: bool = True) -> StepPlan:
+def build_plan(algo, trainer_cfg, *, critic: bool, distill: bool, reads_logprobs: bool = True,
+               extra: list[Stage] = ()) -> StepPlan:
     """The stages a run with these settings takes, in order (module docstring): ``algo`` and ``trainer_cfg``
     (the run's blocks), ``critic`` (the estimator reads values: PPO's critic), ``distill`` (a teacher is set),
-    ``reads_logprobs`` (the policy loss takes a ratio of log-probs)."""
+    ``reads_logprobs`` (the policy loss takes a ratio of log-probs). ``extra``: a user's stages, each run
+    right before the stage its ``before`` names, with the producers of what it reads placed ahead of it."""
     adv_reads = ["rewards"]
     if algo.use_kl_in_reward:
         adv_reads += ["old", "ref"]  # the KL in the reward: the old policy's outputs against the reference's
@@ -156,6 +160,14 @@ def build_plan(algo, trainer_cfg, *, critic: bool, distill: bool, reads_logprobs
               about="the policy's optimizer steps on the configured loss"),
         Stage("publish", _publish, actor=True, timer="sync", about="the new weights to the rollout engine"),
     ]
+    for stage in extra:
+        names = [c.name for c in consumers]
+        if stage.before not in names:
+            raise ValueError(f"step plan: stage {stage.name!r} runs before {stage.before!r}, which this run's plan has "
+                             f"not; its stages: {', '.join(names)}")
+        if stage.name in names:
+            raise ValueError(f"step plan: a stage is already called {stage.name!r}")
+        consumers.insert(names.index(stage.before), stage)
     plan, written = [], set(FROM_SOURCE)
     for consumer in consumers:
         for field in consumer.reads:
