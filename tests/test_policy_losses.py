@@ -175,7 +175,8 @@ def test_the_run_policy_loss_is_the_configured_one_first():
     from unirl.config.schema import AlgoConfig
     from unirl.trainer.update import run_policy_loss
 
-    flowgrpo, nft = SimpleNamespace(policy_loss=None), SimpleNamespace(policy_loss="nft")
+    flowgrpo = SimpleNamespace(actions=SimpleNamespace(policy_loss=None))
+    nft = SimpleNamespace(actions=SimpleNamespace(policy_loss="nft"))
     assert run_policy_loss(flowgrpo, AlgoConfig()) == "clipped"
     assert run_policy_loss(flowgrpo, AlgoConfig(level="sequence", loss_agg="seq-mean-token-mean")) == "gspo"
     assert run_policy_loss(nft, AlgoConfig()) == "nft"

@@ -152,7 +152,7 @@ def test_the_guards_of_serve_reward_apply(tiny_lm_dir):
     from fastapi.testclient import TestClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.rewards.http_guards import Guards
+    from unirl.serving.guards import Guards
     from unirl.rollout.hf import HFEngine
     from unirl.rollout.server import RolloutService, make_app, make_server
 

@@ -154,8 +154,8 @@ def _serve(model_dir):
     """A rollout server over a transformers engine with its own copy of the model, serving in a thread."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.rewards.http_guards import Guards
-    from unirl.rewards.remote import RewardServer
+    from unirl.serving.guards import Guards
+    from unirl.serving.server import AppServer
     from unirl.rollout.hf import HFEngine
     from unirl.rollout.server import RolloutService, make_app
 
@@ -166,7 +166,7 @@ def _serve(model_dir):
     engine.generate = lambda prompt_ids, **kw: (calls.append(len(prompt_ids)), generate(prompt_ids, **kw))[1]
     guards = Guards.from_settings("serve-rollout", max_body_mb=64, body_timeout_s=60, token=None,
                                   token_env="UNIRL_ROLLOUT_TOKEN")
-    server = RewardServer(make_app(RolloutService(engine, "tiny"), guards, guards), "127.0.0.1", 0)
+    server = AppServer(make_app(RolloutService(engine, "tiny"), guards, guards), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, calls
 

@@ -81,7 +81,7 @@ class RewardSet:
             if texts is not None and hasattr(scores, "texts"):
                 texts[name] = scores.texts
             out[name] = torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float32)  # [n]
-            if getattr(scores, "failed", None) is not None:  # a judge's unparsable answers, counted (rewards/judge.py)
+            if getattr(scores, "failed", None) is not None:  # a judge's unparsable answers, counted (unirl/rewards/judge.py)
                 out[f"{name}/parse_failed"] = torch.tensor(scores.failed, dtype=torch.float32)  # [n]
         return out
 

@@ -2,8 +2,8 @@
 trainer with ``rollout.engine: server`` samples from and pushes its weights to, and which an agent
 loop can call as an OpenAI-compatible endpoint while the policy trains.
 
-The server is an ASGI app (FastAPI) run by uvicorn (``RewardServer``, shared with ``serve-reward``),
-behind the same guards (``unirl.rewards.http_guards``): bound to 127.0.0.1 unless ``--host`` says
+The server is an ASGI app (FastAPI) run by uvicorn (``AppServer``, shared with ``serve-reward``),
+behind the same guards (``unirl.serving.guards``): bound to 127.0.0.1 unless ``--host`` says
 otherwise, a bearer token (``--token`` or ``$UNIRL_ROLLOUT_TOKEN``) on every request but ``/health``,
 request bodies over ``--max-body-mb`` refused (413; weights over ``--max-weights-mb``), bodies slower
 than ``--body-timeout-s`` refused (408). One engine serves one request at a time (a lock): a weight
@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from unirl.rewards.http_guards import Guards, Refused
+from unirl.serving.guards import Guards, Refused
 
 #: The environment variable holding the shared token when ``--token`` is not given (the trainer's
 #: client sends it too).
@@ -312,7 +312,7 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
                 grace_s: float = 10.0):
     """A server (bound, not yet serving) with vLLM loaded on ``model`` (a directory, a hub name or a
     toy: ``tiny``). ``port=0`` picks a free port (``server.server_address[1]``)."""
-    from unirl.rewards.remote import RewardServer
+    from unirl.serving.server import AppServer
     from unirl.rollout.vllm import VLLMEngine
     from unirl.text.model_loading import resolve_model_path
 
@@ -333,4 +333,4 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
                         enforce_eager=enforce_eager, max_model_len=max_model_len,
                         kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * (1 << 30)))
     service = RolloutService(engine, served_name or model)
-    return RewardServer(make_app(service, guards, weight_guards), host, port, grace_s=grace_s)
+    return AppServer(make_app(service, guards, weight_guards), host, port, grace_s=grace_s)

@@ -24,9 +24,9 @@ The image is correct when every clause holds (GenEval's score: the share of corr
 ``mode: strict`` rewards that (1 or 0); ``mode: partial`` rewards the share of clauses that hold,
 a denser signal for RL (FlowGRPO also trains GenEval on a partial score; this share is unirl's).
 
-The rules are ``rewards/geneval_rules.py``. The detector sits behind ``Detector``: ``detect(image) ->
+The rules are ``unirl/rewards/geneval_rules.py``. The detector sits behind ``Detector``: ``detect(image) ->
 [Detection]`` and ``colours(image, detections, classname) -> [colour]``. The default is
-``rewards/geneval_detector.py``.
+``unirl/rewards/geneval_detector.py``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Rewards over HTTP, the server half: ``unirl serve-reward NAME`` hosts a reward that runs use as
-``http://host:port``. The protocol and the client are in ``rewards/remote_client.py`` (re-exported
+``http://host:port``. The protocol and the client are in ``unirl/rewards/remote_client.py`` (re-exported
 here).
 
 The server is an ASGI app (FastAPI) run by uvicorn. Every ``POST /score`` goes through one
-``BatchQueue`` (``rewards/batching.py``): concurrent requests are joined into one reward call of at
+``BatchQueue`` (``unirl/rewards/batching.py``): concurrent requests are joined into one reward call of at
 most ``max_batch`` samples, taken when full or when the oldest request has waited ``max_wait_ms``;
 one worker thread makes the calls, so a model reward never runs in two threads at once. When
 ``max_queue`` requests are waiting, one more is answered 503 (the client retries 502/503/504 with
@@ -20,30 +20,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
-import threading
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from unirl.rewards.batching import BatchQueue, QueueFull
-from unirl.rewards.http_guards import TOKEN_ENV, Guards, Refused
+from unirl.serving.guards import TOKEN_ENV, Guards, Refused
+from unirl.serving.server import AppServer
 from unirl.rewards.loading import load_reward, reward_info
 from unirl.rewards.models import ModelReward
 from unirl.rewards.registry import RewardError
 from unirl.rewards.remote_client import RemoteReward, decode_sample, encode_sample
 from unirl.rewards.scoring import score_requests
 
-__all__ = ["TOKEN_ENV", "RemoteReward", "RewardServer", "decode_sample", "encode_sample", "make_app", "make_server"]
+__all__ = ["TOKEN_ENV", "RemoteReward", "decode_sample", "encode_sample", "make_app", "make_server"]
 
 
 def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: dict | None = None, *,
                 max_batch: int = 256, max_wait_ms: float = 2.0, max_queue: int = 1024, max_body_mb: float = 64.0,
-                body_timeout_s: float = 30.0, token: str | None = None, grace_s: float = 10.0) -> RewardServer:
+                body_timeout_s: float = 30.0, token: str | None = None, grace_s: float = 10.0) -> AppServer:
     """A server (bound, not yet serving) for the reward ``spec`` with ``kwargs`` bound.
 
     ``spec`` is anything ``load_reward`` takes. A model reward loads its model here, before the
@@ -74,12 +72,12 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwargs: di
         meta = {"name": info.name, "modality": info.modality, "description": info.description}
     except RewardError:  # a file or module spec: not registered under a name
         meta = {"name": spec, "modality": getattr(fn, "modality", None), "description": ""}
-    return RewardServer(make_app(spec, meta, queue, guards), host, port, grace_s=grace_s)
+    return AppServer(make_app(spec, meta, queue, guards), host, port, grace_s=grace_s)
 
 
 def make_app(spec: str, meta: dict, queue: BatchQueue, guards: Guards | None = None) -> FastAPI:
     """The ASGI app: ``/info``, ``/health`` and ``/score`` over ``queue``, which it starts and stops.
-    ``guards``: the token, body limits and the server's settings (``rewards/http_guards.py``; default:
+    ``guards``: the token, body limits and the server's settings (``unirl/serving/guards.py``; default:
     no token, 64 MB, 30 s)."""
     guards = guards or Guards("serve-reward")
 
@@ -170,52 +168,3 @@ async def _parse(body: bytes) -> tuple[list, dict]:
     if request.get("prompts") is not None:
         columns["prompts"] = request["prompts"]
     return samples, columns
-
-
-class RewardServer:
-    """uvicorn serving an app on a socket bound at once, with the methods of the standard library's
-    servers (``server_address``, ``serve_forever``, ``shutdown``, ``server_close``), so a caller
-    may serve in a thread and stop it from another.
-
-    In the main thread, SIGINT and SIGTERM stop it gracefully (the requests in flight are answered),
-    then act as usual (``KeyboardInterrupt``; termination).
-    """
-
-    def __init__(self, app, host: str, port: int, grace_s: float = 10.0):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.socket.bind((host, port))
-            self.socket.listen(2048)  # connections wait here, not dropped, while the server starts
-        except OSError:
-            self.socket.close()
-            raise
-        self.server_address = self.socket.getsockname()[:2]
-        # log_config=None: leave the process's logging alone; uvicorn's warnings still reach stderr.
-        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=grace_s)
-        self._server = uvicorn.Server(config)
-        self._stop_requested = False
-        self._stopped = threading.Event()
-
-    def serve_forever(self, poll_interval: float = 0.5) -> None:
-        """Serve until ``shutdown()``. ``poll_interval`` is accepted for the standard library's
-        signature; uvicorn looks for a shutdown every 0.1 s."""
-        self._stopped.clear()
-        try:
-            if not self._stop_requested:
-                self._server.run(sockets=[self.socket])
-                if not self._server.started and not self._stop_requested:
-                    raise RuntimeError("serve-reward could not start serving; see the errors above")
-        finally:
-            self._stopped.set()
-
-    def shutdown(self) -> None:
-        """Stop ``serve_forever`` (running in another thread) and wait until it has returned."""
-        self._stop_requested = True
-        self._server.should_exit = True
-        self._stopped.wait()
-
-    def server_close(self) -> None:
-        self.socket.close()

@@ -17,7 +17,7 @@ from typing import Iterable
 from fastapi import Request
 
 #: The environment variable holding the shared token when ``--token`` / ``token=`` is not given (the
-#: client, ``rewards/remote_client.py``, reads the same one).
+#: client, ``unirl/rewards/remote_client.py``, reads the same one).
 TOKEN_ENV = "UNIRL_REWARD_TOKEN"
 
 

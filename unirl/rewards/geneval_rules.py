@@ -1,4 +1,4 @@
-"""GenEval's rules (``evaluation/evaluate_images.py``) over a detector's output, as ``rewards/geneval.py``'s
+"""GenEval's rules (``evaluation/evaluate_images.py``) over a detector's output, as ``unirl/rewards/geneval.py``'s
 docstring states them: which detections count, and whether each include and exclude clause holds. Pure
 Python; the reward (``geneval.py``) and the default detector (``geneval_detector.py``) both build on it.
 """

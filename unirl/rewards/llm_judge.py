@@ -4,10 +4,10 @@ response to its prompt against a rubric (LLM-as-judge; a generative reward model
 The rubric (``template``) is a string with ``{prompt}`` and ``{response}`` (and any dataset column by
 name, e.g. ``{answer}`` for a reference answer), sent as one user message. The judge's answer is parsed
 by ``score_format`` (``final_score``, ``number`` or ``json`` with ``json_field``), and an unparsable one
-becomes what ``on_unparsable`` says, counted in ``reward/llm_judge/parse_failed`` (``rewards/judge.py``).
+becomes what ``on_unparsable`` says, counted in ``reward/llm_judge/parse_failed`` (``unirl/rewards/judge.py``).
 Requests go out ``concurrency`` at a time (the server batches them), with a ``timeout``, ``retries``
 with exponential ``backoff`` and a cache of answers keyed by the request (model, rubric with prompt and
-response, sampling settings): the client the image judge uses (``rewards/judge_client.py``).
+response, sampling settings): the client the image judge uses (``unirl/rewards/judge_client.py``).
 
     rewards:
       - name: llm_judge

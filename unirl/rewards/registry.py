@@ -17,7 +17,7 @@ The contract, in one of two shapes:
 1. **A callable over a batch**:
    ``reward(samples, *, prompts=..., <dataset columns>..., **kwargs) -> one float or None per sample``.
    It may be ``async def``; ``score_batch`` runs the coroutine to completion.
-2. **A class** (model-based rewards, see ``rewards/models.py``): ``load_reward`` instantiates it once
+2. **A class** (model-based rewards, see ``unirl/rewards/models.py``): ``load_reward`` instantiates it once
    with the config's ``kwargs``, and the instance is then called exactly like shape 1. The class
    decides when to load its weights (``ModelReward`` does it lazily, on the first call).
 
@@ -36,7 +36,7 @@ For both shapes:
   raises ``RewardError`` naming the reward, the sample and its prompt otherwise, and also when the
   reward itself raises.
 - may return ``ScoresWithText(scores, texts)`` instead: the scores plus one text per sample (a
-  judge's answer, ``rewards/judge.py``), which evaluation keeps beside the scores in its samples.
+  judge's answer, ``unirl/rewards/judge.py``), which evaluation keeps beside the scores in its samples.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ returns one finite float, or None ("does not apply"), per sample; it may be ``as
 rewards are classes (``unirl.rewards.models.ModelReward``) instantiated once with the config's kwargs. The
 full contract, and the ways a config names a reward (a registered name, an entry point of an
 installed package, ``path/to/file.py:function``, ``package.module:function``, ``http://host:port``),
-are in ``rewards/registry.py`` (which also lists the package's files by job), ``rewards/loading.py``
+are in ``unirl/rewards/registry.py`` (which also lists the package's files by job), ``unirl/rewards/loading.py``
 and docs/rewards.md. Importing this package is cheap: the built-in reward modules are imported on
 the first lookup of a name.
 """

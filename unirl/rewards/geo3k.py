@@ -57,7 +57,7 @@ def same_answer(predicted: str, gold: str) -> bool:
         import math_verify
     except ImportError:
         return False
-    # math-verify's timeouts use signal.alarm, which works in the main thread only (rewards/mathverify.py)
+    # math-verify's timeouts use signal.alarm, which works in the main thread only (unirl/rewards/mathverify.py)
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold_parsed = math_verify.parse(f"${normalise(gold)}$", parsing_timeout=timeout)
     predicted_parsed = math_verify.parse(f"${normalise(predicted)}$", parsing_timeout=timeout)

@@ -1,5 +1,5 @@
 """Rewards over HTTP, the client half: the wire format and ``RemoteReward``, what a spec
-``http://host:port`` loads. The server half (``unirl serve-reward NAME``) is ``rewards/remote.py``.
+``http://host:port`` loads. The server half (``unirl serve-reward NAME``) is ``unirl/rewards/remote.py``.
 
 Why: a reward model may need its own environment (conflicting dependency pins, another GPU, another
 machine), as FlowGRPO's reward servers do. The protocol is small, JSON over HTTP (the client is
@@ -19,8 +19,8 @@ a run's ``kwargs`` for an ``http://`` spec set the client: ``timeout`` (seconds 
 ``retries`` (a cap on the number of retries; null: none), ``backoff`` and ``token`` (the server's
 shared secret, default ``$UNIRL_REWARD_TOKEN``, sent as ``Authorization: Bearer``). Connection
 failures and timeouts are retried with a doubling backoff (at most 5 s apart), and so are
-502/503/504 answers (a server whose queue is full answers 503); then, or at once for an answer that
-is not the protocol, a ``RewardError`` says which. Errors the reward itself raised are not retried:
+502/503/504 answers (a server whose queue is full answers 503): ``unirl.serving.client.JSONClient``; then,
+or at once for an answer that is not the protocol, a ``RewardError`` says which. Errors the reward itself raised are not retried:
 they would recur. A 400 naming one of the server's settings means the request tried to change it.
 """
 
@@ -29,16 +29,10 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
-import time
-import urllib.error
-import urllib.request
 from typing import Any, Sequence
 
 from unirl.rewards.registry import RewardError
-
-#: HTTP statuses that mean "the server is there but not ready": worth another attempt.
-_RETRY_STATUSES = (502, 503, 504)
+from unirl.serving.client import JSONClient
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,8 +88,6 @@ class RemoteReward:
         token: the server's shared secret (default ``$UNIRL_REWARD_TOKEN``; None: send none).
     """
 
-    MAX_BACKOFF = 5.0
-
     def __init__(self, url: str, *, timeout: float = 60.0, retries: int | None = None, backoff: float = 0.5,
                  retry_for: float = 30.0, token: str | None = None):
         import os
@@ -112,6 +104,10 @@ class RemoteReward:
         self.retry_for = float(retry_for)
         self.token = token or os.environ.get("UNIRL_REWARD_TOKEN") or None
         self.__name__ = self.url
+        self.client = JSONClient(
+            self.url, timeout=self.timeout, retries=self.retries, backoff=self.backoff, retry_for=self.retry_for,
+            token=self.token, error=RewardError, what="reward server",
+            unreachable_hint=" Is `unirl serve-reward` running there? (kwargs.retry_for sets how long to keep trying)")
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r}, timeout={self.timeout}, retry_for={self.retry_for})"
@@ -139,51 +135,4 @@ class RemoteReward:
         return scores
 
     def _request(self, method: str, path: str, body: bytes | None) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        start = time.monotonic()
-        last, answered, attempts = "", False, 0
-        while True:
-            if attempts:
-                wait = min(self.backoff * 2 ** (attempts - 1), self.MAX_BACKOFF)
-                if ((self.retries is not None and attempts > self.retries)
-                        or time.monotonic() + wait - start > self.retry_for):
-                    break
-                time.sleep(wait)
-            attempts += 1
-            request = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    raw = response.read()
-            except urllib.error.HTTPError as err:
-                text = err.read().decode("utf-8", "replace")
-                try:
-                    message = json.loads(text)["error"]
-                except (ValueError, KeyError, TypeError):
-                    message = text[:300]
-                if err.code in _RETRY_STATUSES:  # busy (its queue is full) or not ready: try again
-                    last, answered = f"HTTP {err.code}: {message}", True
-                    continue
-                raise RewardError(f"reward server {self.url} answered HTTP {err.code}: {message}") from None
-            except (urllib.error.URLError, TimeoutError, socket.timeout, ConnectionError, OSError) as err:
-                reason = getattr(err, "reason", err)
-                last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
-                answered = False
-                continue
-            try:
-                answer = json.loads(raw)
-            except ValueError:
-                raise RewardError(f"reward server {self.url} answered garbage (not JSON): {raw[:200]!r}") from None
-            if not isinstance(answer, dict):
-                raise RewardError(f"reward server {self.url} answered garbage: expected a JSON object, got {raw[:200]!r}")
-            return answer
-        spent = time.monotonic() - start
-        if answered:
-            raise RewardError(f"reward server {self.url} did not score the batch in {attempts} attempt(s); "
-                              f"the last was answered {last} ({spent:.1f} s in all)")
-        raise RewardError(
-            f"reward server {self.url} is unreachable: {attempts} attempt(s) with a {self.timeout:g}s timeout "
-            f"failed, the last with {last} ({spent:.1f} s in all). Is `unirl serve-reward` running there? "
-            f"(kwargs.retry_for sets how long to keep trying)"
-        )
+        return self.client.request(method, path, body, doing="score the batch" if path == "/score" else None)

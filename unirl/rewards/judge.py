@@ -4,9 +4,9 @@
 vision-language model, UnifiedReward-style (https://arxiv.org/abs/2503.05236; FlowGRPO's
 ``unifiedreward`` reward queries a ``vllm serve`` of UnifiedReward-qwen-7b the same way): the judge
 weighs the image's alignment with the prompt and its quality, reasons, and ends with
-``Final Score: <1-5>``. ``llm_judge`` (text runs, ``rewards/llm_judge.py``) sends a rubric with the
+``Final Score: <1-5>``. ``llm_judge`` (text runs, ``unirl/rewards/llm_judge.py``) sends a rubric with the
 question and the response to a language model. Both are a ``Judge``: one client
-(``rewards/judge_client.py``: bounded concurrency, timeout, retries with backoff, a cache of answers),
+(``unirl/rewards/judge_client.py``: bounded concurrency, timeout, retries with backoff, a cache of answers),
 one score parser, and the judge's texts returned with the scores (``ScoresWithText``), which evaluation
 keeps in its samples.
 

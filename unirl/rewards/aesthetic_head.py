@@ -1,5 +1,5 @@
 """The LAION improved aesthetic predictor's MLP head (https://github.com/christophschuhmann/improved-aesthetic-predictor),
-used by the ``aesthetic`` reward (``rewards/clip_rewards.py``). Apart from that file so that listing the
+used by the ``aesthetic`` reward (``unirl/rewards/clip_rewards.py``). Apart from that file so that listing the
 rewards imports no torch."""
 
 from __future__ import annotations

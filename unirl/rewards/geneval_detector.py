@@ -29,7 +29,7 @@ COLOUR_TEMPLATES = ("a photo of a {c} {o}", "a photo of a {c}-colored {o}", "a p
 
 
 class Mask2FormerDetector:
-    """``Detector`` (``rewards/geneval.py``) with Mask2Former instances and CLIP colours."""
+    """``Detector`` (``unirl/rewards/geneval.py``) with Mask2Former instances and CLIP colours."""
 
     def __init__(self, model: str, clip_model: str, *, device: str = "cpu", dtype=torch.float32):
         from transformers import AutoImageProcessor, CLIPModel, CLIPProcessor, Mask2FormerForUniversalSegmentation

@@ -3,7 +3,7 @@
 Each takes ``model=`` (and ``processor=``) as a hub id or a local directory, so a user's machine
 downloads the published weights while the tests pass a toy CLIP built locally. Weights load once,
 lazily, on the right device, and batches are scored ``batch_size`` images at a time
-(``rewards/models.py``).
+(``unirl/rewards/models.py``).
 
 Embeddings are computed explicitly (``vision_model`` -> pooled output -> ``visual_projection``,
 and the same for text), which is what ``CLIPModel.get_image_features`` / ``get_text_features``
@@ -20,7 +20,7 @@ do, without depending on what those return in a given transformers version.
 - ``image_similarity`` (image editing): ``cos(image, input image)`` of the two CLIP image embeddings with
   ``openai/clip-vit-large-patch14``, FlowGRPO's ``image_similarity_score`` (``ClipScorer.image_similarity``),
   which its FLUX.1 Kontext and Qwen-Image-Edit configs weigh against GenEval so that the edit keeps the
-  input. The input image is the ``image`` column (``rewards/image.py``: ``input_images``); both images go
+  input. The input image is the ``image`` column (``unirl/rewards/image.py``: ``input_images``); both images go
   through the CLIP processor as PIL images, as in the other rewards here (FlowGRPO resizes tensors with torchvision).
 - ``aesthetic``: the LAION improved aesthetic predictor
   (https://github.com/christophschuhmann/improved-aesthetic-predictor), an MLP head
