@@ -227,7 +227,7 @@ def _text_environment(cfg, checkpoint: str, work: Path, n: int):
     checkpoint's tokenizer, the held-out rows, the config's engine over the checkpoint, the run's tools."""
     from accelerate import Accelerator
 
-    from unirl.rollout.engine import engine_loads_weights
+    from unirl.rollout.engines import engine_loads_weights
     from unirl.text import build_environment
 
     env = build_environment(cfg)  # a VLMEnvironment for a vision-language model (unirl/text/vlm_env.py)

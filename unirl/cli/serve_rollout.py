@@ -40,9 +40,11 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
 def serve_command(args: argparse.Namespace) -> int:
     """Load vLLM, print the URL (a line a script can wait for), serve until interrupted."""
     from unirl.rollout.server import make_server
+    from unirl.text.model_loading import resolve_model_path
 
     try:
         server = make_server(args.model, args.host, args.port, served_name=args.served_model_name, dtype=args.dtype,
+                             resolve=resolve_model_path,
                              seed=args.seed, max_model_len=args.max_model_len,
                              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
                              tensor_parallel_size=args.tensor_parallel_size, max_body_mb=args.max_body_mb,

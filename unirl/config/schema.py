@@ -408,9 +408,6 @@ class TrainerConfig:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
-        from unirl.trainer.backends import check_backend
-
-        check_backend(self.strategy, self.mixed_precision)
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
         for name in ("eval_every", "save_every", "max_nonfinite_steps"):

@@ -13,6 +13,7 @@ from typing import Literal, Optional
 
 from unirl.config import PATH
 from unirl.config.schema import RewardConfig, RunConfig, check_range
+from unirl.trainer.backends import check_backend
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
@@ -325,6 +326,7 @@ class DiffusionConfig(RunConfig):
         from unirl.diffusion.families import FAMILIES
 
         super().__post_init__()
+        check_backend(self.trainer.strategy, self.trainer.mixed_precision)
         if self.source.max_staleness or self.source.urls:
             raise ValueError("source: diffusion samples with the policy itself (no rollout engine), so its batches "
                              "are sampled when the step asks; leave source.max_staleness at 0 and source.urls empty")

@@ -6,6 +6,7 @@ server that serves an engine over HTTP (``server``, with its ``weight_channel``)
 Submodules are imported on use, so that ``import unirl.rollout`` stays cheap.
 """
 
-from unirl.rollout.engine import ENGINES, Engine, EngineContext, Generation, build_engine, register_engine
+from unirl.rollout.engine import ENGINES, Engine, EngineContext, Generation, register_engine
+from unirl.rollout.engines import build_engine
 
 __all__ = ["ENGINES", "Engine", "EngineContext", "Generation", "build_engine", "register_engine"]

@@ -6,9 +6,9 @@ under ``log_softmax(logits / temperature)`` (the trainer recomputes the same qua
 gap as ``rollout/logprob_diff_*``). It takes new weights in place (``load_weights``: named tensors), may
 free its device memory while the trainer updates (``sleep`` / ``wake_up``) and is closed at the end.
 
-Engines are registered by name (``ENGINES``: ``vllm``, ``hf``, ``server``, the vision-language ``vlm``);
-``rollout.engine`` names one, and ``build_engine`` is the one place an environment or ``unirl eval`` gets
-one. A user registers another with ``@register_engine("name")`` on a builder taking an ``EngineContext``
+Engines are registered by name (``ENGINES``: ``vllm``, ``hf``, ``server`` in ``unirl/rollout/engines.py``, the
+vision-language ``vlm``); ``rollout.engine`` names one, and ``build_engine`` (``unirl/rollout/engines.py``) is
+the one place an environment or ``unirl eval`` gets one. A user registers another with ``@register_engine("name")`` on a builder taking an ``EngineContext``
 (docs/architecture.md, "How to add an engine"; ``tests/test_rollout_layer.py`` adds one and trains with it).
 """
 
@@ -84,6 +84,12 @@ class EngineContext:
     processor: Any = None
 
 
+#: Engines that load ``ctx.model_path`` themselves (no trainer-side policy): ``unirl eval`` leaves them the device.
+LOADS_WEIGHTS: set[str] = set()
+#: Engines that take the policy's weights under Hugging Face names with LoRA merged (``hf_checkpoint``).
+TAKES_HF_WEIGHTS: set[str] = set()
+
+
 EngineBuilder = Callable[[EngineContext], Engine]
 ENGINES: Registry[EngineBuilder] = Registry("rollout engine")
 
@@ -98,50 +104,6 @@ def register_engine(name: str, *, loads_weights: bool = False, hf_weights: bool 
     if hf_weights:
         TAKES_HF_WEIGHTS.add(name)
     return ENGINES.register(name)
-
-
-#: Engines that load ``ctx.model_path`` themselves (no trainer-side policy): ``unirl eval`` leaves them the device.
-LOADS_WEIGHTS: set[str] = set()
-#: Engines that take the policy's weights under Hugging Face names with LoRA merged (``hf_checkpoint``).
-TAKES_HF_WEIGHTS: set[str] = set()
-
-
-def engine_loads_weights(name: str) -> bool:
-    """Whether the engine ``name`` loads the model directory itself (vLLM) rather than sampling a trainer-side
-    module or a server's; ``register_engine(name, loads_weights=True)`` says so."""
-    from unirl.rollout import builtin_engines  # noqa: F401
-
-    return name in LOADS_WEIGHTS
-
-
-def engine_takes_hf_weights(name: str) -> bool:
-    """Whether the engine ``name`` is given the policy's weights under Hugging Face names with LoRA merged (vLLM,
-    the rollout server), so a LoRA must be mergeable there; ``register_engine(name, hf_weights=True)``."""
-    from unirl.rollout import builtin_engines  # noqa: F401
-
-    return name in TAKES_HF_WEIGHTS
-
-
-def check_engine(name: str) -> None:
-    """Raise ``ValueError`` (one line listing the registered engines) unless ``name`` is one (``rollout.engine``,
-    checked where the config loads; a user's engine counts once the module registering it is imported)."""
-    from unirl.rollout import builtin_engines  # noqa: F401
-
-    if name not in ENGINES:
-        raise ValueError(f"engine: {ENGINES.unknown_message(name)}")
-
-
-def build_engine(name: str, ctx: EngineContext) -> Engine:
-    """The engine ``name`` (``rollout.engine``) for ``ctx``; an unknown name lists the registered ones."""
-    from unirl.rollout import builtin_engines  # noqa: F401 (registers vllm, hf, server)
-
-    engine = ENGINES.get(name)(ctx)
-    if not isinstance(engine, Engine):
-        missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close", "weights_format", "shares_policy")
-                   if not hasattr(engine, m)]
-        raise TypeError(f"rollout engine {name!r} built a {type(engine).__name__}, which lacks {', '.join(missing)} "
-                        f"(unirl.rollout.engine.Engine)")
-    return engine
 
 
 def eos_token_ids(tokenizer, generation_config=None) -> frozenset[int]:

@@ -309,12 +309,12 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
                 tensor_parallel_size: int = 1, enforce_eager: bool = True, kv_cache_gb: float | None = None,
                 max_body_mb: float = 64.0,
                 max_weights_mb: float = 65536.0, body_timeout_s: float = 600.0, token: str | None = None,
-                grace_s: float = 10.0):
-    """A server (bound, not yet serving) with vLLM loaded on ``model`` (a directory, a hub name or a
-    toy: ``tiny``). ``port=0`` picks a free port (``server.server_address[1]``)."""
+                grace_s: float = 10.0, resolve=None):
+    """A server (bound, not yet serving) with vLLM loaded on ``model`` (a directory or a hub name; ``resolve``
+    turns another name into one: ``unirl serve-rollout`` passes the text models' resolver, so ``tiny`` and the
+    named models serve too). ``port=0`` picks a free port (``server.server_address[1]``)."""
     from unirl.serving.server import AppServer
     from unirl.rollout.vllm import VLLMEngine
-    from unirl.text.model_loading import resolve_model_path
 
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535 (0 picks a free one), got {port}")
@@ -327,7 +327,7 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
     if host not in ("127.0.0.1", "localhost", "::1") and guards.token is None:
         raise ValueError(f"serve-rollout: --host {host} exposes the policy beyond this machine; give a --token "
                          f"(or ${TOKEN_ENV}) that every client must send")
-    path = resolve_model_path(model)
+    path = resolve(model) if resolve is not None else model
     engine = VLLMEngine(path, dtype=dtype, seed=seed,
                         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                         enforce_eager=enforce_eager, max_model_len=max_model_len,

@@ -354,7 +354,7 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     if sampler.engine.shares_policy:  # sample from a copy the trainer's updates do not touch
         import dataclasses
 
-        from unirl.rollout.engine import build_engine
+        from unirl.rollout.engines import build_engine
 
         live = sampler.engine
         ctx = sampler.engine_context(env.model_path)

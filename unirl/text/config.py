@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional
 
 from unirl.config import FILE_SPEC, PATH
 from unirl.config.schema import OptimConfig, RunConfig, check_range
+from unirl.trainer.backends import check_backend
 
 
 @dataclass
@@ -207,7 +208,7 @@ class RolloutConfig:
         check_range(self, "tool_timeout_s", low=0, low_open=True)
         check_range(self, "sleep_level", low=0, high=2)
         check_range(self, "server_timeout_s", low=0, low_open=True)
-        from unirl.rollout.engine import check_engine
+        from unirl.rollout.engines import check_engine
 
         check_engine(self.engine)
         if self.engine == "server" and not self.server_url:
@@ -321,6 +322,7 @@ class TextConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        check_backend(self.trainer.strategy, self.trainer.mixed_precision)
         if self.model.logprob_chunk_size is not None and self.model.logprob_chunk_size < 1:
             raise ValueError(f"model.logprob_chunk_size must be >= 1 or null, got {self.model.logprob_chunk_size}")
         if self.overlong.buffer is not None and not 1 <= self.overlong.buffer <= self.rollout.max_new_tokens:

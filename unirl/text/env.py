@@ -25,7 +25,7 @@ from unirl.text.data import load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
 from unirl.text.distill import load_teacher
 from unirl.rollout import EngineContext, build_engine
-from unirl.rollout.engine import engine_loads_weights, engine_takes_hf_weights
+from unirl.rollout.engines import engine_loads_weights, engine_takes_hf_weights
 from unirl.rollout.weights import export_sharded, publish
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.held_out import evaluate_held_out

@@ -41,10 +41,10 @@ def check_backend(name: str, mixed_precision: str = "no") -> None:
     from unirl.trainer.backends import ddp, fsdp2  # noqa: F401
 
     if name not in BACKENDS:
-        raise ValueError(f"strategy: {BACKENDS.unknown_message(name)}")
+        raise ValueError(f"trainer.strategy: {BACKENDS.unknown_message(name)}")
     refused = getattr(BACKENDS.get(name), "refuses_mixed_precision", {}).get(mixed_precision)
     if refused:
-        raise ValueError(f"mixed_precision={mixed_precision} with strategy={name}: {refused}")
+        raise ValueError(f"trainer.mixed_precision={mixed_precision} with trainer.strategy={name}: {refused}")
 
 
 def uses_sharding(trainer_cfg) -> bool:
