@@ -479,6 +479,10 @@ class RunConfig:
         null (DiffusionNFT: ``nft``); None: the ratio loss of ``algo``."""
         return None
 
+    def trainer_blocks(self) -> dict:
+        """The environment's blocks the trainer takes (text: ``critic``, ``distill``): ``Trainer.from_config``."""
+        return {}
+
     def policy_loss_name(self) -> str:
         """The run's policy loss (``check_loss_args``)."""
         return check_loss_args(self.algo, self.mode_policy_loss())

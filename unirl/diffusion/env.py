@@ -144,14 +144,14 @@ class DiffusionEnvironment(Environment):
         """Guidance of the rollouts and the training forward (1 unless ``sampling.train_cfg``)."""
         return self.cfg.sampling.guidance_scale if self.cfg.sampling.train_cfg else 1.0
 
-    def _cond(self, cond: dict[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:
+    def cond(self, cond: dict[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:
         """The family's conditioning ``{key: [n, ...]}``, plus the negative prompt's ``neg_<key>`` for CFG."""
         if guidance > 1:
             n = next(iter(cond.values())).shape[0]
             cond = {**cond, **{k: v.expand(n, *v.shape[1:]) for k, v in self.negative.items()}}  # [n, ...]
         return cond
 
-    def _encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+    def encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """The family's conditioning of ``rows`` ``{key: [len(rows), ...]}``: their prompts' and, for a family
         with a conditioning image, their images' (``row["image"]``, a path checked at loading)."""
         s, device = self.cfg.sampling, self.accelerator.device
@@ -172,7 +172,7 @@ class DiffusionEnvironment(Environment):
 
     # ------------------------------------------------------------ evaluation
     @contextlib.contextmanager
-    def _ema_weights(self):
+    def ema_weights(self):
         if self.ema is None:
             yield
             return
@@ -202,7 +202,7 @@ class DiffusionEnvironment(Environment):
         acc = self.accelerator
         directory = Path(directory)
         model = acc.unwrap_model(self._model)
-        with self._ema_weights():  # written while the EMA weights are swapped in
+        with self.ema_weights():  # written while the EMA weights are swapped in
             full = sharded_state_dict(acc, self._model)  # collective under FSDP, None otherwise
             if not acc.is_main_process:
                 return

@@ -31,10 +31,10 @@ def sample_deterministic(env, rows: list[dict], positions: list[int] | None = No
     images = []
     for lo in range(0, len(rows), s.chunk_size):
         chunk = rows[lo:lo + s.chunk_size]
-        encoded = env._encode(chunk)
-        out = sample_with_logprob(env.family, env._model, noise[lo:lo + len(chunk)].to(device),
+        encoded = env.encode(chunk)
+        out = sample_with_logprob(env.family, env.model, noise[lo:lo + len(chunk)].to(device),
                                   env.eval_sigmas.to(device), env.eval_timesteps.to(device),
-                                  env._cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
+                                  env.cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
                                   noise_level=0.0, stochastic=stochastic)
         images += to_pil(env.family.decode(env.pipe, out.final))
     return images
@@ -53,7 +53,7 @@ def held_out_evaluation(env, step: int, run_dir: Path) -> tuple[dict[str, float]
     acc, k = env.accelerator, env.cfg.data.grid_size
     mine = list(range(acc.process_index, len(env.test_rows), acc.num_processes))
     rows = [env.test_rows[i] for i in mine]
-    with env._ema_weights():
+    with env.ema_weights():
         images = env.sample_deterministic(rows, mine)
     media = {}
     comps, judged = {}, {}  # judged: a judge reward's answers, by reward

@@ -85,8 +85,8 @@ class NFTRollout(RolloutMode):
         env, n = self.env, self.env.cfg.nft
         self.kl_coef = build_loss_args("nft", env.cfg.algo.loss_args).kl_coef  # with a KL the reference's velocities too
         if self.kl_coef > 0 and not env.cfg.model.lora.enabled and env.ref is None:
-            env.ref = copy.deepcopy(env._model).requires_grad_(False).eval()  # the untrained weights
-        self.old = OldPolicy([p for p in env._model.parameters() if p.requires_grad], n.old_decay_flat,
+            env.ref = copy.deepcopy(env.model).requires_grad_(False).eval()  # the untrained weights
+        self.old = OldPolicy([p for p in env.model.parameters() if p.requires_grad], n.old_decay_flat,
                              n.old_decay_rate, n.old_decay_max)
 
     def after_optimizer_step(self, optimizer_steps: int) -> None:
@@ -106,7 +106,7 @@ class NFTRollout(RolloutMode):
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in env._encode(rows).items()}  # each [N, ...]
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in env.encode(rows).items()}  # each [N, ...]
         noise = env.family.noise(B if s.same_noise_per_group else N, env.latent_shape, generator)
         if s.same_noise_per_group:
             noise = noise.repeat_interleave(G, 0)  # [N, *latent]
@@ -121,7 +121,7 @@ class NFTRollout(RolloutMode):
             for lo in range(0, N, s.chunk_size):
                 hi = min(lo + s.chunk_size, N)
                 cond = {k: v[lo:hi] for k, v in encoded.items()}
-                out = sample_with_logprob(env.family, env._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+                out = sample_with_logprob(env.family, env.model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                           guidance_scale=1.0, noise_level=0.0, stochastic=ode)
                 images += env.sampler.decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
                 finals.append(out.final.cpu())

@@ -320,6 +320,9 @@ class TextConfig(RunConfig):
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/text"
 
+    def trainer_blocks(self) -> dict:
+        return {"critic": self.critic, "distill": self.distill}
+
     def __post_init__(self):
         super().__post_init__()
         check_backend(self.trainer.strategy, self.trainer.mixed_precision)

@@ -101,8 +101,7 @@ class Trainer:
         from unirl.config import config_to_dict
 
         return cls(env, algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=cfg.output_dir,
-                   config_dict=config_to_dict(cfg), critic=getattr(cfg, "critic", None),
-                   distill=getattr(cfg, "distill", None), source=cfg.source, **kwargs)
+                   config_dict=config_to_dict(cfg), source=cfg.source, **{**cfg.trainer_blocks(), **kwargs})
 
     # the run's counters (``RunState``), read by tests and tools
     step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
