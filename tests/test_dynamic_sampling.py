@@ -197,7 +197,7 @@ def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny
     cfg = load_run_config("text", "tiny", [*CONSTANT_ARGS, _constant_reward(tmp_path), "trainer.total_steps=3",
                                            "algo.filter_groups.max_num_gen_batches=0"], output_dir=str(tmp_path / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
-    real, calls = trainer.env.rollout, []
+    real, calls = trainer.env.sampler.rollout, []
 
     def rollout(rows, group_size):
         calls.append(len(rows))
@@ -206,7 +206,7 @@ def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny
         assert len(calls) < 30, "the SIGTERM did not stop dynamic sampling"
         return real(rows, group_size)
 
-    trainer.env.rollout = rollout
+    trainer.env.sampler.rollout = rollout
     with pytest.raises(Preempted) as info:
         trainer.train()
     assert info.value.exit_code == 143 and len(calls) == 3

@@ -112,7 +112,7 @@ def test_off_policy_update_keeps_the_separate_pass(tmp_path, tiny_lm_dir):
         metrics = trainer.old_and_reference(rollout)
         assert rollout.old_logp is not None and "rollout/logprob_diff_max" in metrics
         old, rollout.old_logp = rollout.old_logp, None
-        with pytest.raises(RuntimeError, match="old_and_reference"):
+        with pytest.raises(RuntimeError, match="run the old_logprobs stage first"):
             trainer.update(rollout)  # two epochs: the first forward of the second is not on-policy
         rollout.old_logp = old
         assert "rollout/logprob_diff_max" not in trainer.update(rollout)
