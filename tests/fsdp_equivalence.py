@@ -84,7 +84,8 @@ def load(checkpoint: Path, strategy: str, work: Path, out_path: Path) -> None:
 
     state = PartialState(cpu=cpu_processes())
     trainer = make_trainer("text", 1, "token-mean", 0.0, work, ["rollout.engine=hf", "optim.lr=5e-4", f"trainer.strategy={strategy}"])
-    checkpoints.load_trainer_state(trainer.accelerator, checkpoint / "trainer_state", step=int(checkpoint.name[5:]))
+    checkpoints.load_trainer_state(trainer.backend, checkpoint / "trainer_state", trainer.state_objects,
+                                   step=int(checkpoint.name[5:]))
     model = trainer.accelerator.unwrap_model(trainer.env.model)
     weights = {name: full(t.detach()).clone() for name, t in model.state_dict().items()}
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
