@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from unirl.agents.config import EnvironmentConfig
 from unirl.config import FILE_SPEC, PATH
 from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
 
@@ -200,6 +201,10 @@ class RolloutConfig:
     tool_concurrency: int = 32
     #: The observation a failed call shows (``{error}``: what went wrong).
     tool_error_text: str = "Error: {error}"
+    #: A stateful environment whose episodes the samples are (docs/agents.md): each turn's text goes to
+    #: it and its observation comes back, within ``max_turns``, ``max_new_tokens`` a turn,
+    #: ``max_total_tokens`` and ``max_observation_tokens``. Off while ``environment.name`` is null.
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
     def __post_init__(self):
         for name in ("max_new_tokens", "tensor_parallel_size", "max_turns", "tool_concurrency", "sync_bucket_mb"):
@@ -210,6 +215,9 @@ class RolloutConfig:
         check_range(self, "sleep_level", low=0, high=2)
         check_range(self, "max_staleness", low=0)
         check_range(self, "server_timeout_s", low=0, low_open=True)
+        if self.environment.name is not None and self.tools:
+            raise ValueError("rollout.environment and rollout.tools are two ways to play turns: an environment's "
+                             "episodes, or tool calls inside one answer; set one (the other empty)")
         if self.engine == "server" and not self.server_url:
             raise ValueError("rollout.engine=server needs rollout.server_url (the address `unirl serve-rollout` printed)")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):

@@ -26,6 +26,7 @@ from unirl.text.logprobs import response_logprobs
 from unirl.text.rollout_client import ServerEngine
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.held_out import evaluate_held_out
+from unirl.agents.episodes import episode_rollout
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import (build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout,
                                           turn_limits)
@@ -121,6 +122,7 @@ class TextEnvironment(Environment):
             self.engine = HFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer,
                                    cache=r.hf_cache, max_cache_len=longest_call(cfg))
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
+        self.episodes = episode_rollout(cfg, self.tokenizer, lambda text: self.encode_prompt({"prompt": text}))
 
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
         return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
@@ -191,6 +193,8 @@ class TextEnvironment(Environment):
     @torch.no_grad()
     def rollout(self, rows: list[dict], group_size: int) -> Rollout:
         r = self.cfg.rollout
+        if self.episodes is not None:  # an environment's episodes (unirl/agents/episodes.py)
+            return self.episodes.rollout(self.engine, rows, group_size)
         prompt_ids = [self.encode_prompt(row, i) for i, row in enumerate(rows)]
         if self.tools is not None:  # multi-turn, with tool calls (unirl/text/multiturn.py)
             fmt, runner = self.tools
@@ -238,7 +242,7 @@ class TextEnvironment(Environment):
         rewards, metrics = self.rewards.combine(components, rollout.group_ids)
         if self.cfg.overlong.buffer is not None:  # DAPO's soft overlong punishment, on the combined reward
             lengths, max_length = rollout.tensors["response_mask"].sum(-1), self.cfg.rollout.max_new_tokens
-            if self.tools is not None:  # the whole multi-turn response against its own maximum, as verl
+            if self.tools is not None or self.episodes is not None:  # the whole multi-turn response, as verl
                 lengths, max_length = overlong_lengths(self.cfg.rollout, rollout.tensors)
             penalty = overlong_penalty(lengths, max_length=max_length, buffer=self.cfg.overlong.buffer,
                                        factor=self.cfg.overlong.penalty_factor)  # [N]
@@ -392,8 +396,8 @@ class TextEnvironment(Environment):
                "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
                "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
                "rollout/response_length_mean": rollout.tensors["response_mask"].sum(-1).mean().item()}
-        if "turns" in rollout.tensors:  # a multi-turn rollout
-            return {**out, **multi_turn_metrics(rollout.tensors)}
+        if "turns" in rollout.tensors:  # a multi-turn rollout: tool calls, or an environment's episodes
+            return {**out, **(self.episodes.metrics(rollout) if self.episodes else multi_turn_metrics(rollout.tensors))}
         return {**out, "rollout/truncated_frac": 1.0 - rollout.tensors["finished"].float().mean().item()}
 
     def _mismatch_metrics(self, engine_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -27,7 +27,12 @@ def evaluate_held_out(env, step: int, run_dir: Path) -> dict[str, float]:
     texts = []
     if rows:
         prompt_ids = [env.encode_prompt(row, i) for i, row in zip(mine, rows)]
-        if env.tools is not None:  # greedy multi-turn, the tools called as in training
+        if getattr(env, "episodes", None) is not None:  # greedy episodes of the run's environment (unirl/agents)
+            traces = [g[0] for g in env.episodes.play(env.engine, rows, n=1, greedy=True,
+                                                      max_new_tokens=r.eval_max_new_tokens)]
+            texts = [env.tokenizer.decode(t.ids, skip_special_tokens=True) for t in traces]
+            rows = [{**row, "episode_return": t.episode_return, "turns": t.turns} for row, t in zip(rows, traces)]
+        elif env.tools is not None:  # greedy multi-turn, the tools called as in training
             groups = multi_turn_generate(env.engine, env.tokenizer, *env.tools, prompt_ids, n=1, greedy=True,
                                          temperature=1.0, max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens,
                                          **turn_limits(r))
