@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from unirl.agents.calls import EnvFailure, guarded, run_coroutine
-from unirl.agents.protocol import checked_step
+from unirl.agents.protocol import EpisodeError, checked_step
 from unirl.text.multiturn import _capped, _longest_token_chars
 
 
@@ -207,7 +207,11 @@ class _Players:
             eos = gen.finished and len(ids) == len(gen.response_ids)
             action = self.tokenizer.decode(ids, skip_special_tokens=True)
             stopped = eos or any(action.endswith(s) for s in lim["stop"])
-            step = checked_step(await self.call(trace, episode.step, action, what=f"step() of turn {turn}"))
+            answer = await self.call(trace, episode.step, action, what=f"step() of turn {turn}")
+            try:
+                step = checked_step(answer)
+            except EpisodeError as err:  # the environment broke the contract: this episode ends
+                raise EnvFailure(f"turn {turn}: {err}") from None
             trace.steps += 1
             trace.info = dict(step.info)
             trace.turn_rewards.append(float(step.reward or 0.0))
