@@ -1,0 +1,141 @@
+"""Environments from the ecosystem through unirl's adapters, against the real packages (no mocks of them):
+an OpenEnv server (openenv-core's app under uvicorn, started here) played by the episode runner, a dead
+server counted as errors, and the tiny game trained through it step for step as the native walk trains;
+gymnasium's FrozenLake (discrete actions, ANSI text) and a gymnasium environment with text actions."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_agents_runner import CharTokenizer, ScriptedEngine
+from unirl.agents import load_environment
+from unirl.agents.runner import run_episodes
+
+REPO = Path(__file__).resolve().parents[1]
+pytest.importorskip("openenv", reason="openenv-core is in the agents extra (make setup installs it)")
+pytest.importorskip("gymnasium", reason="gymnasium is in the agents extra (make setup installs it)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def walk_server():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "openenv_walk_server.py"), str(port)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        line = proc.stdout.readline()  # "ready" once uvicorn listens (openenv-core imports in ~5 s)
+        assert line.strip() == "ready", line + proc.stdout.read() if proc.poll() is not None else line
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def walker(context: str) -> str:
+    """The right move from the last "at X goal Y" of the context."""
+    cell, goal = map(int, re.findall(r"at (\d) goal (\d)", context)[-1])
+    return ("r" if goal > cell else "l") + "$"
+
+
+def play(make, rows, engine, **kw):
+    kw = {"n": 1, "max_turns": 6, "max_new_tokens": 4, "max_total_tokens": None, "temperature": 1.0,
+          "step_timeout_s": 20.0, **kw}
+    return run_episodes(engine, CharTokenizer(), make, rows, encode=lambda text: [ord(c) for c in text], **kw)
+
+
+OPENENV_WALK = {"action_key": "move", "observation_key": "text", "reset_keys": ["start", "goal"], "show_prompt": False}
+
+
+def test_openenv_sessions_are_episodes(walk_server, capsys):
+    make = load_environment("openenv", {"base_url": walk_server, **OPENENV_WALK})
+    rows = [{"prompt": "p", "start": s, "goal": g} for s, g in ((3, 6), (8, 5), (0, 1), (9, 7))]
+    groups = play(make, rows, ScriptedEngine(walker), n=4)  # 16 sessions at once, each its own state
+    assert [[(t.turns, t.done, t.episode_return) for t in g] for g in groups] == \
+        [[(turns, True, 1.0)] * 4 for turns in (3, 3, 1, 2)]
+    trace = groups[0][0]
+    assert CharTokenizer().decode(trace.prompt_ids) == "at 3 goal 6\n"
+    assert CharTokenizer().decode(trace.ids, skip_special_tokens=True) == "rat 4 goal 6\nrat 5 goal 6\nr"
+    # No server there: each episode is one line and an error, the run goes on.
+    dead = load_environment("openenv", {"base_url": f"http://127.0.0.1:{_free_port()}", **OPENENV_WALK,
+                                        "connect_timeout_s": 2.0})
+    traces = play(dead, rows[:2], ScriptedEngine(walker))
+    assert all(g[0].error is not None and "reset() raised ConnectionError" in g[0].error for g in traces)
+    assert len([line for line in capsys.readouterr().err.splitlines() if "ended at turn 0" in line]) == 2
+
+
+def _train(run: Path, *overrides: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny_game", "--output-dir",
+                           str(run), "trainer.progress=false", "trainer.total_steps=2", "trainer.eval_every=0",
+                           "trainer.save_every=0", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in line]
+
+
+@pytest.mark.slow
+def test_the_tiny_game_trains_through_openenv_as_through_the_native_walk(walk_server, tmp_path):
+    kwargs = json.dumps({"base_url": walk_server, **OPENENV_WALK})
+    over = _train(tmp_path / "openenv", "rollout.environment.name=openenv", f"rollout.environment.kwargs={kwargs}")
+    native = _train(tmp_path / "native")
+    # The same game behind HTTP: the same prompts, observations, samples and updates, step for step.
+    for key in ("reward/mean", "env/turns_mean", "actor/pg_loss", "actor/grad_norm"):
+        assert [r[key] for r in over] == pytest.approx([r[key] for r in native], rel=1e-5, abs=1e-6), key
+    assert all(r["env/errors"] == 0 for r in over)
+
+
+def test_gymnasium_frozen_lake_through_text():
+    make = load_environment("gym", {"env_id": "FrozenLake-v1",
+                                    "env_kwargs": {"is_slippery": False, "render_mode": "ansi"}})
+    path = iter("22111" "x" "2")  # right, right, down x3, an invalid turn, right: the goal of the 4x4 map
+    engine = ScriptedEngine(lambda context: next(path) + "$")
+    trace = play(make, [{"prompt": "Reach G. 0 left 1 down 2 right 3 up.\n", "seed": 0}], engine, max_turns=8)[0][0]
+    assert (trace.turns, trace.done, trace.turn_rewards) == (7, True, [0, 0, 0, 0, 0, 0, 1.0])
+    text = CharTokenizer().decode(trace.ids, skip_special_tokens=True)
+    assert "invalid action 'x'" in text and "(Down)" in text
+    assert CharTokenizer().decode(trace.prompt_ids).startswith("Reach G.")
+
+
+def test_gymnasium_text_actions():
+    import gymnasium
+
+    gymnasium.register(id="unirl-test/Shout-v0", entry_point=f"{__name__}:Shout")
+    make = load_environment("gym", {"env_id": "unirl-test/Shout-v0"})
+    trace = play(make, [{"prompt": "", "seed": 0}], ScriptedEngine(lambda context: "hello$"), max_new_tokens=8)[0][0]
+    assert (trace.turns, trace.done, trace.turn_rewards) == (2, True, [0.0, 1.0])
+    assert CharTokenizer().decode(trace.ids, skip_special_tokens=True) == "hellosay it againhello"
+    with pytest.raises(ValueError, match="action space is Box"):
+        load_environment("gym", {"env_id": "MountainCarContinuous-v0"})({"prompt": ""})
+
+
+try:
+    import gymnasium as _gym
+
+    class Shout(_gym.Env):
+        """Say anything twice (text actions and observations)."""
+
+        action_space = _gym.spaces.Text(max_length=32)
+        observation_space = _gym.spaces.Text(max_length=32, charset="abcdefghijklmnopqrstuvwxyz ")
+
+        def reset(self, seed=None, options=None):
+            super().reset(seed=seed)
+            self.said = 0
+            return "say something", {}
+
+        def step(self, action):
+            self.said += 1
+            return "say it again", float(self.said == 2), self.said == 2, False, {}
+except ImportError:  # pragma: no cover - skipped above
+    pass
