@@ -1,7 +1,9 @@
 """Environments from the ecosystem through unirl's adapters, against the real packages (no mocks of them):
 an OpenEnv server (openenv-core's app under uvicorn, started here) played by the episode runner, a dead
 server counted as errors, and the tiny game trained through it step for step as the native walk trains;
-gymnasium's FrozenLake (discrete actions, ANSI text) and a gymnasium environment with text actions."""
+a verifiers taskset's tasks scored by their rewards, and the tiny model trained through it step for step
+as with unirl's own reward; gymnasium's FrozenLake (discrete actions, ANSI text) and a gymnasium
+environment with text actions."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from unirl.agents.runner import run_episodes
 REPO = Path(__file__).resolve().parents[1]
 pytest.importorskip("openenv", reason="openenv-core is in the agents extra (make setup installs it)")
 pytest.importorskip("gymnasium", reason="gymnasium is in the agents extra (make setup installs it)")
+pytest.importorskip("verifiers", reason="verifiers is in the agents extra (make setup installs it)")
 
 
 def _free_port() -> int:
@@ -76,11 +79,12 @@ def test_openenv_sessions_are_episodes(walk_server, capsys):
     assert len([line for line in capsys.readouterr().err.splitlines() if "ended at turn 0" in line]) == 2
 
 
-def _train(run: Path, *overrides: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny_game", "--output-dir",
+def _train(run: Path, *overrides: str, config: str = "tiny_game") -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "unirl.cli", "train", "text", "--config", config, "--output-dir",
                            str(run), "trainer.progress=false", "trainer.total_steps=2", "trainer.eval_every=0",
                            "trainer.save_every=0", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in line]
 
@@ -94,6 +98,40 @@ def test_the_tiny_game_trains_through_openenv_as_through_the_native_walk(walk_se
     for key in ("reward/mean", "env/turns_mean", "actor/pg_loss", "actor/grad_norm"):
         assert [r[key] for r in over] == pytest.approx([r[key] for r in native], rel=1e-5, abs=1e-6), key
     assert all(r["env/errors"] == 0 for r in over)
+
+
+def test_verifiers_tasks_are_scored_by_their_rewards():
+    import asyncio
+
+    from unirl.agents.adapters.verifiers import taskset_rows
+
+    rows = taskset_rows("vf_addition_taskset")
+    assert len(rows) == 64 and rows[0] == {"prompt": "3+3=?", "task_index": 0}
+    make = load_environment("verifiers", {"taskset": "vf_addition_taskset"})
+    episode = make(rows[0])
+    assert episode.reset() == "3+3=?"
+    right, wrong = asyncio.run(episode.step("#### 6")), asyncio.run(make(rows[0]).step("#### 7 or so"))
+    assert (right.reward, right.done, right.info) == (1.0, True, {"correct": 1.0, "metric/length": 6.0})
+    assert (wrong.reward, wrong.info["correct"]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="a row needs 'task_index', 0..63"):
+        make({"prompt": "3+3=?"})
+
+
+@pytest.mark.slow
+def test_the_tiny_model_trains_through_a_verifiers_taskset_as_with_its_own_reward(tmp_path):
+    from unirl.agents.adapters.verifiers import taskset_rows
+
+    rows = tmp_path / "rows.jsonl"  # the taskset's tasks, with the gold for unirl's own gsm8k reward
+    rows.write_text("".join(json.dumps({**r, "answer": str(eval(r["prompt"][:-2]))}) + "\n"
+                            for r in taskset_rows("vf_addition_taskset")))
+    common = ["rollout.engine=hf", f"data.train={rows}", "data.test=null"]
+    through = _train(tmp_path / "verifiers", *common, "rollout.environment.name=verifiers",
+                     'rollout.environment.kwargs={"taskset": "vf_addition_taskset"}', "rewards=[episode_return]",
+                     config="tiny")
+    own = _train(tmp_path / "own", *common, config="tiny")
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/truncated_frac"):
+        assert [r[key] for r in through] == pytest.approx([r[key] for r in own], rel=1e-5, abs=1e-6), key
+    assert all(r["env/errors"] == 0 and r["env/turns_mean"] == 1.0 for r in through)
 
 
 def test_gymnasium_frozen_lake_through_text():

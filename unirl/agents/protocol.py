@@ -39,7 +39,7 @@ from unirl.registry import first_sentence
 #: Modules whose import registers the built-in environments (an adapter needing an optional package
 #: imports it first: without it, its environment is listed as unavailable with the pip line).
 BUILTIN_MODULES: list[str] = ["unirl.agents.walk", "unirl.agents.code_env", "unirl.agents.adapters.gym",
-                              "unirl.agents.adapters.openenv"]
+                              "unirl.agents.adapters.openenv", "unirl.agents.adapters.verifiers"]
 
 #: The entry-point group through which an installed package adds environments.
 ENTRY_POINT_GROUP = "unirl.environments"

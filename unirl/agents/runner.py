@@ -216,10 +216,10 @@ class _Players:
             trace.info = dict(step.info)
             trace.turn_rewards.append(float(step.reward or 0.0))
             trace.turn_ends.append(len(trace.ids) - 1 if ids else -1)  # an empty turn has no token to hold it
-            if step.done or step.truncated:
-                trace.done, trace.truncated = not step.truncated, step.truncated
+            if step.done or step.truncated or not stopped:  # a turn cut mid-way is truncated, whatever the answer
+                trace.done, trace.truncated = step.done and not step.truncated, step.truncated or not stopped
                 return
-            if not stopped or turn == lim["max_turns"]:  # cut mid-turn, or no turn left to answer the observation
+            if turn == lim["max_turns"]:  # no turn left to answer the observation
                 trace.truncated = True
                 return
             self._observe(trace, step.observation, eos)
