@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,17 +35,25 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def walk_server():
+def walk_server(tmp_path_factory):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "openenv_walk_server.py"), str(port)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    log = tmp_path_factory.mktemp("openenv") / "server.log"  # a file: a pipe nobody reads fills and stalls it
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "openenv_walk_server.py"), str(port)], cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
-        line = proc.stdout.readline()  # "ready" once uvicorn listens (openenv-core imports in ~5 s)
-        assert line.strip() == "ready", line + proc.stdout.read() if proc.poll() is not None else line
+        deadline = time.monotonic() + 120  # "ready" once uvicorn listens (openenv-core imports in ~5 s)
+        while "ready" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "ready" in log.read_text(), log.read_text()
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.terminate()  # uvicorn waits for open sessions to close: killed after a grace period
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def walker(context: str) -> str:

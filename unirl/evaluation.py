@@ -246,6 +246,9 @@ def _answers(cfg, env, rows: list[dict], n: int) -> list:
     from unirl.text.engines import HFEngine, VLLMEngine
 
     r = cfg.rollout
+    if r.environment.name is not None:  # issue 48's phase 1: the run's own held-out evaluation plays its episodes
+        raise ValueError(f"unirl eval does not play rollout.environment ({r.environment.name}) yet; the run's held-out "
+                         f"evaluation does (eval/accuracy in its metrics.jsonl, episodes in eval_samples.jsonl)")
     if hasattr(env, "load_processor") and r.engine != "hf":
         raise ValueError(f"rollout.engine={r.engine}: a vision-language policy is evaluated with the transformers engine "
                          f"only (docs/vlm.md); pass rollout.engine=hf")
