@@ -104,7 +104,7 @@ def test_the_tiny_game_trains_through_openenv_as_through_the_native_walk(walk_se
     over = _train(tmp_path / "openenv", "rollout.environment.name=openenv", f"rollout.environment.kwargs={kwargs}")
     native = _train(tmp_path / "native")
     # The same game behind HTTP: the same prompts, observations, samples and updates, step for step.
-    for key in ("reward/mean", "env/turns_mean", "actor/pg_loss", "actor/grad_norm"):
+    for key in ("reward/mean", "env/turns_mean", "loss/policy", "actor/grad_norm"):
         assert [r[key] for r in over] == pytest.approx([r[key] for r in native], rel=1e-5, abs=1e-6), key
     assert all(r["env/errors"] == 0 for r in over)
 
@@ -138,7 +138,7 @@ def test_the_tiny_model_trains_through_a_verifiers_taskset_as_with_its_own_rewar
                      'rollout.environment.kwargs={"taskset": "vf_addition_taskset"}', "rewards=[episode_return]",
                      config="tiny")
     own = _train(tmp_path / "own", *common, config="tiny")
-    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/truncated_frac"):
+    for key in ("reward/mean", "loss/policy", "actor/grad_norm", "rollout/truncated_frac"):
         assert [r[key] for r in through] == pytest.approx([r[key] for r in own], rel=1e-5, abs=1e-6), key
     assert all(r["env/errors"] == 0 and r["env/turns_mean"] == 1.0 for r in through)
 

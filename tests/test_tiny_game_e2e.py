@@ -1,7 +1,8 @@
 """``configs/text/tiny_game.yaml`` end to end through the CLI: GRPO on the walk game's episode returns makes
 the warm-started tiny model reach its goal more often in fewer turns (a stateful environment over
-several turns, observations masked); and the per-turn path (a reward every turn, discounted over turns)
-trains PPO's critic and REINFORCE++ without a hitch. The model's build (~30 s) happens once (UNIRL_CACHE)."""
+several turns, observations masked); the per-turn path (a reward every turn, discounted over turns)
+trains PPO's critic and REINFORCE++; and episodes go through DAPO's dynamic sampling and overlong
+penalty, asynchronous rollouts and on-policy distillation. The model's build (~30 s) happens once (UNIRL_CACHE)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def test_per_turn_rewards_train_the_token_estimators(tmp_path, estimator):
     assert len(rows) == 2 and all(r["env/return_mean"] < 1.0 and r["adv/abs_mean"] > 0 for r in rows)
     if estimator == "gae":
         assert all("critic/vf_loss" in r for r in rows), sorted(rows[0])
+
+
+@pytest.mark.parametrize("feature,overrides", [
+    ("dapo", ["algo.filter_groups.enabled=true", "algo.filter_groups.metric=episode_return", "overlong.buffer=2"]),
+    ("async", ["rollout.max_staleness=1"]),
+    ("distill", ["distill.teacher=tiny_teacher", "distill.mode=added"]),  # the tiny teacher shares the tokenizer
+])
+def test_episodes_with(tmp_path, feature, overrides):
+    logged = _train(tmp_path / feature, "trainer.total_steps=2", "trainer.eval_every=0", "trainer.save_every=0",
+                    *overrides)
+    rows = [r for r in logged if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["env/errors"] == 0 and r["env/turns_mean"] > 1 for r in rows)
+    figure = {"dapo": "filter/kept_groups", "async": "rollout/staleness_mean", "distill": "distill/reverse_kl"}[feature]
+    assert all(figure in r for r in rows), sorted(rows[0])

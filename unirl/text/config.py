@@ -345,6 +345,9 @@ class TextConfig:
         if self.distill.teacher and self.distill.mode == "alone" and self.algo.adv_estimator == "gae":
             raise ValueError("distill.mode=alone leaves out the outcome advantages, so algo.adv_estimator=gae would "
                              "train a critic that nothing reads; use distill.mode=added or a critic-free estimator")
+        if self.rollout.environment.name is not None and not any(r.name == "episode_return" for r in self.rewards):
+            raise ValueError("rollout.environment: list the episode_return reward in rewards (what the episodes "
+                             "earned); with weight 0 when other rewards alone should score the transcripts")
         if self.algo.policy_loss == "nft":
             raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
                              "text trains a loss over log-probs: clipped, gspo or one you register")
