@@ -33,13 +33,14 @@ def test_a_program_passes_or_fails_its_tests():
 
 
 def test_an_infinite_loop_is_stopped_by_its_cpu_time():
-    out = run_program("while True:\n    pass\n", "", QUICK)
-    assert out.status == "cpu_time" and out.signal in ("SIGXCPU", "SIGKILL") and out.wall_s < 3
+    # A wall clock far past the CPU second: on a busy machine the loop gets a fraction of a core.
+    out = run_program("while True:\n    pass\n", "", Limits(wall_s=30, cpu_s=1))
+    assert out.status == "cpu_time" and out.signal in ("SIGXCPU", "SIGKILL") and out.wall_s < 30
 
 
 def test_a_sleeper_is_stopped_by_the_wall_clock():
     out = run_program("import time\ntime.sleep(60)\n", "", Limits(wall_s=1, cpu_s=1))
-    assert out.status == "timeout" and 1 <= out.wall_s < 3
+    assert out.status == "timeout" and 1 <= out.wall_s < 10
 
 
 @pytest.mark.parametrize("bomb", ["import os\nwhile True:\n    os.fork()\n",
