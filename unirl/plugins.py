@@ -38,7 +38,7 @@ from unirl.registry import Registry
 #: Import name -> pip distribution, where they differ (for the "install ..." hint).
 _PIP_NAMES = {
     "math_verify": "math-verify", "latex2sympy2_extended": "math-verify", "PIL": "pillow", "cv2": "opencv-python",
-    "sklearn": "scikit-learn", "open_clip": "open-clip-torch", "torchvision": "torchvision",
+    "sklearn": "scikit-learn", "open_clip": "open-clip-torch", "torchvision": "torchvision", "openenv": "openenv-core",
 }
 
 

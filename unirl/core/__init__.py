@@ -39,6 +39,7 @@ from unirl.core.returns import (
     reinforce_pp_advantages,
     token_scores,
 )
+from unirl.core.turns import turn_token_rewards
 from unirl.core.value import explained_variance, value_loss
 
 __all__ = [
@@ -78,5 +79,6 @@ __all__ = [
     "rollout_mismatch_metrics",
     "token_scores",
     "truncated_importance_weights",
+    "turn_token_rewards",
     "value_loss",
 ]

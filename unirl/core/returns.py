@@ -182,3 +182,8 @@ def reinforce_pp_advantages(
     mask, token_rewards, _, squeeze = _token_inputs(rewards, mask, token_rewards, None)
     advantages = masked_whiten(discounted_returns(token_rewards, mask, gamma=gamma), mask)
     return (advantages.squeeze(-1) if squeeze else advantages), None
+
+
+# Its running sum restarts after every masked-out position (an observation): per-turn rewards are
+# placed for it as returns, not as differences (``unirl.core.turns.turn_token_rewards``).
+reinforce_pp_advantages.restarts_at_observations = True

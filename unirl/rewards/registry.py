@@ -70,6 +70,7 @@ BUILTIN_MODULES: list[str] = [
     "unirl.rewards.llm_judge",
     "unirl.rewards.geneval",
     "unirl.rewards.imagereward",
+    "unirl.agents.reward",  # episode_return, the reward of rollout.environment's episodes
 ]
 
 #: The entry-point group through which an installed package adds rewards.

@@ -88,7 +88,8 @@ class TextActions(Actions):
         """[n, R] the value head's output at the positions whose hidden states predict the response
         tokens (where ``score_actions`` reads the log-probs), float32; packed as ``score_actions`` packs."""
         device = self.env.accelerator.device
-        t = {k: batch.tensors[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        t = {k: batch.tensors[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids")}
+        t["response_mask"] = response_tokens(batch.tensors).to(device)  # observations are attended to (multi-turn)
         R = t["response_ids"].shape[1]
         if self.env.cfg.model.share_prompt:
             packed = pack_shared_prompts(t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"])

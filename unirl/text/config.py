@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from unirl.agents.config import EnvironmentConfig
 from unirl.config import FILE_SPEC, PATH
 from unirl.config.schema import OptimConfig, RunConfig, check_range
 from unirl.trainer.backends import check_backend
@@ -199,6 +200,10 @@ class RolloutConfig:
     tool_concurrency: int = 32
     #: The observation a failed call shows (``{error}``: what went wrong).
     tool_error_text: str = "Error: {error}"
+    #: A stateful environment whose episodes the samples are (docs/agents.md): each turn's text goes to
+    #: it and its observation comes back, within ``max_turns``, ``max_new_tokens`` a turn,
+    #: ``max_total_tokens`` and ``max_observation_tokens``. Off while ``environment.name`` is null.
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
     def __post_init__(self):
         for name in ("max_new_tokens", "tensor_parallel_size", "max_turns", "tool_concurrency", "sync_bucket_mb"):
@@ -208,6 +213,9 @@ class RolloutConfig:
         check_range(self, "tool_timeout_s", low=0, low_open=True)
         check_range(self, "sleep_level", low=0, high=2)
         check_range(self, "server_timeout_s", low=0, low_open=True)
+        if self.environment.name is not None and self.tools:
+            raise ValueError("rollout.environment and rollout.tools are two ways to play turns: an environment's "
+                             "episodes, or tool calls inside one answer; set one (the other empty)")
         from unirl.rollout.engines import check_engine
 
         check_engine(self.engine)
@@ -338,6 +346,9 @@ class TextConfig(RunConfig):
         if self.distill.teacher and self.distill.mode == "alone" and self.algo.adv_estimator == "gae":
             raise ValueError("distill.mode=alone leaves out the outcome advantages, so algo.adv_estimator=gae would "
                              "train a critic that nothing reads; use distill.mode=added or a critic-free estimator")
+        if self.rollout.environment.name is not None and not any(r.name == "episode_return" for r in self.rewards):
+            raise ValueError("rollout.environment: list the episode_return reward in rewards (what the episodes "
+                             "earned); with weight 0 when other rewards alone should score the transcripts")
         if self.algo.policy_loss == "nft":
             raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
                              "text trains a loss over log-probs: clipped, gspo or one you register")

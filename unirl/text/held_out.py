@@ -7,7 +7,7 @@ them, the turn limits of training) scored by the config's rewards (``score``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,27 +18,36 @@ from unirl.text.multiturn_rollout import turn_limits
 
 @dataclass
 class Answer:
-    """One answer to a held-out prompt: its text (with a tool-using policy, the whole response, the tools'
-    observations in it, as the rewards see them in training) and, multi-turn, its calls."""
+    """One answer to a held-out prompt: its text (with a tool-using policy or an environment's episode, the
+    whole response, the observations in it, as the rewards see them in training), multi-turn its calls, and
+    ``columns`` the rewards read beside the row's (an episode's ``episode_return`` and ``turns``)."""
 
     text: str
     tool_calls: int | None = None
     tool_errors: int | None = None
+    columns: dict = field(default_factory=dict)
 
 
 @torch.no_grad()
 def answer(env, rows: list[dict], *, n: int = 1, greedy: bool = True, indices: list[int] | None = None
            ) -> list[list[Answer]]:
-    """``n`` answers (one when ``greedy``) to each row from ``env.engine``, grouped by row: multi-turn with
-    ``env.tools`` (the run's tools and turn limits), else one generation. Sampled answers use
+    """``n`` answers (one when ``greedy``) to each row from ``env.engine``, grouped by row: the episodes of the
+    run's environment (``rollout.environment``), multi-turn with ``env.tools`` (the run's tools and turn
+    limits), else one generation. Sampled answers use
     ``rollout.temperature/top_p/top_k``; ``rollout.eval_max_new_tokens`` (else ``max_new_tokens``) bounds
     each. ``indices``: the rows' places in the whole set, for error messages."""
     if not rows:
         return []
     r = env.cfg.rollout
     prompt_ids = [env.encode_prompt(row, i) for i, row in zip(indices or range(len(rows)), rows)]
+    max_new_tokens = r.eval_max_new_tokens or r.max_new_tokens
+    if getattr(env, "episodes", None) is not None:  # the run's environment's episodes (unirl/agents), as in training
+        traces = env.episodes.play(env.engine, rows, n=n, greedy=greedy, max_new_tokens=max_new_tokens)
+        return [[Answer(env.tokenizer.decode(t.ids, skip_special_tokens=True),
+                        columns={"episode_return": t.episode_return, "turns": t.turns}) for t in group]
+                for group in traces]
     sampling = dict(n=n, greedy=greedy, temperature=1.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                    max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
+                    max_new_tokens=max_new_tokens)
     if env.tools is not None:  # a tool-using policy answers after its calls, as in training
         groups = multi_turn_generate(env.engine, env.tokenizer, *env.tools, prompt_ids, **sampling, **turn_limits(r))
         return [[Answer(env.tokenizer.decode(t.ids, skip_special_tokens=True), len(t.tool_calls), t.tool_errors)
@@ -50,7 +59,7 @@ def score(rewards, rows: list[dict], answers: list[list[Answer]]
           ) -> tuple[list[dict], list[str], dict[str, torch.Tensor], dict[str, list]]:
     """``(each answer's row, its text, each reward's scores [answers], a judge reward's answers)``, the answers
     flattened row by row, scored by ``rewards`` (a ``RewardSet``)."""
-    flat_rows = [row for row, per_row in zip(rows, answers) for _ in per_row]
+    flat_rows = [{**row, **a.columns} for row, per_row in zip(rows, answers) for a in per_row]
     texts = [a.text for per_row in answers for a in per_row]
     judged: dict[str, list] = {}
     if not texts:

@@ -38,6 +38,8 @@ class TextSampler:
     @torch.no_grad()
     def rollout(self, rows: list[dict], group_size: int) -> Rollout:
         r = self.env.cfg.rollout
+        if self.env.episodes is not None:  # an environment's episodes (unirl/agents/episodes.py)
+            return self.env.episodes.rollout(self.engine, rows, group_size)
         prompt_ids = [self.env.encode_prompt(row, i) for i, row in enumerate(rows)]
         if self.env.tools is not None:  # multi-turn, with tool calls (unirl/text/multiturn.py)
             fmt, runner = self.env.tools
@@ -95,8 +97,9 @@ class TextSampler:
                "rollout/logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
                "rollout/logprob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
                "rollout/response_length_mean": rollout.tensors["response_mask"].sum(-1).mean().item()}
-        if "turns" in rollout.tensors:  # a multi-turn rollout
-            return {**out, **multi_turn_metrics(rollout.tensors)}
+        if "turns" in rollout.tensors:  # a multi-turn rollout: tool calls, or an environment's episodes
+            episodes = self.env.episodes
+            return {**out, **(episodes.metrics(rollout) if episodes else multi_turn_metrics(rollout.tensors))}
         return {**out, "rollout/truncated_frac": 1.0 - rollout.tensors["finished"].float().mean().item()}
 
     def _mismatch_metrics(self, engine_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -125,7 +128,7 @@ class TextScorer:
         rewards, metrics = self.env.rewards.combine(components, rollout.group_ids)
         if self.env.cfg.overlong.buffer is not None:  # DAPO's soft overlong punishment, on the combined reward
             lengths, max_length = rollout.tensors["response_mask"].sum(-1), self.env.cfg.rollout.max_new_tokens
-            if self.env.tools is not None:  # the whole multi-turn response against its own maximum, as verl
+            if self.env.tools is not None or self.env.episodes is not None:  # the whole multi-turn response, as verl
                 lengths, max_length = overlong_lengths(self.env.cfg.rollout, rollout.tensors)
             penalty = overlong_penalty(lengths, max_length=max_length, buffer=self.env.cfg.overlong.buffer,
                                        factor=self.env.cfg.overlong.penalty_factor)  # [N]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core import estimate_advantages, group_stats, kl_penalized_rewards, reverse_kl_advantages, token_scores
+from unirl.core import (ADVANTAGE_ESTIMATORS, estimate_advantages, group_stats, kl_penalized_rewards,
+                        reverse_kl_advantages, token_scores, turn_token_rewards)
 from unirl.env import Rollout
 from unirl.trainer.context import RunState, StepContext
 from unirl.trainer.distributed import gather_rows
@@ -92,6 +93,11 @@ def _token_rewards(ctx: StepContext, state: RunState, rollout: Rollout, rewards:
     batch's mean per-sequence KL; logged ``actor/reward_kl_penalty`` (that KL) and
     ``actor/reward_kl_penalty_coeff`` (the beta used)."""
     scores = token_scores(rewards.float(), mask)  # [N, T]
+    if "turn_ends" in rollout.tensors:  # an environment's episodes: each turn's reward on its turn (unirl.core.turns)
+        t = {k: rollout.tensors[k].to(mask.device) for k in ("turn_rewards", "turn_ends", "turn_discount")}
+        restart = getattr(ADVANTAGE_ESTIMATORS.get(ctx.algo.adv_estimator), "restarts_at_observations", False)
+        scores = turn_token_rewards(rewards.float(), t["turn_rewards"][:, : mask.shape[1]], t["turn_ends"][:, : mask.shape[1]],
+                                    mask, gamma=t["turn_discount"], carry=not restart)  # [N, T]
     kl_ctrl = state.kl_ctrl
     if kl_ctrl is None:
         return scores, {}
