@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from unirl.agents.calls import EnvFailure, guarded, run_coroutine
 from unirl.agents.protocol import EpisodeError, checked_step
-from unirl.text.multiturn import _capped, _longest_token_chars
+from unirl.agents.observations import cap_text, longest_token_chars
 
 
 @dataclass
@@ -94,7 +94,7 @@ def run_episodes(engine, tokenizer, make: Callable[[dict], Any], rows: list[dict
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, stop=stop)
     limits = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
                   max_observation_tokens=max_observation_tokens, truncated_text=truncated_text, stop=stop or [],
-                  chars_per_token=_longest_token_chars(tokenizer) if max_observation_tokens is not None else 0)
+                  chars_per_token=longest_token_chars(tokenizer) if max_observation_tokens is not None else 0)
     play = _Players(engine, tokenizer, make, encode, sampling, limits, step_timeout_s, concurrency,
                     wrap_observation or (lambda text, eos: text), name)
     traces = run_coroutine(play.all([row for row in rows for _ in range(n)]))
@@ -228,7 +228,7 @@ class _Players:
 
     def _observe(self, trace: EpisodeTrace, observation: str, eos: bool) -> None:
         lim = self.limits
-        text = _capped(self.tokenizer, observation, lim["max_observation_tokens"], lim["truncated_text"],
+        text = cap_text(self.tokenizer, observation, lim["max_observation_tokens"], lim["truncated_text"],
                        lim["chars_per_token"])
         trace.observations_truncated += text != observation
         obs = self.tokenizer(self.wrap(text, eos), add_special_tokens=False).input_ids

@@ -9,7 +9,7 @@ so that the best move depends on the last observation only, which a 2-layer char
     at 3 goal 6\\n  r  at 4 goal 6\\n  r  at 5 goal 6\\n  r     (done, reward 1 on the third turn)
 
 Rows (``unirl://tiny_game/train``, ``/test``) hold ``start`` and ``goal``; the model warm-started to
-play it with a noisy policy is ``unirl/agents/tiny_game.py``.
+play it with a noisy policy is ``unirl/text/tiny_game.py``.
 """
 
 from __future__ import annotations

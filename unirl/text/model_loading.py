@@ -16,8 +16,8 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
         from unirl.text.tiny_search import build_tiny_search_lm
 
         return str(build_tiny_search_lm(seed=seed))
-    if name_or_path == "tiny_game":  # the tiny model warm-started to play the walk game (unirl/agents/tiny_game.py)
-        from unirl.agents.tiny_game import build_tiny_game_lm
+    if name_or_path == "tiny_game":  # the tiny model warm-started to play the walk game (unirl/text/tiny_game.py)
+        from unirl.text.tiny_game import build_tiny_game_lm
 
         return str(build_tiny_game_lm(seed=seed))
     if name_or_path == "tiny_teacher":  # the tiny model after the tiny demo's GRPO (unirl/text/tiny_teacher.py)
