@@ -65,11 +65,16 @@ def check_policy_loss(name: str | None) -> None:
 def check_loss_args(algo: "AlgoConfig", default: str | None = None) -> str:
     """The run's policy loss (``algo.policy_loss``, else the rollout mode's ``default``, else the ratio loss
     at ``algo.level``: ``clipped`` per token, ``gspo`` per sequence), after checking ``algo.loss_args``
-    against its registered settings (``ValueError`` naming the bad key); environment configs call it."""
-    from unirl.core.policy_losses import build_loss_args
+    against its registered settings (``ValueError`` naming the bad key) and ``algo.loss_agg`` against the
+    one aggregation the loss may be defined with (``PolicyLoss.loss_agg``); environment configs call it."""
+    from unirl.core.policy_losses import POLICY_LOSSES, build_loss_args
 
     name = algo.policy_loss or default or ("gspo" if algo.level == "sequence" else "clipped")
     build_loss_args(name, algo.loss_args)
+    required = POLICY_LOSSES.get(name).loss_agg
+    if required is not None and algo.loss_agg != required:
+        raise ValueError(f"algo.policy_loss={name} aggregates with loss_agg={required}, as verl does; got "
+                         f"loss_agg={algo.loss_agg} (set algo.loss_agg={required})")
     return name
 
 

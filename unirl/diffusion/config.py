@@ -327,7 +327,12 @@ class DiffusionConfig:
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         check_groups(self.algo, self.trainer)
-        check_loss_args(self.algo, "nft" if self.algorithm == "nft" else None)
+        from unirl.core.policy_losses import POLICY_LOSSES  # loaded by check_loss_args already
+
+        policy_loss = check_loss_args(self.algo, "nft" if self.algorithm == "nft" else None)
+        if POLICY_LOSSES.get(policy_loss).discrete:
+            raise ValueError(f"algo.policy_loss={policy_loss} reads exp(logp) as a token's probability; a diffusion "
+                             f"step's log-prob is a density, so it is a text loss only")
         family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
         if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:
             raise ValueError(

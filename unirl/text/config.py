@@ -340,4 +340,4 @@ class TextConfig:
                              "train a critic that nothing reads; use distill.mode=added or a critic-free estimator")
         if self.algo.policy_loss == "nft":
             raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
-                             "text trains a loss over log-probs: clipped, gspo or one you register")
+                             "text trains a loss over log-probs: clipped, gspo, cispo, sapo, ... (unirl config losses) or one you register")
