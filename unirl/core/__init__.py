@@ -36,6 +36,7 @@ from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, Po
 # The 2026 losses register themselves on import (cispo, dppo_tv, dppo_kl; sapo, geo_mean; clip_cov, kl_cov).
 from unirl.core import covariance_losses, is_weighted_losses, smooth_ratio_losses  # noqa: F401
 from unirl.core.returns import (
+    discounted_future_sum,
     discounted_returns,
     gae_advantages,
     kl_penalized_rewards,
@@ -57,6 +58,7 @@ __all__ = [
     "aggregate_denominator",
     "clipped_policy_loss",
     "compute_advantages",
+    "discounted_future_sum",
     "discounted_returns",
     "estimate_advantages",
     "explained_variance",

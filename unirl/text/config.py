@@ -295,7 +295,8 @@ class DistillConfig:
     #: the outcome advantages of ``algo.adv_estimator`` on every token (Tinker adds it the same way).
     mode: Literal["alone", "added"] = "alone"
     #: Each token's advantage sums the later ones' with this discount (Tinker's ``kl_discount_factor``,
-    #: default 0: a token answers for its own KL only).
+    #: default 0: a token answers for its own KL only), to the sample's end: through a tool run's
+    #: observations, which count one discount step per token, as Tinker's sum over the whole sample.
     discount: float = 0.0
 
     def __post_init__(self):
