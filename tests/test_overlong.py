@@ -70,7 +70,7 @@ def test_truncated_completions_add_nothing_to_the_loss_or_gradient(tmp_path, tin
         assert 0 < int(finished.sum()) < len(finished), "need finished and truncated samples"
         # The overlong penalty is on the combined reward only: max 6, buffer 3.
         lengths = rollout.tensors["response_mask"].sum(-1)
-        torch.testing.assert_close(rewards - rollout.tensors["score/gsm8k"],
+        torch.testing.assert_close(rewards - rollout.tensors["score/gsm8k"].float(),  # scores stay float64
                                    (-(lengths - 3) / 3).clamp(max=0))
         assert metrics["reward/overlong_penalty"] < 0
         trainer.advantages(rollout, rewards)
