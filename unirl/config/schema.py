@@ -198,6 +198,9 @@ class AlgoConfig:
     #: (TIS, ``min(rho_t, C)``; what unirl did before the modes), token_mask (tokens outside the
     #: bounds get weight 0), sequence_truncate / sequence_mask (the same on the product of a
     #: sequence's ratios: verl's Seq-TIS / Seq-MIS). TRL's default is sequence_mask with C_max 3.
+    #: The bounds act on rho = pi_trainer / pi_engine, as TRL's; verl's rejection ``seq_sum_k1`` /
+    #: ``token_k1`` bounds 1/rho, so its ``rollout_rs_threshold: "a_b"`` is ``rollout_is_min: 1/b``,
+    #: ``tis_cap: 1/a`` here (the same for its symmetric "0.5_2.0").
     #: ``unirl.core.rollout_correction``; the mismatch figures are logged whatever the mode.
     rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,
