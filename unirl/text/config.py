@@ -239,7 +239,8 @@ class OverlongConfig:
     #: reward (``unirl.core.overlong_penalty``), logged as ``reward/overlong_penalty``; the raw
     #: ``reward/<name>`` components (and dynamic sampling's metric) are not changed. null disables.
     #: With tools, as verl: the whole response (observations included) against ``rollout.max_total_tokens``
-    #: less the prompt (or ``max_turns * max_new_tokens``); the penalty is at most ``penalty_factor``.
+    #: less the prompt; without ``max_total_tokens``, the generated tokens against ``max_turns *
+    #: max_new_tokens`` (what bounds them); the penalty is at most ``penalty_factor``.
     buffer: Optional[int] = None
     #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``), >= 0.
     penalty_factor: float = 1.0
