@@ -36,6 +36,7 @@ from typing import Any, Callable
 from unirl.agents.calls import EnvFailure, guarded, run_coroutine
 from unirl.agents.protocol import EpisodeError, checked_step
 from unirl.agents.observations import cap_text, longest_token_chars
+from unirl.rollout.engine import call_seed
 
 
 @dataclass
@@ -82,16 +83,19 @@ def run_episodes(engine, tokenizer, make: Callable[[dict], Any], rows: list[dict
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False, max_observation_tokens: int | None = None,
                  truncated_text: str = " ...(truncated)", step_timeout_s: float = 30.0, concurrency: int = 64,
                  wrap_observation: Callable[[str, bool], str] | None = None, stop: list[str] | None = None,
-                 name: str = "environment") -> list[list[EpisodeTrace]]:
+                 name: str = "environment", seed: int | None = None) -> list[list[EpisodeTrace]]:
     """``n`` episodes per row (1 when ``greedy``), grouped by row like ``engine.generate``'s samples.
 
     ``make(row)`` makes an episode (``unirl.agents.load_environment``); ``encode(text)`` turns its first
     observation into prompt ids (the chat template, the prompt-length check); ``wrap_observation(text,
     eos)`` what the policy is shown of a later observation after a turn that ended with EOS or not
     (default: the text as it is); ``stop`` ends a turn besides EOS. At most ``concurrency`` calls into the
-    environment run at once, each at most ``step_timeout_s`` seconds."""
+    environment run at once, each at most ``step_timeout_s`` seconds. ``seed``: each engine call samples from
+    its own seeds (``call_seed``; None: the engine's random state)."""
     n = 1 if greedy else n
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, stop=stop)
+    if seed is not None:  # TurnBatcher gives each call its own
+        sampling["seed"] = seed
     limits = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
                   max_observation_tokens=max_observation_tokens, truncated_text=truncated_text, stop=stop or [],
                   chars_per_token=longest_token_chars(tokenizer) if max_observation_tokens is not None else 0)
@@ -106,6 +110,7 @@ class TurnBatcher:
 
     def __init__(self, engine, sampling: dict, live: int):
         self.engine, self.sampling, self.live = engine, sampling, live
+        self.calls = 0  # engine calls made: a seeded run's next call samples from call_seed(seed, calls)
         self.pending: list[tuple[int, list[int], int, asyncio.Future]] = []  # (episode, context, budget, answer)
 
     async def generate(self, index: int, context: list[int], budget: int):
@@ -140,11 +145,14 @@ class TurnBatcher:
         for a, b in zip(contexts, contexts[1:]):
             runs[-1:] = [runs[-1] + 1] if a == b else [runs[-1], 1]
         k = runs[0]
+        sampling = dict(self.sampling)
+        if "seed" in sampling:
+            sampling["seed"] = call_seed(sampling["seed"], self.calls)
+        self.calls += 1
         if k > 1 and all(r == k for r in runs):
             unique = contexts[::k]
-            return [g for gs in self.engine.generate(unique, n=k, max_new_tokens=max_new_tokens, **self.sampling)
-                    for g in gs]
-        return [gs[0] for gs in self.engine.generate(contexts, n=1, max_new_tokens=max_new_tokens, **self.sampling)]
+            return [g for gs in self.engine.generate(unique, n=k, max_new_tokens=max_new_tokens, **sampling) for g in gs]
+        return [gs[0] for gs in self.engine.generate(contexts, n=1, max_new_tokens=max_new_tokens, **sampling)]
 
 
 class _Players:
