@@ -73,6 +73,11 @@ def test_a_runs_held_out_figures_are_unirl_evals_on_its_checkpoint(tmp_path, tin
     """The transformers engine (a forked torch generator for a seeded evaluation)."""
     run = _same_training("hf", tmp_path)
     _agree(run, tmp_path / "eval")
+    # --protocol NAME: only that set, the config's own protocol of that name, with the same figures.
+    only = unirl.evaluate("text", checkpoint=run / "checkpoints" / "step_000002", output_dir=tmp_path / "only",
+                          protocols=["tiny_sampled"])
+    logged = {k.removeprefix("eval/"): v for k, v in _evaluated(run).items() if k.startswith("eval/tiny_sampled/")}
+    assert "prompts" not in only and {k: only[k] for k in logged} == logged
 
 
 @pytest.mark.slow
