@@ -236,7 +236,7 @@ def _text_policy(cfg, checkpoint: str, work: Path):
     if env.tokenizer.pad_token_id is None:
         env.tokenizer.pad_token = env.tokenizer.eos_token
     rows = env._rows(cfg.data.test, cfg.data.test_split, "test")
-    return env, rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else rows
+    return env, env.with_pictures(rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else rows)
 
 
 def _answers(cfg, env, rows: list[dict], n: int) -> list:

@@ -6,8 +6,9 @@ contacted) and what passed:
 
 1. data: every data file exists (a relative path is looked for from the working directory, then
    beside the config file; the error names every place) and its rows parse in the environment's
-   format (the same loaders a run uses); generated and bundled ``unirl://`` sources resolve; a hub
-   dataset is looked for in the local cache;
+   format (the same loaders a run uses); a row's pictures exist, decode and are within
+   ``data.max_image_pixels``; generated and bundled ``unirl://`` sources resolve; a hub dataset is
+   looked for in the local cache;
 2. rewards: every spec resolves (a ``file.py:function`` file exists and has the function, a
    registered name is known, a missing optional package is named) and its kwargs are parameters;
 3. batch arithmetic (samples per step, optimizer steps, micro-batches);
@@ -154,10 +155,13 @@ def _text_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
             continue
 
         def load(path: str) -> list[dict]:
+            from unirl.text.vlm import load_pictures
+
             rows = load_rows(path)
             if not rows:
                 raise ValueError(f"{path}: no rows")
             to_prompt_rows(rows, adapter=data.adapter, prompt_key=data.prompt_key, source=path)  # every row
+            load_pictures(rows, path, data.max_image_pixels)  # a VLM's pictures: present, whole, of a sane size
             return rows
 
         rows = _load(what, source, config_dir, report, load)

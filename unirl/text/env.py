@@ -135,8 +135,11 @@ class TextEnvironment(Environment):
         self._check_images(rows, source)
         return self._within_prompt_length(rows, source, which)
 
-    def _check_images(self, rows: list[dict], source: str) -> None:  # a VLM opens them (unirl/text/vlm_env.py)
+    def _check_images(self, rows: list[dict], source: str) -> None:  # a VLM checks them (unirl/text/vlm_env.py)
         refuse_images_for_text_model(rows, source, self.model_path)
+
+    def with_pictures(self, rows: list[dict]) -> list[dict]:  # a VLM decodes the rows' pictures (unirl/text/vlm_env.py)
+        return rows
 
     def _within_prompt_length(self, rows: list[dict], source: str, which: str) -> list[dict]:
         """Every prompt measured once before training: the rows longer than ``data.max_prompt_length``

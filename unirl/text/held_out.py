@@ -23,7 +23,7 @@ def evaluate_held_out(env, step: int, run_dir: Path) -> dict[str, float]:
 
     r, acc = env.cfg.rollout, env.accelerator
     mine = list(range(acc.process_index, len(env.test_rows), acc.num_processes))
-    rows = [env.test_rows[i] for i in mine]
+    rows = env.with_pictures([env.test_rows[i] for i in mine])  # a VLM's pictures decoded for this evaluation only
     texts = []
     if rows:
         prompt_ids = [env.encode_prompt(row, i) for i, row in zip(mine, rows)]

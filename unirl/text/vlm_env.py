@@ -1,8 +1,8 @@
 """A vision-language policy (Qwen2-VL-style) in the text environment: image rows in, text out.
 
 ``unirl.text.build_environment`` builds this class when ``model.name_or_path`` is a VLM (``vlm_model``): the policy
-loads with ``AutoModelForImageTextToText``; each row's ``images`` are opened at load (``row_images``,
-errors name the row); a prompt is the chat template with the images first, its image placeholders
+loads with ``AutoModelForImageTextToText``; each row's ``images`` are checked at load (``row_pictures``,
+errors name the row) and decoded when a batch or an evaluation uses them (``with_pictures``); a prompt is the chat template with the images first, its image placeholders
 expanded by ``VLMProcessor``, and travels as an ``ImagePrompt`` (a list of token ids, as the text code
 expects, carrying its images). The transformers engine passes the pixels and ``mm_token_type_ids`` to
 ``generate``; the trainer's recompute (``score_actions``) passes the same, with no position ids, so the
@@ -27,8 +27,8 @@ from unirl.env import Rollout
 from unirl.text.engines import HFEngine
 from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
-from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
-                            vision_inputs)
+from unirl.text.vlm import (IMAGES_KEY, Picture, VLMProcessor, image_token_mask, load_pictures, pictures_key,
+                            rope_index, vision_inputs, with_pictures)
 
 
 class ImagePrompt(list):
@@ -108,12 +108,27 @@ class VLMEnvironment(TextEnvironment):
         return model
 
     def _check_images(self, rows: list[dict], source: str) -> None:
-        base = Path(source).parent if Path(source).exists() else None
-        for i, row in enumerate(rows):
-            row[IMAGES_KEY] = row_images(row, i, base_dir=base)
+        """Each row's pictures checked and kept as ``Picture``s (not decoded), and each one's size checked against
+        the processor's limits (Qwen2-VL's aspect ratio at most 200): errors name the row's ``file:line``."""
+        load_pictures(rows, source, self.cfg.data.max_image_pixels)
+        for row in rows:
+            for picture in row.get(IMAGES_KEY) or []:
+                try:
+                    self.processor.image_tokens(picture)
+                except ValueError as e:
+                    raise ValueError(f"{picture.where}: a {picture.width}x{picture.height} picture the model's image "
+                                     f"processor refuses: {e}") from None
+
+    def rollout(self, rows: list[dict], group_size: int):
+        """``TextEnvironment.rollout`` with the rows' pictures decoded for this batch (the rewards get them too)."""
+        return super().rollout([with_pictures(row) for row in rows], group_size)
+
+    def with_pictures(self, rows: list[dict]) -> list[dict]:
+        """Rows whose pictures are decoded, for an evaluation (they are dropped with the list)."""
+        return [with_pictures(row) for row in rows]
 
     def encode_prompt(self, row: dict, index: int = 0) -> ImagePrompt:
-        images = row.get(IMAGES_KEY) or []
+        images = [p.open() if isinstance(p, Picture) else p for p in row.get(IMAGES_KEY) or []]
         ids = self.processor.encode(self.processor.prompt_text(row["prompt"], len(images)), images)["input_ids"]
         if len(ids) > self.cfg.data.max_prompt_length:
             raise ValueError(f"prompt {index} has {len(ids)} tokens with its {len(images)} image(s) > "
