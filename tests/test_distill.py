@@ -166,6 +166,53 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_load(tmp_path, teacher_d
     assert "different tokenizers" in message and "more tokens" in message
 
 
+def _setup_with_teacher(tmp_path, teacher, *overrides: str):
+    from accelerate import Accelerator
+
+    from unirl.api import load_config
+    from unirl.text.env import TextEnvironment
+
+    cfg = load_config("text", "tiny", [f"distill.teacher={teacher}", "rollout.engine=hf", *overrides,
+                                       f"output_dir={tmp_path / 'run'}"])
+    TextEnvironment(cfg).setup(Accelerator(cpu=True))
+
+
+def test_a_teacher_with_fewer_positions_than_prompt_and_answer_is_refused_at_setup(tmp_path, teacher_dir):
+    """A GPT-2-style teacher (learned positions) with fewer positions than prompt + answer was an IndexError at
+    step 1; here a teacher whose config says 8 (the prompts are 5 characters): refused at setup, naming the teacher and the lengths."""
+    short = tmp_path / "short"
+    shutil.copytree(teacher_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8}))
+    with pytest.raises(ValueError) as err:
+        _setup_with_teacher(tmp_path, short, "rollout.max_new_tokens=8")
+    message = str(err.value)
+    assert "\n" not in message and f"distill.teacher={short} places 8 positions" in message, message
+    import re
+
+    found = re.search(r"longest sequence, (\d+) tokens \(the longest prompt, (\d+) tokens, \+ 8 of answer\)", message)
+    assert found and int(found.group(1)) == int(found.group(2)) + 8 > 8, message
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": int(found.group(1))}))
+    _setup_with_teacher(tmp_path, short, "rollout.max_new_tokens=8")  # exactly enough: accepted
+
+
+@pytest.mark.parametrize("which", ["teacher", "policy"])
+def test_a_truncated_weights_file_is_named(tmp_path, teacher_dir, which):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(teacher_dir, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    setting = f"distill.teacher={damaged}" if which == "teacher" else f"model.name_or_path={damaged}"
+    with pytest.raises(ValueError, match=rf"{setting}: {weights} is damaged: \d+ bytes where its tensors need \d+ "
+                                         rf"\(truncated\); copy or download it again"):
+        _setup_with_teacher(tmp_path, damaged if which == "teacher" else teacher_dir,
+                            *([f"model.name_or_path={damaged}"] if which == "policy" else []))
+    weights.write_bytes(b"\xff" * 7)
+    with pytest.raises(ValueError, match=rf"{weights} is damaged: 7 bytes, shorter than its header says"):
+        _setup_with_teacher(tmp_path, damaged if which == "teacher" else teacher_dir,
+                            *([f"model.name_or_path={damaged}"] if which == "policy" else []))
+
+
 def test_the_teachers_logprobs_are_its_own_and_added_to_the_outcome_advantages(tmp_path, teacher_dir):
     """The stage stores the teacher's log-probs of the sampled tokens: equal to a plain full-logits forward of
     the teacher on prompt + response (the packed, chunked route is the reference's), and not the student's.

@@ -18,13 +18,13 @@ from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.critic import load_value_model
 from unirl.text.data import PromptSampler, load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
-from unirl.text.distill import load_teacher
+from unirl.text.distill import check_teacher_positions, load_teacher
 from unirl.text.engines import HFEngine, VLLMEngine
 from unirl.text.policy_weights import export_sharded, hf_checkpoint_weights, push_weights
 from unirl.text.sizing import longest_call
 from unirl.text.logprobs import response_logprobs
 from unirl.text.rollout_client import ServerEngine
-from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
+from unirl.text.model_loading import check_lora_targets, check_weight_files, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.held_out import evaluate_held_out
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import (build_tools, multi_turn_metrics, overlong_lengths, trajectories_to_rollout,
@@ -99,6 +99,8 @@ class TextEnvironment(Environment):
         self.test_rows = self._rows(cfg.data.test, cfg.data.test_split, "test") if cfg.data.test else []
         if cfg.data.eval_size is not None:
             self.test_rows = self.test_rows[: cfg.data.eval_size]
+        if self.teacher is not None:  # it must place the longest prompt + answer (an IndexError at step 1 otherwise)
+            check_teacher_positions(self.teacher.config, cfg, self.longest_prompt)
         self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
                                      shuffle=cfg.data.shuffle, rank=accelerator.process_index,
                                      world_size=accelerator.num_processes)
@@ -123,6 +125,7 @@ class TextEnvironment(Environment):
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
+        check_weight_files(self.model_path, f"model.name_or_path={self.cfg.model.name_or_path}")
         return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
 
     def _rows(self, source: str, split: str, which: str) -> list[dict]:
@@ -149,6 +152,7 @@ class TextEnvironment(Environment):
         limit = self.cfg.data.max_prompt_length
         lengths = [self._prompt_length(row) for row in rows]
         over = [i for i, n in enumerate(lengths) if n > limit]
+        self.longest_prompt = max([getattr(self, "longest_prompt", 0)] + [n for n in lengths if n <= limit])
         if not over:
             return rows
         if self.cfg.data.filter_overlong_prompts:

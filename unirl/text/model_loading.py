@@ -39,3 +39,32 @@ def check_lora_targets(targets: list[str], config) -> None:
         raise ValueError(f"model.lora.target_modules: {tied} on a model with tied input and output embeddings "
                          f"(tie_word_embeddings) cannot be merged into the rollout engine; train the attention and "
                          f"MLP projections only")
+
+
+def check_weight_files(path: str, what: str) -> None:
+    """A ``ValueError`` naming the file and ``what`` (``model.name_or_path=...``) for a ``*.safetensors`` file
+    in the local directory ``path`` that is not whole: a header that does not parse, or fewer bytes than its
+    header's tensors span (a partial download or copy). safetensors' own error ("incomplete metadata, file
+    not fully covered") names no file, and a model directory may hold several. Reads each file's header only."""
+    import json
+    import struct
+    from pathlib import Path
+
+    directory = Path(path)
+    if not directory.is_dir():
+        return  # a hub name: downloaded, and checked by the hub client, on loading
+    for file in sorted(directory.glob("*.safetensors")):
+        size = file.stat().st_size
+        fix = f"{what}: {file} is damaged: {{}}; copy or download it again"
+        with open(file, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < length <= size - 8:
+                raise ValueError(fix.format(f"{size} bytes, shorter than its header says ({length})"))
+            try:
+                header = json.loads(f.read(length))
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError):
+                raise ValueError(fix.format("its header is not a safetensors header")) from None
+        if size < 8 + length + end:
+            raise ValueError(fix.format(f"{size} bytes where its tensors need {8 + length + end} (truncated)"))
