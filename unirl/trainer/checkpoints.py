@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import random
 import re
 import shutil
@@ -385,6 +386,17 @@ def _load_into(obj, state: Any, stem: Path) -> None:
 
 
 def _set_rng_states(states: Any, stem: Path) -> None:
+    """Each library's RNG state, checked whole first: no float in it may be infinite or NaN (Python's and
+    numpy's ``setstate`` take a cached Gaussian of ``inf`` as it is, and the next normal draw returns it)."""
+    def floats(value):
+        return [x for v in value for x in floats(v)] if isinstance(value, (list, tuple)) else (
+            [value] if isinstance(value, float) else [])
+
+    bad = [x for key in ("python", "numpy") for x in floats(states.get(key, ()) if isinstance(states, dict) else ())
+           if not math.isfinite(x)]
+    if bad:
+        raise StateFileError(f"{stem}: corrupt RNG state (holds {bad[0]}; an RNG state is whole numbers and a finite "
+                             f"cached Gaussian draw)")
     try:
         random.setstate(states["python"])
         np.random.set_state(states["numpy"])

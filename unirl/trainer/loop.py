@@ -417,7 +417,8 @@ class Trainer:
             return (checkpoints.checkpoint_dirs(self.run_dir) or [None])[-1]
         if self.rollouts is not None:  # the in-flight batches finished (saved with the state), prompt_batches settled
             self.rollouts.drain()
-        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches}
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.prompt_batches,
+                 "zero_adv_steps": self.zero_adv.streak}  # the streak its warning counts goes on after a resume
         if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
             state["kl_ctrl"] = self.kl_ctrl.state_dict()
         return checkpoints.save_checkpoint(self.accelerator, self.env, self.run_dir, self.step, state,
@@ -428,6 +429,7 @@ class Trainer:
         if state is not None:
             self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
             self.prompt_batches = state.get("prompt_batches", 0)
+            self.zero_adv.streak = state.get("zero_adv_steps", 0)
             if self.kl_ctrl is not None and "kl_ctrl" in state:
                 self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
