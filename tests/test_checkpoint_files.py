@@ -181,7 +181,8 @@ def test_an_old_pickled_checkpoint_is_refused_naming_it(tmp_path):
         checkpoints.resume(acc, tmp_path)
 
 
-@pytest.mark.parametrize("damage", ["truncate_model", "truncate_optimizer", "rng_json", "rng_tensor", "loop_json"])
+@pytest.mark.parametrize("damage", ["truncate_model", "truncate_optimizer", "rng_json", "rng_tensor", "loop_json",
+                                    "model_key_missing"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, damage, capsys):
     acc, prepared, ema = _setup()
     env = _Env(prepared[0])
@@ -193,11 +194,16 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, dama
     state = ckpt / "trainer_state"
     file = {"truncate_model": state / "model_1.safetensors", "truncate_optimizer": state / "optimizer_0.safetensors",
             "rng_json": state / "rng_0.json", "rng_tensor": state / "rng_0.safetensors",
-            "loop_json": state / "loop.json"}[damage]
+            "loop_json": state / "loop.json", "model_key_missing": state / "model_0.safetensors"}[damage]
     if damage == "rng_json":  # valid JSON, wrong content: a python RNG state of the wrong length
         plain = json.loads(file.read_text())
         plain["python"]["__tuple__"][1]["__tuple__"] = plain["python"]["__tuple__"][1]["__tuple__"][:10]
         file.write_text(json.dumps(plain))
+    elif damage == "model_key_missing":  # a whole file with a tensor left out: damage, as the checkpoint before fits
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(file))
+        save_file({k: v for k, v in tensors.items() if not k.endswith("bias")}, str(file))
     elif damage == "rng_tensor":  # the torch generator state replaced by one of the wrong size
         from safetensors.torch import load_file, save_file
 

@@ -46,6 +46,12 @@ class CheckpointError(OSError):
     """A checkpoint that cannot be written or resumed from; the message names the file and what to do."""
 
 
+class ModelMismatch(CheckpointError, StateFileError):
+    """A checkpoint's model that does not fit this run's (other keys or shapes). Resume skips it and tries the
+    one before, as for a damaged file: a file with a key missing is damage when the checkpoint before fits,
+    and another model setting fails every checkpoint, which the final error lists."""
+
+
 #: Optimizer settings that its restored ``param_groups`` carry: resuming with another value would
 #: silently keep the saved one (while config.yaml claimed the new), so the change is refused. A key
 #: matches under any ``optim`` section (``optim.lr``, ``critic.optim.lr``); any ``lora`` key changes
@@ -326,7 +332,7 @@ def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, 
         try:
             load_model(accelerator.unwrap_model(model), str(file))
         except RuntimeError as e:  # strict loading: the keys or shapes differ
-            raise CheckpointError(f"{file} does not fit this run's model {i} (was it saved with other model settings, "
+            raise ModelMismatch(f"{file} does not fit this run's model {i} (was it saved with other model settings, "
                                   f"e.g. model.lora.enabled?): {str(e).strip().splitlines()[0][:300]}") from e
         except Exception as e:  # safetensors' error type: a truncated or corrupt file
             raise StateFileError(f"{file}: cannot be read ({str(e).strip()[:200]})") from e
@@ -364,7 +370,7 @@ def _load_model_shards(model, stem: Path, i: int) -> None:
     try:
         load_model_shards(model, stem)
     except ValueError as e:
-        raise CheckpointError(f"{stem}.rank*: does not fit this run's model {i} (was it saved with other model "
+        raise ModelMismatch(f"{stem}.rank*: does not fit this run's model {i} (was it saved with other model "
                               f"settings, e.g. model.lora.enabled?): {str(e)[:300]}") from e
 
 
