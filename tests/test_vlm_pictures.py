@@ -128,3 +128,18 @@ def test_rows_keep_their_pictures_sources_and_a_batch_gets_them_decoded(tmp_path
     assert batch.columns["images"][0][0].getpixel((0, 0)) == (255, 0, 0)
     assert all(isinstance(p, Picture) for row in env.train_rows for p in row["images"])  # the rows are unchanged
     assert all(isinstance(p, Image.Image) for row in env.with_pictures(env.test_rows) for p in row["images"])
+
+
+def test_settings_a_vlm_does_not_support_are_refused_by_the_dry_run_and_before_loading(tmp_path, capsys):
+    """``tiny_vlm trainer.strategy=fsdp2`` passed load and the dry run and stopped at the first rollout with a
+    110-line DTensor traceback; now each unsupported setting is a line of the dry run and the run's one error."""
+    code = main(["train", "text", "--config", "tiny_vlm", "--dry-run", "trainer.strategy=fsdp2", "rollout.engine=vllm",
+                 f"output_dir={tmp_path / 'run'}"])
+    out, _ = capsys.readouterr()
+    problems = [line for line in out.splitlines() if line.startswith("# PROBLEM")]
+    assert code == 2 and len(problems) == 2, out
+    assert "trainer.strategy=fsdp2: a vision-language policy (tiny_vlm) trains with trainer.strategy=ddp only" in problems[1]
+    assert "rollout.engine=vllm: vision-language policies sample with the transformers engine only" in problems[0]
+    code = main(["train", "text", "--config", "tiny_vlm", "trainer.strategy=fsdp2", f"output_dir={tmp_path / 'run'}"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err and "trainer.strategy=fsdp2: a vision-language policy" in err, err[-2000:]

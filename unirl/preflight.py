@@ -83,6 +83,10 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
+    if env_name == "text":  # the settings a vision-language policy does not support
+        from unirl.text.vlm import unsupported_settings, vlm_model
+
+        report.problems.extend(unsupported_settings(cfg) if vlm_model(cfg.model.name_or_path, fetch=False) else [])
     _check_gpu(cfg, report)
     known_estimator = _check_adv_estimator(cfg.algo.adv_estimator, report)
     critic = getattr(cfg, "critic", None)

