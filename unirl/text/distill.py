@@ -22,7 +22,7 @@ def load_teacher(cfg, policy_tokenizer, dtype: torch.dtype, accelerator) -> torc
 
     name = cfg.distill.teacher
     path = resolve_model_path(name)
-    check_weight_files(path, f"distill.teacher={name}")
+    check_weight_files(path, f"distill.teacher={name}: weights file")
     check_teacher_tokenizer(path, policy_tokenizer, teacher=name, policy=cfg.model.name_or_path,
                             embedded=getattr(AutoConfig.from_pretrained(path), "vocab_size", None))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.model.attn_implementation)

@@ -125,7 +125,7 @@ class TextEnvironment(Environment):
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
 
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
-        check_weight_files(self.model_path, f"model.name_or_path={self.cfg.model.name_or_path}")
+        check_weight_files(self.model_path, f"model.name_or_path={self.cfg.model.name_or_path}: weights file")
         return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
 
     def _rows(self, source: str, split: str, which: str) -> list[dict]:
