@@ -115,8 +115,10 @@ def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[st
     (``config`` then, default ``tiny``); the summary's ``config`` says which."""
     from unirl import logs
     from unirl.evaluation import check_checkpoint_path, choose_config, evaluate_diffusion, evaluate_text
+    from unirl.hub import check_hub_access, look_up
 
-    check_checkpoint_path(str(checkpoint))  # before anything is written: a missing one is one line
+    if check_checkpoint_path(str(checkpoint)) is None and "/" in str(checkpoint):  # a hub name (org/name)
+        check_hub_access([look_up("--checkpoint", str(checkpoint), "model")[0]])  # reachable, or offline from the cache
     config, which = choose_config(checkpoint, config, run_config, default="tiny")
     cfg = load_config(env, config, overrides)
     logs.configure(verbose=verbose)  # imports transformers and diffusers: after the checks, which need neither

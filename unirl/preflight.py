@@ -59,6 +59,10 @@ class Report:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     not_checked: tuple[str, ...] = NOT_CHECKED
+    #: The hub repos the config names, each with whether it is cached (``unirl.hub.check_hub_access``).
+    hub: list = field(default_factory=list)
+    #: Notes a real run prints at its start too (a dry run's notes are read; a run's are not).
+    warnings: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         """The report as YAML comment lines (so the dry run's stdout stays valid YAML)."""
@@ -417,7 +421,8 @@ def _check_gpu(cfg: Any, report: Report) -> None:
                                "use sdpa")
     if half:
         report.notes.append(f"this config expects a GPU ({', '.join(half)}) and torch sees none: it would run on the "
-                            f"CPU, slowly")
+                            f"CPU, slowly (model.dtype=float32 trainer.mixed_precision=no runs faster there)")
+        report.warnings.append(report.notes[-1])
 
 
 def _check_named_model(what: str, name: str, report: Report) -> None:
@@ -435,16 +440,15 @@ def _check_named_model(what: str, name: str, report: Report) -> None:
 
 def _check_hub(what: str, repo_id: str, repo_type: str, report: Report, extra: str = "") -> None:
     """A note saying whether the hub repo is in the local cache (not an error: it may be downloaded)."""
-    from huggingface_hub import constants
+    from unirl.hub import look_up
 
-    caches = [Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}" / "snapshots"]
-    if repo_type == "dataset":  # ``datasets`` keeps its prepared copies apart
-        root = os.environ.get("HF_DATASETS_CACHE") or os.path.join(constants.HF_HOME, "datasets")
-        caches.append(Path(root) / repo_id.replace("/", "___"))
-    cached = next((c for c in caches if c.is_dir() and any(c.iterdir())), None)
+    name, cached, caches = look_up(what, repo_id, repo_type)
+    report.hub.append(name)
     if cached is not None:
         report.passed.append(f"{what}: hub {repo_type} {repo_id}{extra} is in the local cache ({cached})")
         return
+    from huggingface_hub import constants
+
     offline = " HF_HUB_OFFLINE is set, so the run would fail." if constants.HF_HUB_OFFLINE else ""
     report.notes.append(f"{what}: hub {repo_type} {repo_id}{extra} is not in the local cache "
                         f"({', '.join(map(str, caches))}); the run downloads it (network needed).{offline}")

@@ -72,6 +72,12 @@ def train_config(env_name: str, cfg: Any, *, config_file: str | Path | None = No
         raise PreflightError(report.problems)
     if dry_run:
         return None
+    from unirl.hub import check_hub_access
+
+    check_hub_access(report.hub)  # a hub that cannot be reached: offline from the cache, or one line now
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in report.warnings:  # e.g. bf16 on a machine without a GPU: said now, not only by --dry-run
+            print(f"unirl: warning: {line}", flush=True)
     # 2. Paths found from the working directory made absolute, so the saved config.yaml works from anywhere.
     absolute_paths(cfg)
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().absolute())
