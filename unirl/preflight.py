@@ -84,6 +84,10 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     if getattr(getattr(cfg, "rollout", None), "tools", None):
         _check_tools(cfg.rollout.tools, config_dir, report)
         _check_call_format(cfg.rollout.call_format, config_dir, report, cfg.rollout.tools)
+    if "wandb" in cfg.trainer.log_with:  # its start failed after the model loaded
+        from unirl.trainer.run_log import wandb_login_problem
+
+        report.problems.extend(filter(None, [wandb_login_problem()]))
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)

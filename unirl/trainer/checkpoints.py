@@ -242,7 +242,7 @@ def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> 
     if steps and state is None:
         raise CheckpointError(f"resume: no checkpoint in {run_dir / 'checkpoints'} can be read: {'; '.join(problems)}")
     if accelerator.is_main_process:
-        for name in ("metrics.jsonl", "eval_samples.jsonl"):
+        for name in ("metrics.jsonl", "eval_samples.jsonl", "samples.jsonl"):
             drop_rows_after(run_dir / name, state["step"] if state else -1)
     accelerator.wait_for_everyone()
     if state is not None:

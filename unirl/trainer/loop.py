@@ -44,6 +44,7 @@ from unirl.trainer import logprobs as logprobs_stage
 from unirl.trainer import update as update_stage
 from unirl.trainer.update import loss_settings, run_policy_loss
 from unirl.trainer import zero_advantage
+from unirl.trainer import completions
 from unirl.trainer.critic import Critic
 from unirl.trainer.distributed import cpu_processes, gather_rows, sum_over_processes
 from unirl.trainer.fsdp import prepare as fsdp_prepare, uses_fsdp2
@@ -88,6 +89,7 @@ class Trainer:
         self.rollouts: AsyncRollouts | None = None  # the producer, with max_staleness >= 1
         self.bypass_mode = update_stage.resolve_bypass_mode(algo, env, self.max_staleness)  # the ratio's anchor
         self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
+        self.samples_to_log: list[dict] = []  # a few samples of the last trained batch (unirl.trainer.completions)
         self.zero_adv = zero_advantage.ZeroAdvantageWatch()  # every advantage 0 for steps in a row: a warning line
 
     @classmethod
@@ -195,6 +197,7 @@ class Trainer:
                 self.zero_adv.observe(metrics, self.step, self.accelerator.print)  # adds adv/zero_adv_steps
                 history.append(metrics)
                 self.run_log.log(metrics)
+                completions.log_completions(self.run_log, self.samples_to_log, self.step)  # samples.jsonl, trackers
                 progress.update(metrics)
                 self.nonfinite.observe(metrics, self.step, self.run_dir)
                 last = self.step == self.cfg.total_steps
@@ -304,6 +307,7 @@ class Trainer:
             if self.rollouts is None:  # asynchronous: the producer loads published weights between generations
                 with _timer(times, "sync"):
                     self.env.sync_weights()
+        self.samples_to_log = completions.records(rollout, self.cfg.log_completions)  # for the logging stage
         return rollout, metrics
 
     def dynamic_sampling(self, stop: bool = True) -> FilteredBatch:
