@@ -192,6 +192,8 @@ def test_the_end_of_run_summary_is_a_few_short_lines(tmp_path):
         f"  curves         {tmp_path}/metrics.jsonl (unirl plot {tmp_path})",
         f"  library log    {tmp_path}/run.log",
     ]
+    # The set-up (a toy model's first build, the load, vLLM's start) is said apart from the steps.
+    assert end_line(result, 46.2, None, set_up=1733.4).splitlines()[0] == "unirl: done, 4 steps in 46 s, after a set-up of 1733 s"
     no_checkpoint = TrainResult(metrics=metrics[:1], evals=evals[1:], run_dir=tmp_path, checkpoint=None, config=None)
     assert end_line(no_checkpoint, 1, None).splitlines()[1:] == [
         "  reward/mean    0.000 -> 0.000 (first and last 1 step)",
