@@ -31,10 +31,10 @@ def test_each_step_writes_a_few_scored_samples_and_every_second_prints_them(tmp_
         assert row["reward"] == row["gsm8k"] == pytest.approx(expected)
         assert "advantage" in row
     assert len({r["prompt"] for r in rows if r["step"] == 1}) == 3  # one sample each of three prompts
-    out = capsys.readouterr().out
-    printed = [line for line in out.splitlines() if line.startswith("unirl: step ")]
+    said = capsys.readouterr().out
+    printed = [line for line in said.splitlines() if line.startswith("unirl: step ")]
     assert len(printed) == 3 and all(line.startswith("unirl: step 2 sample: ") for line in printed), printed
-    done = next(line for line in out.splitlines() if line.startswith("unirl: done, 3 steps in "))
+    done = next(line for line in said.splitlines() if line.startswith("unirl: done, 3 steps in "))
     assert re.fullmatch(r"unirl: done, 3 steps in \d+ s, after a set-up of \d+ s", done), done  # the build apart
     # resumed after its step-2 checkpoint: the rows of step 3 are dropped first, so every step's appear once
     unirl.train("text", "tiny", [*RUN, "trainer.total_steps=4", "trainer.resume=true"], output_dir=out, progress=False)
