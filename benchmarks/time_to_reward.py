@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: DiffusionNFT's overrides of a toy FlowGRPO config (configs/diffusion/tiny_colour_nft.yaml is
 #: tiny_colour.yaml with exactly these: tests/test_nft.py checks it).
 #: Tuned on tiny_colour, seed 0 (benchmarks/README.md): 4 ODE steps a rollout, one noise level a sample, lr 3e-2.
-NFT = ["algorithm=nft", "nft.kl_coef=0.0", "sampling.num_steps=4", "sampling.timestep_fraction=0.25", "optim.lr=3e-2"]
+NFT = ["algorithm=nft", "algo.loss_args.kl_coef=0.0", "sampling.num_steps=4", "sampling.timestep_fraction=0.25", "optim.lr=3e-2"]
 
 #: Flow-GRPO-Fast: a 2-step SDE window in the first 4 steps, the steps before it once per prompt (branching).
 FAST = ["sampling.sde_window.size=2", "sampling.sde_window.range=[0,4]", "sampling.same_noise_per_group=true",
@@ -83,7 +83,7 @@ def per_colour(env) -> dict[str, float]:
     """Held-out reward of the prompts naming each colour (EMA weights, the evaluation's sampler)."""
     rows = env.test_rows
     prompts = [row["prompt"] for row in rows]
-    with env._ema_weights():
+    with env.ema_weights():
         images = env.sample_deterministic(rows)
     scores = env.rewards.components(images, prompts=prompts, columns={})
     total = next(iter(scores.values()))  # [n]: one reward on the toy tasks

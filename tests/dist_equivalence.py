@@ -42,8 +42,8 @@ def make_trainer(env_name: str, world: int, agg: str, kl: float, run_dir: Path, 
               f"algo.loss_agg={agg}", f"algo.kl_coef={kl}", "optim.max_grad_norm=1.0", "algo.adv_scale=batch"]
     extra = {"text": ["rollout.engine=hf", "rollout.max_new_tokens=12", "optim.lr=3e-4"],
              "diffusion": ["optim.lr=1e-2", "ema.enabled=false"]}[env_name.removesuffix("-nft")]
-    if env_name == "diffusion-nft":  # DiffusionNFT: its KL is nft.kl_coef, in its own loss
-        extra += ["algorithm=nft", f"nft.kl_coef={kl}", "sampling.timestep_fraction=0.5"]
+    if env_name == "diffusion-nft":  # DiffusionNFT: its KL is its loss's kl_coef, in its own loss
+        extra += ["algorithm=nft", f"algo.loss_args.kl_coef={kl}", "sampling.timestep_fraction=0.5"]
         common = [c for c in common if not c.startswith("algo.kl_coef=")]
         env_name = "diffusion"
     cfg = load_run_config(env_name, "tiny", common + extra + list(overrides), output_dir=str(run_dir))
@@ -58,7 +58,7 @@ def prepare(batch_path: Path, work: Path) -> None:
     batches = {}
     for env_name in ("text", "diffusion", "diffusion-nft"):
         trainer = make_trainer(env_name, 1, "token-mean", 0.0, work / f"prepare-{env_name}")
-        rollout = trainer.env.rollout(trainer.env.next_prompts(0), GROUP)
+        rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), GROUP)
         rewards = torch.rand(len(rollout), generator=torch.Generator().manual_seed(7))
         rewards[:GROUP] = 0.5  # one group with equal rewards (zero advantage)
         batches[env_name] = {"rollout": rollout, "rewards": rewards}

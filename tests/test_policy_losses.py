@@ -103,6 +103,51 @@ def test_algo_policy_loss_selects_a_registered_loss_that_trains_a_step(tmp_path,
     assert result.metrics[-1]["actor/grad_norm"] > 0
 
 
+def test_a_loss_with_its_own_settings_reads_them_from_algo_loss_args(tmp_path, tiny_lm_dir):
+    """A loss registers a dataclass of its knobs (``settings=``); ``algo.loss_args`` fills it where the config
+    loads (an unknown key or a bad value is one line naming ``algo.loss_args.<key>``), and the loss reads the
+    instance as ``settings.args`` during the step. One file adds such a loss: nothing else names it."""
+    from dataclasses import dataclass
+
+    import unirl
+    from unirl.config import load_config
+    from unirl.text.config import TextConfig
+
+    @dataclass(frozen=True)
+    class ScaledArgs:
+        scale: float = 1.0
+
+        def __post_init__(self):
+            if not self.scale > 0:
+                raise ValueError(f"scale must be > 0, got {self.scale}")
+
+    seen = []
+
+    @register_policy_loss("test_scaled_pg", settings=ScaledArgs)
+    def scaled_pg(inputs: LossInputs, settings: LossSettings):
+        seen.append(settings.args)
+        mask = inputs.mask.bool()
+        loss = torch.where(mask, -inputs.advantages * inputs.forward["logp"], 0.0).sum() / mask.sum().clamp_min(1)
+        return settings.args.scale * loss, {"loss/policy": loss.detach()}
+
+    try:
+        base = ["algo.policy_loss=test_scaled_pg"]
+        assert load_config(TextConfig, None, base).algo.loss_args == {}
+        with pytest.raises(ValueError, match=r"algo.loss_args.scal: not a setting of the policy loss 'test_scaled_pg'; "
+                                             r"its settings: scale"):
+            load_config(TextConfig, None, [*base, "algo.loss_args.scal=2"])
+        with pytest.raises(ValueError, match=r"algo.loss_args \(test_scaled_pg\): scale must be > 0, got -1"):
+            load_config(TextConfig, None, [*base, "algo.loss_args.scale=-1"])
+        with pytest.raises(ValueError, match="the policy loss 'clipped' has no settings of its own, got scale"):
+            load_config(TextConfig, None, ["algo.loss_args.scale=2"])
+        unirl.train("text", "tiny", {"rollout.engine": "hf", "trainer.total_steps": 1, "trainer.eval_every": 0,
+                                     "trainer.save_every": 0, "algo.policy_loss": "test_scaled_pg",
+                                     "algo.loss_args.scale": 3.0}, output_dir=tmp_path / "run", progress=False)
+    finally:
+        POLICY_LOSSES.remove("test_scaled_pg")
+    assert seen and all(args == ScaledArgs(scale=3.0) for args in seen)
+
+
 def test_algo_policy_loss_is_checked_where_the_config_loads():
     from unirl.config import load_config
     from unirl.diffusion.config import DiffusionConfig
@@ -110,7 +155,7 @@ def test_algo_policy_loss_is_checked_where_the_config_loads():
 
     # An unknown name: one line with the registered ones.
     with pytest.raises(ValueError, match=r"policy_loss: unknown policy loss 'clippd'\. Did you mean 'clipped'\?"
-                                         r" Available: clipped, gspo, nft") as caught:
+                                         r" Available: cispo, clip_cov, clipped, dppo_kl, dppo_tv, geo_mean, gspo, kl_cov, nft, sapo") as caught:
         load_config(TextConfig, None, ["algo.policy_loss=clippd"])
     assert "\n" not in str(caught.value)
     # A loss the rollouts cannot feed: nft reads DiffusionNFT's velocities only.
@@ -121,7 +166,11 @@ def test_algo_policy_loss_is_checked_where_the_config_loads():
     with pytest.raises(ValueError, match="algo.policy_loss=clipped with algorithm=nft"):
         load_config(DiffusionConfig, None, ["algorithm=nft", "sampling.train_cfg=false", "sampling.sde_window.size=0",
                                             "algo.policy_loss=clipped"])
-    assert load_config(DiffusionConfig, None, ["algo.policy_loss=gspo"]).algo.policy_loss == "gspo"
+    assert load_config(DiffusionConfig, None, ["algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean"]
+                       ).algo.policy_loss == "gspo"
+    # GSPO is defined with seq-mean-token-mean (verl hard-codes it): another is refused here, not at the first step.
+    with pytest.raises(ValueError, match="algo.policy_loss=gspo aggregates with loss_agg=seq-mean-token-mean"):
+        load_config(DiffusionConfig, None, ["algo.policy_loss=gspo"])
 
 
 def test_the_run_policy_loss_is_the_configured_one_first():
@@ -130,7 +179,8 @@ def test_the_run_policy_loss_is_the_configured_one_first():
     from unirl.config.schema import AlgoConfig
     from unirl.trainer.update import run_policy_loss
 
-    flowgrpo, nft = SimpleNamespace(policy_loss=None), SimpleNamespace(policy_loss="nft")
+    flowgrpo = SimpleNamespace(actions=SimpleNamespace(policy_loss=None))
+    nft = SimpleNamespace(actions=SimpleNamespace(policy_loss="nft"))
     assert run_policy_loss(flowgrpo, AlgoConfig()) == "clipped"
     assert run_policy_loss(flowgrpo, AlgoConfig(level="sequence", loss_agg="seq-mean-token-mean")) == "gspo"
     assert run_policy_loss(nft, AlgoConfig()) == "nft"

@@ -120,10 +120,10 @@ def test_fsdp2_resume_skips_a_damaged_checkpoint_in_one_line(tmp_path_factory, t
     assert first.returncode == 0, first.stderr[-3000:]
     state = run / "checkpoints" / "step_000002" / "trainer_state"
     if damage == "truncated_optimizer":
-        shard = state / "optimizer_0.rank0of1.safetensors"
+        shard = state / "policy_optimizer.rank0of1.safetensors"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     else:
-        meta = state / "model_0.rank0of1.json"
+        meta = state / "policy.rank0of1.json"
         plain = json.loads(meta.read_text())
         plain["model.layers.0.self_attn.q_proj.weight"]["offset"] = 3
         meta.write_text(json.dumps(plain))

@@ -1,4 +1,5 @@
-"""``unirl config list`` and ``unirl config show``: the shipped configs, and every key of one with its value and default.
+"""``unirl config list``, ``unirl config show`` and ``unirl config losses``: the shipped configs, every key
+of one with its value and default, and the registered policy losses with their own settings.
 
 ``unirl config list`` prints each shipped config (``configs/<env>/NAME.yaml``) with the first sentence of
 its header comment, and each recipe (``unirl/config/recipes.py``) with the keys it sets. ``unirl config show ENV --config NAME [key=value ...]`` loads the config as a run
@@ -26,6 +27,9 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p_show.add_argument("--recipe", default=None, help="a recipe's keys, set before the overrides (unirl config list)")
     p_show.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. algo.clip_high=0.28")
     p_show.set_defaults(func=show_command)
+    p_losses = config_sub.add_parser("losses", help="the registered policy losses and their settings (algo.loss_args)",
+                                     parents=[common])
+    p_losses.set_defaults(func=losses_command)
 
 
 def list_command(args: argparse.Namespace) -> int:
@@ -64,6 +68,18 @@ def show_command(args: argparse.Namespace) -> int:
     widths = [max(len(r[k]) for r in [header, *rows]) for k in range(2)]
     for row in [header, *rows]:
         print(f"{row[0].ljust(widths[0])}  {row[1].ljust(widths[1])}  {row[2]}")
+    return 0
+
+
+def losses_command(args: argparse.Namespace) -> int:
+    """Each registered policy loss (``algo.policy_loss``), what it reads, and its settings with their defaults
+    (``algo.loss_args``)."""
+    from unirl.config.docs import loss_lines
+
+    for name, line, settings in loss_lines():
+        print(f"{name}: {line}")
+        for key, default, about in settings:
+            print(f"    algo.loss_args.{key} = {_text(default)}" + (f"   # {about}" if about else ""))
     return 0
 
 

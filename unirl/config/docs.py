@@ -28,8 +28,12 @@ _FIELD = re.compile(r"^\s+(\w+)\s*:")
 
 @functools.lru_cache(maxsize=None)
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> the ``#:`` comment lines right above its definition in ``cls``'s source, joined."""
+    """Field name -> the ``#:`` comment lines right above its definition in ``cls``'s source, joined (a field
+    defined in a base dataclass, e.g. ``RunConfig``'s, by the base's comment unless ``cls`` comments it anew)."""
     comments: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            comments.update(field_comments(base))
     pending: list[str] = []
     for line in inspect.getsource(cls).splitlines()[1:]:
         stripped = line.strip()
@@ -98,7 +102,36 @@ def page(env_classes: dict[str, type]) -> str:
         keys = "<br>".join(f"`{k}={json.dumps(v)}`" for k, v in recipe.keys.items())
         lines.append(f"| `{name}` | {keys} | {recipe.about} ([paper]({recipe.reference})) |")
     lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + loss_settings_section())
+
+
+def loss_settings_section() -> list[str]:
+    """A table of each registered policy loss's own settings (``algo.loss_args``), from its dataclass."""
+    lines = ["## Policy losses and their settings", "",
+             "`algo.policy_loss` picks a registered loss; `algo.loss_args` sets that loss's own settings (the "
+             "dataclass it registered, `unirl/core/policy_losses.py`); `unirl config losses` prints this list.", "",
+             "| loss | setting | default | meaning |", "|---|---|---|---|"]
+    for name, about, settings in loss_lines():
+        lines.append(f"| `{name}` | | | {about.replace('|', chr(92) + '|')} |")
+        for key, default, meaning in settings:
+            lines.append(f"| | `loss_args.{key}` | `{json.dumps(default)}` | {meaning.replace('|', chr(92) + '|')} |")
+    lines.append("")
+    return lines
+
+
+def loss_lines() -> list[tuple[str, str, list[tuple[str, Any, str]]]]:
+    """``(name, first sentence of its docstring, [(setting, default, its comment)])`` per registered loss."""
+    from unirl.core import POLICY_LOSSES
+    from unirl.registry import first_sentence
+
+    out = []
+    for name, loss in POLICY_LOSSES.items():
+        settings = []
+        if loss.settings is not None:
+            comments = field_comments(loss.settings)
+            settings = [(f.name, f.default, comments.get(f.name, "")) for f in dataclasses.fields(loss.settings)]
+        out.append((name, first_sentence(loss.fn.__doc__ or ""), settings))
+    return out
 
 
 def env_classes() -> dict[str, type]:

@@ -235,13 +235,18 @@ def join_path(path: str, part: str | int) -> str:
 
 
 def unknown_keys_message(cls: type, path: str, keys: list, root: type | None = None) -> str:
-    """One line per unknown key of section ``path`` (a ``cls``): close names in the section, and the keys of that
-    name in the root config's other sections (``trainer.lr``: ``optim.lr``), then the section's valid keys."""
+    """One line per unknown key of section ``path`` (a ``cls``): where a key moved (the class's ``config_moved``:
+    old key -> the new key's full path), that path; else close names in the section and the keys of that name in
+    the root config's other sections (``trainer.lr``: ``optim.lr``), then the section's valid keys."""
     valid = list(fields_of(cls))
     where = f"{path} ({cls.__name__})" if path else cls.__name__
+    moved = getattr(cls, "config_moved", {})
     root = root or _ROOT.get()
     lines = []
     for key in keys:
+        if key in moved:
+            lines.append(f"{join_path(path, str(key))}: this key moved to {moved[key]}; set it there")
+            continue
         close = [repr(k) for k in difflib.get_close_matches(str(key), valid, n=3)]
         if root is not None:
             close += [repr(k) for k in dotted_keys(root) if k.rpartition(".")[2] == str(key)

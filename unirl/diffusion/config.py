@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from unirl.config import PATH
-from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
+from unirl.config.schema import RewardConfig, RunConfig, check_range
+from unirl.trainer.backends import check_backend
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
@@ -248,19 +249,14 @@ class VideoConfig:
 
 @dataclass
 class NftConfig:
-    """DiffusionNFT (``algorithm: nft``; https://arxiv.org/abs/2509.16117, code github.com/NVlabs/DiffusionNFT):
-    the loss ``unirl.core.nft.nft_loss`` and the old policy. Defaults are NVlabs' ``config/nft.py``
-    (``_get_config``, its SD3.5-M base) and ``config/base.py``."""
+    """DiffusionNFT's old policy (``algorithm: nft``; https://arxiv.org/abs/2509.16117, code
+    github.com/NVlabs/DiffusionNFT). Its loss's settings (beta, adv_clip, kl_coef) are the registered
+    ``nft`` loss's, set in ``algo.loss_args`` (``unirl.core.policy_losses.NftArgs``). Defaults are
+    NVlabs' ``config/nft.py`` (``_get_config``, its SD3.5-M base) and ``config/base.py``."""
 
-    #: The implicit policies' step beta: ``v+ = (1 - beta) v_old + beta v``, ``v- = (1 + beta) v_old - beta v``
-    #: (``config.beta = 1.0``; its OCR setting uses 0.1).
-    beta: float = 1.0
-    #: A_max: the advantage mapped to optimality probability 1 (``r = 1/2 + 1/2 clip(A / A_max, -1, 1)``)
-    #: and the loss's scale (``train.adv_clip_max = 5``).
-    adv_clip: float = 5.0
-    #: Weight of the KL to the reference, ``mean((v - v_ref)^2)`` per trained time, in the loss
-    #: (``train.beta = 0.0001`` for SD3). 0 skips the reference's forward.
-    kl_coef: float = 1.0e-4
+    config_moved = {"beta": "algo.loss_args.beta", "adv_clip": "algo.loss_args.adv_clip",
+                    "kl_coef": "algo.loss_args.kl_coef"}
+
     #: The old policy (rollouts and ``v_old``) follows the trained weights once per training step,
     #: ``old <- d old + (1 - d) new`` with ``d = min(old_decay_rate * (k - old_decay_flat), old_decay_max)``
     #: after k optimizer steps, and d = 0 (a copy) while ``k < old_decay_flat`` (``return_decay``; its
@@ -272,9 +268,6 @@ class NftConfig:
     old_decay_max: float = 0.5
 
     def __post_init__(self):
-        check_range(self, "beta", low=0, low_open=True)
-        check_range(self, "adv_clip", low=0, low_open=True)
-        check_range(self, "kl_coef", low=0)
         check_range(self, "old_decay_flat", low=0)
         check_range(self, "old_decay_rate", low=0)
         check_range(self, "old_decay_max", low=0, high=1, high_open=True)
@@ -304,7 +297,10 @@ class DataConfig:
 
 
 @dataclass
-class DiffusionConfig:
+class DiffusionConfig(RunConfig):
+    """``unirl train diffusion``: the run-level blocks (``RunConfig``: rewards, algo, optim, trainer, source,
+    output_dir) and the diffusion environment's own."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -312,7 +308,7 @@ class DiffusionConfig:
     video: VideoConfig = field(default_factory=VideoConfig)
     #: The diffusion RL algorithm: ``flowgrpo`` (FlowGRPO: SDE rollouts with per-step log-probs, the
     #: clipped ratio of ``algo``) or ``nft`` (DiffusionNFT: deterministic rollouts with the old policy,
-    #: clean latents only, the flow-matching loss of ``nft``; ``unirl/diffusion/nft.py``).
+    #: clean latents only, the flow-matching loss ``nft`` with its ``algo.loss_args``; ``unirl/diffusion/nft.py``).
     algorithm: Literal["flowgrpo", "nft"] = "flowgrpo"
     nft: NftConfig = field(default_factory=NftConfig)
     #: KL to the reference per trained step (``unirl.diffusion.sde.step_kl``): ``flowgrpo`` is
@@ -323,18 +319,27 @@ class DiffusionConfig:
     kl_form: Literal["flowgrpo", "exact"] = "flowgrpo"
     #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="brightness")])
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/diffusion"
 
     def __post_init__(self):
         from unirl.diffusion.families import FAMILIES
 
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward is needed")
-        check_groups(self.algo, self.trainer)
+        super().__post_init__()
+        check_backend(self.trainer.strategy, self.trainer.mixed_precision)
+        if self.source.max_staleness or self.source.urls:
+            raise ValueError("source: diffusion samples with the policy itself (no rollout engine), so its batches "
+                             "are sampled when the step asks; leave source.max_staleness at 0 and source.urls empty")
+        if self.source.bypass_mode:
+            raise ValueError("source.bypass_mode=true: diffusion samples with the policy itself, so there is no "
+                             "rollout engine whose log-probs the ratio could be taken against; set source.bypass_mode "
+                             "to false or null")
+        from unirl.core.policy_losses import POLICY_LOSSES
+
+        policy_loss = self.policy_loss_name()
+        if POLICY_LOSSES.get(policy_loss).discrete:
+            raise ValueError(f"algo.policy_loss={policy_loss} reads exp(logp) as a token's probability; a diffusion "
+                             f"step's log-prob is a density, so it is a text loss only")
         family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
         if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:
             raise ValueError(
@@ -352,6 +357,9 @@ class DiffusionConfig:
             raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
                              f"videos; set sampling.num_frames: 1")
 
+    def mode_policy_loss(self) -> str | None:
+        return "nft" if self.algorithm == "nft" else None  # DiffusionNFT's rollouts feed the nft loss only
+
     def _check_nft(self) -> None:
         """DiffusionNFT has no SDE steps, no log-probs and no CFG in training: settings for those are refused."""
         if self.sampling.train_cfg:
@@ -360,5 +368,5 @@ class DiffusionConfig:
         if self.sampling.sde_window.size:
             raise ValueError("algorithm=nft samples with the ODE (no SDE steps): set sampling.sde_window.size: 0")
         if self.algo.kl_coef > 0 or self.algo.use_kl_in_reward:
-            raise ValueError("algorithm=nft: the KL to the reference is nft.kl_coef (on velocities); set "
+            raise ValueError("algorithm=nft: the KL to the reference is algo.loss_args.kl_coef (on velocities); set "
                              "algo.kl_coef: 0 and algo.use_kl_in_reward: false")

@@ -10,7 +10,7 @@ DiffusionNFT (Zheng et al., 2025, https://arxiv.org/abs/2509.16117; code github.
 2. score and advantages: the loop's, as for FlowGRPO (group-relative advantages);
 3. update: at each kept noise level the clean latent is noised afresh, ``x_t = (1 - t) x0 + t eps``, and
    the current and old policies' velocities at ``x_t`` (``score_actions``) enter the registered ``nft``
-   policy loss (``unirl.core.policy_losses``: ``unirl.core.nft.nft_loss`` plus ``nft.kl_coef`` times the
+   policy loss (``unirl.core.policy_losses``: ``unirl.core.nft.nft_loss`` plus ``kl_coef`` (``algo.loss_args``) times the
    velocity gap to the reference), one noise level a piece;
 4. the old policy follows the trained weights once per training step, ``old <- d old + (1 - d) new``
    with NVlabs' rising decay ``d`` (``OldPolicy``), before the next rollout.
@@ -31,6 +31,7 @@ import copy
 
 import torch
 
+from unirl.core.policy_losses import build_loss_args
 from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.rollout_mode import RolloutMode
 from unirl.diffusion.sampling import guided_velocity, sample_with_logprob
@@ -82,16 +83,17 @@ class NFTRollout(RolloutMode):
 
     def setup(self) -> None:
         env, n = self.env, self.env.cfg.nft
-        if n.kl_coef > 0 and not env.cfg.model.lora.enabled and env.ref is None:
-            env.ref = copy.deepcopy(env._model).requires_grad_(False).eval()  # the untrained weights
-        self.old = OldPolicy([p for p in env._model.parameters() if p.requires_grad], n.old_decay_flat,
+        self.kl_coef = build_loss_args("nft", env.cfg.algo.loss_args).kl_coef  # with a KL the reference's velocities too
+        if self.kl_coef > 0 and not env.cfg.model.lora.enabled and env.ref is None:
+            env.ref = copy.deepcopy(env.model).requires_grad_(False).eval()  # the untrained weights
+        self.old = OldPolicy([p for p in env.model.parameters() if p.requires_grad], n.old_decay_flat,
                              n.old_decay_rate, n.old_decay_max)
 
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         self.old.saw(optimizer_steps)  # after the environment's evaluation EMA
 
-    def checkpoint_objects(self) -> list:
-        return [self.old]
+    def checkpoint_objects(self) -> dict:
+        return {"old_policy": self.old}
 
     # ---------------------------------------------------------------- rollout
     def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:
@@ -100,11 +102,11 @@ class NFTRollout(RolloutMode):
         device = env.accelerator.device
         B, G = len(rows), group_size
         N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env._step
+        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env.step
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in env._encode(rows).items()}  # each [N, ...]
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in env.encode(rows).items()}  # each [N, ...]
         noise = env.family.noise(B if s.same_noise_per_group else N, env.latent_shape, generator)
         if s.same_noise_per_group:
             noise = noise.repeat_interleave(G, 0)  # [N, *latent]
@@ -119,9 +121,9 @@ class NFTRollout(RolloutMode):
             for lo in range(0, N, s.chunk_size):
                 hi = min(lo + s.chunk_size, N)
                 cond = {k: v[lo:hi] for k, v in encoded.items()}
-                out = sample_with_logprob(env.family, env._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+                out = sample_with_logprob(env.family, env.model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                           guidance_scale=1.0, noise_level=0.0, stochastic=ode)
-                images += env._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
+                images += env.sampler.decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
                 finals.append(out.final.cpu())
         # 3. The training inputs: T noise levels per sample from the sampling schedule (NVlabs: a random
         #    permutation of its S timesteps, the first int(S * timestep_fraction)) and their fresh noise.
@@ -144,7 +146,7 @@ class NFTRollout(RolloutMode):
     def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
         """What the ``nft`` policy loss (``unirl.core.policy_losses``) reads at the noise levels ``columns``:
         ``velocity`` [n, T', *latent] (gradients flow into ``model``), the old policy's ``old_velocity``
-        (and the reference's ``ref_velocity`` with ``nft.kl_coef``) at the same noised inputs, detached;
+        (and the reference's ``ref_velocity`` with a ``kl_coef``) at the same noised inputs, detached;
         ``clean`` [n, *latent], ``noisy`` [n, T', *latent], ``sigma`` [n, T']; ``mask`` None (every noise
         level is trained)."""
         env = self.env
@@ -152,7 +154,7 @@ class NFTRollout(RolloutMode):
         cond = {k: batch.tensors[k].to(device) for k in env.family.cond_keys}
         clean = batch.tensors["clean"].to(device).float()  # [n, *latent]
         out = {"velocity": [], "old_velocity": [], "noisy": [], "sigma": []}
-        if env.cfg.nft.kl_coef > 0:
+        if self.kl_coef > 0:
             out["ref_velocity"] = []
         for j in range(*columns.indices(batch.tensors["sigma"].shape[1])):
             sigma = batch.tensors["sigma"][:, j].to(device)  # [n]
@@ -164,7 +166,7 @@ class NFTRollout(RolloutMode):
                                                            timestep, cond, 1.0))
             out["velocity"].append(guided_velocity(env.family, model, noisy, timestep, cond, 1.0))
             if "ref_velocity" in out:
-                with torch.no_grad(), env.reference_model() as ref:
+                with torch.no_grad(), env.models.reference() as ref:
                     out["ref_velocity"].append(guided_velocity(env.family, ref, noisy, timestep, cond, 1.0))
             out["noisy"].append(noisy)
             out["sigma"].append(sigma)
@@ -178,4 +180,4 @@ class NFTRollout(RolloutMode):
         return [slice(j, j + 1) for j in range(batch.tensors["sigma"].shape[1])]
 
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError("algorithm=nft puts its KL (nft.kl_coef) in its own loss; algo.kl_coef must be 0")
+        raise NotImplementedError("algorithm=nft puts its KL (algo.loss_args.kl_coef) in its own loss; algo.kl_coef must be 0")

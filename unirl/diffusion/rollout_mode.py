@@ -20,15 +20,18 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from unirl.env import Rollout
+from unirl.env import Actions, Rollout
 
 
-class RolloutMode(ABC):
+class RolloutMode(Actions, ABC):
     """One algorithm's rollout and forward for ``env``, the ``DiffusionEnvironment`` that owns it (its
-    family, pipeline, encoders, schedules and reward queue are the mode's tools)."""
+    family, pipeline, encoders, schedules and reward queue are the mode's tools). It is the environment's
+    ``actions`` (``unirl.env.Actions``): the forward of the samples it kept."""
 
     #: The registered policy loss this mode's rollouts train with (None: the ratio loss of ``algo``).
     policy_loss: str | None = None
+    #: The trainer samples: the sampler's log-probs are the policy's.
+    recompute_old_logprobs = False
 
     def __init__(self, env):
         self.env = env
@@ -38,7 +41,7 @@ class RolloutMode(ABC):
 
     @abstractmethod
     def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:
-        """Sample G per row; returns the rollout, its chunks' queued rewards (``env._decode_and_queue``)
+        """Sample G per row; returns the rollout, its chunks' queued rewards (``env.sampler.decode_and_queue``)
         and the mode's rollout figures. Called by ``env.rollout`` with gradients off."""
 
     @abstractmethod
@@ -60,6 +63,6 @@ class RolloutMode(ABC):
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         """After each optimizer step, after the environment's EMA."""
 
-    def checkpoint_objects(self) -> list:
-        """The mode's stateful objects, saved after the environment's."""
-        return []
+    def checkpoint_objects(self) -> dict:
+        """The mode's stateful objects by name, saved after the environment's."""
+        return {}

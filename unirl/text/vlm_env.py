@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 
 from unirl.env import Rollout
-from unirl.text.engines import HFEngine
+from unirl.rollout import EngineContext, register_engine
+from unirl.rollout.hf import HFEngine
+from unirl.text.actions import TextActions
 from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
+from unirl.text.sampler import TextSampler
 from unirl.text.vlm import (IMAGES_KEY, Picture, VLMProcessor, image_token_mask, load_pictures, pictures_key,
                             rope_index, unsupported_settings, vision_inputs, with_pictures)
 
@@ -64,17 +67,68 @@ class VLMHFEngine(HFEngine):
         return super().generate(prompt_ids, extra_inputs=extra, **kwargs)
 
 
+@register_engine("vlm")
+def vlm_engine(ctx: EngineContext) -> VLMHFEngine:
+    """The transformers engine of a vision-language policy (``VLMEnvironment``'s ``rollout.engine: hf``), on
+    the live policy or a private copy of it (``ctx.own_weights``)."""
+    if ctx.own_weights:
+        return VLMHFEngine.with_own_copy(ctx.policy(), ctx.tokenizer, ctx.accelerator.device, processor=ctx.processor)
+    return VLMHFEngine(ctx.policy, ctx.tokenizer, ctx.processor)
+
+
+class VLMActions(TextActions):
+    """``TextActions`` with each sample's pictures in its forward (``VLMEnvironment``'s ``actions``)."""
+
+    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
+        images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
+        if not images:
+            return None, extra
+        pixels = self.env.processor.image_processor(images=images, return_tensors="pt")
+        return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
+                                   self.env.processor.image_token_id)
+
+    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
+                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
+        n = t["prompt_ids"].shape[0]
+        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
+        return pack_with_pictures(self.env.accelerator.unwrap_model(model), self.env.processor, t["prompt_ids"],
+                                  t["prompt_mask"], t["response_ids"], tokens, images)
+
+
+class VLMSampler(TextSampler):
+    """``TextSampler`` with the rows' pictures decoded for this batch only (the rewards get them too)."""
+
+    def rollout(self, rows: list[dict], group_size: int):
+        return super().rollout([with_pictures(row) for row in rows], group_size)
+
+
 class VLMEnvironment(TextEnvironment):
     """``TextEnvironment`` for a vision-language policy (module docstring)."""
 
     takes_images = True
+    actions_class = VLMActions
+    sampler_class = VLMSampler
 
     def setup(self, accelerator) -> None:
         problems = unsupported_settings(self.cfg)
         if problems:  # before anything loads; the dry run lists them all (unirl/preflight.py)
             raise ValueError(problems[0])
         super().setup(accelerator)
-        self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
+
+    def _prepare_for_evaluation(self) -> None:
+        if self.cfg.rollout.engine != "hf":
+            raise ValueError(f"rollout.engine={self.cfg.rollout.engine}: a vision-language policy is evaluated with the "
+                             f"transformers engine only (docs/vlm.md); pass rollout.engine=hf")
+        self.load_processor()
+
+    @property
+    def engine_name(self) -> str:
+        return "vlm"  # rollout.engine: hf, with the pictures passed to generate
+
+    def engine_context(self, model_path: str, **kwargs) -> EngineContext:
+        ctx = super().engine_context(model_path, **kwargs)
+        ctx.processor = self.processor
+        return ctx
 
     def load_processor(self) -> None:
         """The model directory's tokenizer, image processor and chat template (``VLMProcessor``)."""
@@ -100,10 +154,6 @@ class VLMEnvironment(TextEnvironment):
                 except ValueError as e:
                     raise ValueError(f"{picture.where}: a {picture.width}x{picture.height} picture the model's image "
                                      f"processor refuses: {e}") from None
-
-    def rollout(self, rows: list[dict], group_size: int):
-        """``TextEnvironment.rollout`` with the rows' pictures decoded for this batch (the rewards get them too)."""
-        return super().rollout([with_pictures(row) for row in rows], group_size)
 
     def with_pictures(self, rows: list[dict]) -> list[dict]:
         """Rows whose pictures are decoded, for an evaluation (they are dropped with the list)."""
@@ -131,22 +181,6 @@ class VLMEnvironment(TextEnvironment):
         super().save_pretrained(directory)
         if self.accelerator.is_main_process:
             self.processor.save_files(self.model_path, directory)
-
-    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
-        images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
-        if not images:
-            return None, extra
-        pixels = self.processor.image_processor(images=images, return_tensors="pt")
-        return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
-                                   self.processor.image_token_id)
-
-    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
-                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
-        n = t["prompt_ids"].shape[0]
-        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
-        return pack_with_pictures(self.accelerator.unwrap_model(model), self.processor, t["prompt_ids"],
-                                  t["prompt_mask"], t["response_ids"], tokens, images)
-
 
 def pack_with_pictures(model, processor: VLMProcessor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        response_ids: torch.Tensor, response_mask: torch.Tensor,
