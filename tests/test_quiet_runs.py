@@ -37,8 +37,12 @@ def default_run(tiny_demo_run):
 @pytest.mark.slow
 def test_default_run_prints_a_start_line_the_bar_and_a_summary(default_run):
     run, proc = default_run
-    # stdout: unirl's start line and its summary, nothing else.
-    lines = proc.stdout.splitlines()
+    # stdout: unirl's start line, a step's samples every trainer.log_completions_every (10) steps
+    # (trainer.log_completions: 2, one per prompt) and its summary, nothing else.
+    samples = [line for line in proc.stdout.splitlines() if line.startswith("unirl: step ")]
+    assert [line.split()[2] for line in samples] == [str(step) for step in range(10, 151, 10) for _ in range(2)], samples
+    assert all(" sample: '" in line and "(reward " in line for line in samples), samples
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("unirl: step ")]
     assert lines[0] == f"unirl: training text with config tiny, model tiny -> {run}"
     assert lines[1].startswith("unirl: done, 150 steps in ") and lines[1].endswith(" s")
     summary = lines[2:]
@@ -76,9 +80,13 @@ def test_eval_from_another_directory_prints_one_line_with_the_weighted_total(def
                   "rewards[1].weight=0.5", "rewards[0].kwargs={method: strict_normalized}", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 100 prompts x 1, reward ")
-    # stderr: only unirl's line saying which config scored it (issue 37 item 18), no library output.
-    assert proc.stderr.strip().splitlines() == [f"config: {run / 'config.yaml'} (the run's saved config)"], \
-        proc.stderr[-2000:]
+    # stderr: only unirl's lines, saying which config scored it (issue 37 item 18) and what it is doing (issue 51),
+    # no library output.
+    assert proc.stderr.strip().splitlines() == [
+        f"config: {run / 'config.yaml'} (the run's saved config)",
+        f"unirl: eval: loading {ckpt} and the held-out prompts of tiny ...",
+        "unirl: eval: answering 100 prompts (greedy, rollout.engine=vllm) ...",
+        f"unirl: eval: scoring 100 answers with gsm8k, {tmp_path / 'half.py'}:half ..."], proc.stderr[-2000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["reward/half"] == 0.5
     assert summary["reward"] == pytest.approx(summary["reward/gsm8k"] + 0.5 * 0.5, abs=1e-6)
