@@ -258,10 +258,13 @@ def test_eval_of_a_relative_path_that_does_not_exist_is_not_taken_for_a_hub_name
     assert check_checkpoint_path("HuggingFaceTB/SmolLM2-135M") is None
 
 
-def test_eval_says_what_it_is_doing(tmp_path, tiny_lm_dir):
-    result = _cli("eval", "text", "--config", "tiny", "--checkpoint", str(tiny_lm_dir), "rollout.engine=hf",
-                  "data.eval_size=4", "--output-dir", str(tmp_path / "e"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("unirl: eval: ")]
-    assert [line.split(" ")[2] for line in lines] == ["loading", "answering", "scoring"], result.stderr
+def test_eval_says_what_it_is_doing(tmp_path, tiny_lm_dir, capsys):
+    from unirl.cli import main  # in this process: the command's own code path, without a second start-up
+
+    code = main(["eval", "text", "--config", "tiny", "--checkpoint", str(tiny_lm_dir), "rollout.engine=hf",
+                 "data.eval_size=4", "--output-dir", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code in (0, None), err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("unirl: eval: ")]
+    assert [line.split(" ")[2] for line in lines] == ["loading", "answering", "scoring"], err
     assert "answering 4 prompts (greedy, rollout.engine=hf)" in lines[1] and "scoring 4 answers with gsm8k" in lines[2]

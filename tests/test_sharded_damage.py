@@ -110,28 +110,30 @@ RUN = ["-m", "unirl.cli", "train", "text", "--config", "tiny", "trainer.strategy
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncated_optimizer", "model_row_gap"])
-def test_fsdp2_resume_skips_a_damaged_checkpoint_in_one_line(tmp_path_factory, tmp_path, tiny_lm_dir, damage):
+def test_fsdp2_resume_skips_damaged_checkpoints_in_one_line_each(tmp_path, tiny_lm_dir):
+    """A 1-process FSDP2 run of 3 steps with a truncated optimizer shard in step 3's checkpoint and a model
+    piece's rows out of place in step 2's: resume skips each in one line naming its file and goes on from
+    step 1 (one run for both damages: each skip is its own line, in the order resume tries them)."""
     from test_distributed import REPO, cpu_env
 
     run = tmp_path / "run"
-    first = subprocess.run([sys.executable, *RUN, "trainer.total_steps=2", "--output-dir", str(run)], cwd=REPO,
+    first = subprocess.run([sys.executable, *RUN, "trainer.total_steps=3", "--output-dir", str(run)], cwd=REPO,
                            env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
-    state = run / "checkpoints" / "step_000002" / "trainer_state"
-    if damage == "truncated_optimizer":
-        shard = state / "policy_optimizer.rank0of1.safetensors"
-        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    else:
-        meta = state / "policy.rank0of1.json"
-        plain = json.loads(meta.read_text())
-        plain["model.layers.0.self_attn.q_proj.weight"]["offset"] = 3
-        meta.write_text(json.dumps(plain))
-    resumed = subprocess.run([sys.executable, *RUN, "trainer.total_steps=3", "trainer.resume=true", "--output-dir",
+    states = {step: run / "checkpoints" / f"step_{step:06d}" / "trainer_state" for step in (2, 3)}
+    shard = states[3] / "policy_optimizer.rank0of1.safetensors"  # truncated_optimizer
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    meta = states[2] / "policy.rank0of1.json"  # model_row_gap
+    plain = json.loads(meta.read_text())
+    plain["model.layers.0.self_attn.q_proj.weight"]["offset"] = 3
+    meta.write_text(json.dumps(plain))
+    resumed = subprocess.run([sys.executable, *RUN, "trainer.total_steps=4", "trainer.resume=true", "--output-dir",
                               str(run)], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
     said = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0 and "Traceback" not in said, said[-3000:]
     skipped = [line for line in said.splitlines() if line.startswith("resume: skipping")]
-    assert len(skipped) == 1 and skipped[0].startswith(f"resume: skipping {run / 'checkpoints' / 'step_000002'}: {state}/")
+    assert len(skipped) == 2, skipped
+    assert skipped[0].startswith(f"resume: skipping {run / 'checkpoints' / 'step_000003'}: {states[3]}/"), skipped
+    assert skipped[1].startswith(f"resume: skipping {run / 'checkpoints' / 'step_000002'}: {states[2]}/"), skipped
     assert f"resumed from {run / 'checkpoints' / 'step_000001'} (step 1)" in said
-    assert (run / "checkpoints" / "step_000003").is_dir()
+    assert (run / "checkpoints" / "step_000004").is_dir()

@@ -123,7 +123,7 @@ def test_rows_keep_their_pictures_sources_and_a_batch_gets_them_decoded(tmp_path
     pictures = [p for row in env.train_rows + env.test_rows for p in row["images"]]
     assert pictures and all(isinstance(p, Picture) for p in pictures)
     assert all(p.size == (56, 56) and p.source == folder / "ok.png" for p in pictures)
-    batch = env.rollout(env.train_rows, group_size=2)
+    batch = env.sampler.rollout(env.train_rows, group_size=2)  # the environment's sampler (VLMSampler)
     assert all(isinstance(images[0], Image.Image) for images in batch.columns["images"])
     assert batch.columns["images"][0][0].getpixel((0, 0)) == (255, 0, 0)
     assert all(isinstance(p, Picture) for row in env.train_rows for p in row["images"])  # the rows are unchanged
