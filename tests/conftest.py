@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -36,16 +35,11 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(autouse=True)
 def fresh_accelerator_state():
-    """Each test starts with Accelerate's process-wide state unset. It is a borg: every ``Accelerator``
-    shares one ``PartialState``/``AcceleratorState`` dict, so in one process a test's
-    ``Accelerator(cpu=True)`` and a later test's CUDA one collide ("AcceleratorState has already been
-    initialized ... pass cpu=True") on a GPU machine. Fresh dicts are swapped in rather than the old
-    ones cleared (``_reset_state``), so the accelerators of module-scoped fixtures keep their state."""
-    if "accelerate.state" in sys.modules:
-        from accelerate.state import AcceleratorState, GradientState, PartialState
+    """Each test starts with Accelerate's process-wide state unset (``machine.fresh_accelerate_state``): a test's
+    ``Accelerator(cpu=True)`` and a later test's CUDA one would collide on a GPU machine."""
+    from machine import fresh_accelerate_state
 
-        for cls in (PartialState, AcceleratorState, GradientState):
-            cls._shared_state = {}
+    fresh_accelerate_state()
     yield
 
 

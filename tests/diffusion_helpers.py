@@ -10,9 +10,12 @@ from unirl.diffusion.env import DiffusionEnvironment
 
 
 def make_env(*overrides: str) -> DiffusionEnvironment:
-    """A ``DiffusionEnvironment`` set up on the CPU from the default config and ``overrides``."""
+    """A ``DiffusionEnvironment`` set up on the CPU from the default config and ``overrides``, also after a run
+    in this process has left Accelerate's shared state on CUDA (``machine.fresh_accelerate_state``)."""
     from accelerate import Accelerator
+    from machine import fresh_accelerate_state
 
+    fresh_accelerate_state()
     env = DiffusionEnvironment(load_config(DiffusionConfig, None, list(overrides)))
     env.setup(Accelerator(cpu=True))
     return env

@@ -51,3 +51,18 @@ def repo_env(**extra: str) -> dict[str, str]:
     ``PYTHONPATH``, whatever was there kept (a GPU machine's packages come from it)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def fresh_accelerate_state() -> None:
+    """Accelerate's process-wide state unset. It is a borg: every ``Accelerator`` shares one
+    ``PartialState``/``AcceleratorState`` dict, so in one process a CUDA ``Accelerator`` (a run's, through
+    ``unirl.train``) and a later ``Accelerator(cpu=True)`` collide ("AcceleratorState has already been
+    initialized ... pass cpu=True") on a GPU machine. Fresh dicts are swapped in rather than the old ones
+    cleared (``_reset_state``), so accelerators made before keep their state."""
+    import sys
+
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        for cls in (PartialState, AcceleratorState, GradientState):
+            cls._shared_state = {}

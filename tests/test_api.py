@@ -196,3 +196,44 @@ def test_the_python_example_of_the_docs_runs_as_written(tmp_path, tiny_lm_dir):
     assert float(last) >= float(first) + 0.2, (first, last)  # printed 0.34 -> 0.95
     assert Path(checkpoint).parent.parent.parent == tmp_path / "runs" and Path(checkpoint).name == "step_000020"
 
+
+
+# ------------------------------------------------------------------------------------ TRL users' first try
+def trl_order(prompts, completions, **kwargs):
+    """A reward in TRL's argument order: unirl would pass the completions as ``prompts``, then ``prompts`` again."""
+    return [0.0] * len(completions)
+
+
+def test_trls_model_and_reward_funcs_are_taken(tmp_path, tiny_lm_dir):
+    result = unirl.train("text", "tiny", {"trainer.total_steps": 1, "rollout.engine": "hf", "data.test": None},
+                         model=tiny_lm_dir, reward_funcs=[ends_right], train_data=ROWS, output_dir=tmp_path / "run",
+                         progress=False)
+    assert result.config.model.name_or_path == str(tiny_lm_dir) and [r.name for r in result.config.rewards] == ["ends_right"]
+    assert "reward/ends_right" in result.metrics[0]
+    with pytest.raises(TypeError, match=r"has no 'train_dataset' \(TRL's GRPOTrainer argument\); here it is train_data="):
+        unirl.train("text", "tiny", train_dataset=ROWS, output_dir=tmp_path / "other")
+    with pytest.raises(TypeError, match=r"unexpected argument 'reward'; did you mean rewards"):
+        unirl.train("text", "tiny", reward=[ends_right], output_dir=tmp_path / "other")
+    with pytest.raises(TypeError, match="rewards or reward_funcs"):
+        unirl.train("text", "tiny", rewards=[ends_right], reward_funcs=[ends_right], output_dir=tmp_path / "other")
+
+
+def test_a_reward_in_trls_argument_order_is_refused_before_anything_loads(tmp_path):
+    """It failed after the first rollout (41 s) with "got multiple values for argument 'prompts'"."""
+    from unirl.preflight import PreflightError
+
+    with pytest.raises(PreflightError) as err:
+        unirl.train("text", "tiny", rewards=[trl_order], train_data=ROWS, output_dir=tmp_path / "run")
+    assert ("reward 'trl_order' takes (prompts, completions, ...) first, TRL's order; unirl calls a reward as "
+            "reward(samples, prompts=..., **columns)") in str(err.value)
+    assert "def trl_order(completions, prompts, **kwargs)" in str(err.value)
+    assert not (tmp_path / "run" / "run.log").exists()  # no model was loaded
+
+
+def test_an_unknown_key_suggests_the_same_name_in_another_section():
+    from unirl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer\.lr: unknown key\. Did you mean 'optim\.lr', 'critic\.optim\.lr'\?"):
+        unirl.load_config("text", "tiny", ["trainer.lr=1e-5"])
+    with pytest.raises(ConfigError, match=r"trainer\.lr: unknown key\. Did you mean 'optim\.lr'"):
+        unirl.load_config("text", {"trainer": {"lr": 1e-5}})

@@ -130,6 +130,16 @@ def test_state_files_round_trip_types_exactly(tmp_path):
         save_state({"f": lambda: 0}, tmp_path / "t")
 
 
+@pytest.mark.parametrize("plain", [{"__npscalar__": "Infinity", "dtype": "<u4"},
+                                   {"__shard__": "0", "dim": "Infinity", "offset": 0, "shape": [3]}])
+def test_infinity_where_a_whole_number_belongs_is_a_state_file_error(tmp_path, plain):
+    """json.dump's spelling of 1e999 read back as inf and given to int(): an OverflowError, not a StateFileError."""
+    save_state({"x": torch.arange(3)}, tmp_path / "s")
+    (tmp_path / "s.json").write_text(json.dumps({"x": plain}).replace('"Infinity"', "Infinity"))
+    with pytest.raises(checkpoints.StateFileError, match=r"s\.json: cannot be read \(cannot convert float infinity"):
+        load_state(tmp_path / "s")
+
+
 def test_resume_restores_every_model_optimizer_schedule_ema_and_rng_bit_for_bit(tmp_path):
     acc, prepared, ema = _setup()
     _train(prepared, ema, 3)
@@ -191,7 +201,8 @@ def test_an_old_pickled_checkpoint_is_refused_naming_it(tmp_path):
         _resume(acc, tmp_path)
 
 
-@pytest.mark.parametrize("damage", ["truncate_model", "truncate_optimizer", "rng_json", "rng_tensor", "loop_json"])
+@pytest.mark.parametrize("damage", ["truncate_model", "truncate_optimizer", "rng_json", "rng_tensor", "loop_json",
+                                    "model_key_missing"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, damage, capsys):
     acc, prepared, ema = _setup()
     env = _Env(prepared[0])
@@ -203,11 +214,16 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, dama
     state = ckpt / "trainer_state"
     file = {"truncate_model": state / "critic.safetensors", "truncate_optimizer": state / "policy_optimizer.safetensors",
             "rng_json": state / "rng_0.json", "rng_tensor": state / "rng_0.safetensors",
-            "loop_json": state / "loop.json"}[damage]
+            "loop_json": state / "loop.json", "model_key_missing": state / "policy.safetensors"}[damage]
     if damage == "rng_json":  # valid JSON, wrong content: a python RNG state of the wrong length
         plain = json.loads(file.read_text())
         plain["python"]["__tuple__"][1]["__tuple__"] = plain["python"]["__tuple__"][1]["__tuple__"][:10]
         file.write_text(json.dumps(plain))
+    elif damage == "model_key_missing":  # a whole file with a tensor left out: damage, as the checkpoint before fits
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(file))
+        save_file({k: v for k, v in tensors.items() if not k.endswith("bias")}, str(file))
     elif damage == "rng_tensor":  # the torch generator state replaced by one of the wrong size
         from safetensors.torch import load_file, save_file
 
@@ -375,13 +391,24 @@ TAMPERED = {  # name: (file, its change, what the skip line must say)
     "step_other": ("loop.json", lambda p: {**p, "step": 7}, "loop.json: step is 7, but the checkpoint is step_000002"),
     "optimizer_steps": ("loop.json", lambda p: {**p, "optimizer_steps": 10**30}, "loop.json: optimizer_steps must be"),
     "kl_ctrl": ("loop.json", lambda p: {**p, "kl_ctrl": {"value": "0.1"}}, "loop.json: kl_ctrl.value must be a finite"),
+    "zero_adv_steps": ("loop.json", lambda p: {**p, "zero_adv_steps": 2.5}, "loop.json: zero_adv_steps must be a whole"),
     "swapped_tensors": ("critic_optimizer.json", _swap_moments,
                         "critic_optimizer.json: parameter 0's 'exp_avg' has shape (5,), the parameter (5, 3)"),
     "scheduler": ("policy_scheduler.json", lambda p: {**p, "last_epoch": "1"}, "policy_scheduler.json: last_epoch must be a count"),
 }
 
 
-@pytest.mark.parametrize("case", [*TAMPERED, "rng_1e999", "deep_json", "config_deep"])
+INF = "corrupt RNG state (holds inf; an RNG state is whole numbers and a finite cached Gaussian draw)"
+RNG_INFINITY = {  # where json.dump's spelling of 1e999 goes in rng_0.json: (pattern, what the skip line says)
+    "python_word": (r'("python": \{"__tuple__": \[3, \{"__tuple__": \[)\d+', INF),
+    "python_gauss": (r'(\]\}, )null(\]\}, "numpy")', INF),
+    "numpy_pos": (r'("MT19937", \{"__ndarray__": "\d+", "dtype": "<u4"\}, )\d+', INF),
+    "numpy_gauss": (r'("MT19937", \{"__ndarray__": "\d+", "dtype": "<u4"\}, \d+, \d+, )[-\d.e]+', INF),
+}
+
+
+@pytest.mark.parametrize("case", [*TAMPERED, "rng_1e999", *(f"rng_infinity_{k}" for k in RNG_INFINITY), "deep_json",
+                                  "config_deep"])
 def test_tampered_metadata_is_named_and_the_checkpoint_before_is_resumed(tmp_path, case, capsys):
     acc, prepared, ema = _setup()
     env = _Env(prepared[0])
@@ -401,6 +428,12 @@ def test_tampered_metadata_is_named_and_the_checkpoint_before_is_resumed(tmp_pat
         (state / "rng_0.json").write_text(re.sub(r'("python": \{"__tuple__": \[3, \{"__tuple__": \[)\d+', r"\g<1>1e999", text))
         assert "1e999" in (state / "rng_0.json").read_text()
         said = "rng_0.json: cannot be read (the number 1e999 is too large for a float)"
+    elif case.startswith("rng_infinity_"):  # what json.dump writes for 1e999; a cached Gaussian of inf was accepted
+        where, said = RNG_INFINITY[case.removeprefix("rng_infinity_")]
+        text = (state / "rng_0.json").read_text()
+        (state / "rng_0.json").write_text(re.sub(where, r"\g<1>Infinity\g<2>" if "(\\]" in where else r"\g<1>Infinity",
+                                                 text, count=1))
+        assert "Infinity" in (state / "rng_0.json").read_text()
     elif case == "deep_json":
         (state / "rng_0.json").write_text("[" * 200_000 + "]" * 200_000)
         said = "rng_0.json: cannot be read (nested too deeply"

@@ -39,12 +39,12 @@ def test_every_shipped_config_says_what_it_needs():
 
 
 def _documented_parameters(page: str, function: str) -> list[str]:
-    """The parameter names in a page's ``## `unirl.FUNCTION(...)` `` heading."""
+    """The parameter names in a page's ``## `unirl.FUNCTION(...)` `` heading (``**unknown``: ``unknown``)."""
     import re
 
     heading = re.search(rf"^## `unirl\.{function}\((.*?)\)`", page, re.M)
     assert heading, f"docs/python.md has no heading for unirl.{function}"
-    return [p.split("=")[0].strip() for p in heading.group(1).split(",") if p.strip() not in ("*", "")]
+    return [p.split("=")[0].strip().lstrip("*") for p in heading.group(1).split(",") if p.strip() not in ("*", "")]
 
 
 def test_python_page_names_every_parameter_of_train_and_load_config():

@@ -232,3 +232,39 @@ def test_default_plot_leaves_out_panels_whose_value_never_changes(tmp_path, caps
     (tmp_path / "b" / "metrics.jsonl").write_text(json.dumps({"step": 1, "actor/clip_frac": 0.2, "reward/mean": 1}) + "\n")
     plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
     assert "actor/clip_frac" not in capsys.readouterr().err
+
+
+def test_plot_imports_neither_transformers_nor_diffusers(tmp_path):
+    """``unirl plot`` draws with matplotlib alone; configuring the libraries imported both (~6 s)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.1 * s}) + "\n"
+                                                            for s in range(1, 4)))
+    code = ("import sys; from unirl.cli import main; main(['plot', sys.argv[1]]); "
+            "print(sorted(m for m in ('transformers', 'diffusers', 'vllm', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout
+
+
+def test_eval_of_a_relative_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path, monkeypatch):
+    """``runs/nope-ckpt`` (its first folder exists) was looked up on the hub; ``org/name`` stays a hub name."""
+    from unirl.evaluation import check_checkpoint_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError, match="--checkpoint runs/nope-ckpt does not exist"):
+        check_checkpoint_path("runs/nope-ckpt")
+    assert check_checkpoint_path("HuggingFaceTB/SmolLM2-135M") is None
+
+
+def test_eval_says_what_it_is_doing(tmp_path, tiny_lm_dir, capsys):
+    from unirl.cli import main  # in this process: the command's own code path, without a second start-up
+
+    code = main(["eval", "text", "--config", "tiny", "--checkpoint", str(tiny_lm_dir), "rollout.engine=hf",
+                 "data.eval_size=4", "--output-dir", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert code in (0, None), err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("unirl: eval: ")]
+    assert [line.split(" ")[2] for line in lines] == ["loading", "answering", "scoring"], err
+    assert "answering 4 prompts (greedy, rollout.engine=hf)" in lines[1] and "scoring 4 answers with gsm8k" in lines[2]

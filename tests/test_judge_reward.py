@@ -3,8 +3,10 @@
 The stub answers each chat completion by a marker in the prompt: ``[score=N]`` a reasoned answer
 ending in ``Final Score: N``, ``[malformed]`` an answer without a score, ``[slow]`` after longer than
 the client's timeout, ``[slow-once]`` / ``[busy-once]`` slowly / with a 503 on the first attempt
-only, ``[broken]`` a 500 every time, ``[refused]`` a 400. It records every request, so the tests
-check what was sent (the image as a PNG data URL with the run's pixels) and how often.
+only, ``[broken]`` a 500 every time, ``[refused]`` a 400, ``[dribble]`` a chat completion one byte
+every 0.1 s (a read never waits long, the answer never ends), ``[huge]`` a 64 MiB answer, ``[answer=X]``
+the text X (URL-quoted). It records every request, so the tests check what was sent (the image as a PNG
+data URL with the run's pixels) and how often.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import re
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -79,15 +82,38 @@ def stub():
                 return self._send(500 if marker == "broken" else 503, {"error": "not now"})
             if marker == "refused":
                 return self._send(400, {"error": "bad request"})
+            if marker in ("dribble", "huge"):
+                return self._stream(marker)
             if marker == "slow" or (marker == "slow-once" and first):
                 time.sleep(1.0)
             if marker.startswith("score="):
                 content = f"The caption's objects are there. **Final Score:** {marker[6:]}"
             elif marker == "malformed":
                 content = "It looks rather nice to me."
+            elif marker.startswith("answer="):
+                content = urllib.parse.unquote(marker[7:])
             else:
                 content = "Fine. Final Score: 3"
             self._send(200, {"choices": [{"message": {"role": "assistant", "content": content}}]})
+
+        def _stream(self, marker: str):
+            """An answer with no length, written until the client hangs up (or 64 MiB for ``huge``)."""
+            self._done()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            chunk, sent = (b" ", 0) if marker == "dribble" else (b" " * 2**20, 0)
+            try:
+                self.wfile.write(b'{"choices": [{"message": {"role": "assistant", "content": "Final Score: 3"}}]')
+                while marker == "dribble" or sent < 64 * 2**20:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                    sent += len(chunk)
+                    if marker == "dribble":
+                        time.sleep(0.1)
+                self.wfile.write(b"}")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
 
         def _send(self, code: int, payload: dict):
             raw = json.dumps(payload).encode()
@@ -198,3 +224,113 @@ def test_llm_judge_through_a_runs_reward_set_keeps_the_judges_texts(stub):
     assert "Question: 2 + 2? [score=" in body and "Response: " in body
     with pytest.raises(RewardError, match="model"):  # a required setting missing: named at load
         load_reward("llm_judge", url=stub.url)
+
+
+def test_the_timeout_bounds_a_whole_dribbling_answer_not_each_read(stub):
+    """Each read gets a byte within 0.1 s, so a per-read timeout never fires: the attempt must end at 0.5 s."""
+    judge = LLMJudge(url=stub.url, model="judge", timeout=0.5, retries=1, backoff=0)
+    outcome: dict = {}
+    worker = threading.Thread(target=lambda: outcome.update(error=_raised(lambda: judge(["4"], prompts=["[dribble]"]))),
+                              daemon=True)
+    start = time.monotonic()
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "the judge was still reading a dribbling answer after 20 s"
+    assert time.monotonic() - start < 5
+    assert isinstance(outcome["error"], RewardError)
+    assert re.search(r"failed 2 attempt\(s\).*no whole answer within the 0.5s timeout", str(outcome["error"]))
+    assert stub.seen["dribble"] == 2
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as err:  # noqa: BLE001 - the test inspects it
+        return err
+    return None
+
+
+def test_an_answer_is_read_up_to_a_cap_not_whole(stub):
+    import tracemalloc
+
+    judge = LLMJudge(url=stub.url, model="judge", retries=0, max_tokens=512)
+    tracemalloc.start()
+    with pytest.raises(RewardError, match=r"answered more than 1081344 bytes \(1 MiB plus 64 per max_tokens\)"):
+        judge(["4"], prompts=["[huge]"])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB held reading a 64 MiB answer"
+
+
+@pytest.mark.parametrize("answer, fmt, expected", [
+    ("Final Score: 1e308", "final_score", "a score 1e+308 outside"),  # read whole, not as 1
+    ("Final Score: 1e999", "final_score", "a score inf outside"),
+    ("1e1", "number", "a score 10 outside"),  # not 1
+    ("On a scale of 1 to 5: 7", "number", "a score 7 outside"),  # the quoted scale is not the score
+])
+def test_numbers_are_read_whole_and_out_of_scale_ones_refused(stub, answer, fmt, expected):
+    judge = LLMJudge(url=stub.url, model="judge", score_format=fmt, backoff=0)
+    with pytest.raises(RewardError, match=re.escape(expected)):
+        judge(["r"], prompts=[f"[answer={urllib.parse.quote(answer)}]"])
+    floor = LLMJudge(url=stub.url, model="judge", score_format=fmt, backoff=0, on_unparsable="min", min_score=1)
+    scores = floor(["r"], prompts=[f"[answer={urllib.parse.quote(answer)}]"])
+    assert list(scores) == [1.0] and scores.failed == [True]
+
+
+def test_a_quoted_scale_is_not_the_score():
+    assert parse_score("On a scale of 1 to 5, I give it a 4.", "number") == 4.0
+    assert parse_score("Scale 1-5. Score: 2", "number") == 2.0
+    assert parse_score("from 1 to 10: 8/10", "number") == 8.0
+    assert parse_score("I'd say 3 out of 5", "number") == 3.0
+    assert parse_score("-2", "number") == -2.0 and parse_score("0.5", "number") == 0.5
+
+
+def test_a_deeply_nested_json_answer_is_unparsable_not_a_crash(stub):
+    deep = '{"score": ' * 100_000 + "5" + "}" * 100_000
+    assert parse_score(deep, "json") is None
+    judge = LLMJudge(url=stub.url, model="judge", score_format="json", on_unparsable="min", backoff=0)
+    nested = urllib.parse.quote('{"a": ' * 5000 + "1" + "}" * 5000)
+    scores = judge(["r"], prompts=[f"[answer={nested}]"])
+    assert list(scores) == [1.0] and scores.failed == [True]
+
+
+def test_a_rubric_with_json_braces_is_sent_as_written(stub):
+    rubric = 'Grade {response} for {prompt}. Reply with JSON like {"score": N, "why": "..."}; {{literal}}'
+    judge = LLMJudge(url=stub.url, model="judge", template=rubric, backoff=0)
+    assert list(judge(["4"], prompts=["2 + 2? [score=5]"])) == [5.0]
+    sent = stub.requests[-1]["messages"][0]["content"]
+    assert sent == 'Grade 4 for 2 + 2? [score=5]. Reply with JSON like {"score": N, "why": "..."}; {literal}'
+    with pytest.raises(RewardError, match=r"only \{prompt\} is filled in.*write \{\{ and \}\} for a literal brace"):
+        VLMJudge(url=stub.url, model="judge", template="{prompt} {respose}")
+
+
+def test_a_judge_stuck_past_the_rewards_timeout_leaves_the_process_free_to_exit(stub, tmp_path):
+    """``rewards[0].timeout_s`` ends the call at 1 s; the judge's own timeout (60 s, 3 retries) is far off, and
+    the requests still in flight must not hold the process's exit (a pool's threads are joined at exit)."""
+    script = tmp_path / "stuck_judge.py"
+    script.write_text(f"""
+import time
+from unirl.config.schema import RewardConfig
+from unirl.reward_set import RewardSet
+
+rewards = RewardSet([RewardConfig(name="llm_judge", timeout_s=1, kwargs=dict(
+    url={stub.url!r}, model="judge", timeout=60, retries=3, concurrency=4))])
+start = time.monotonic()
+try:
+    rewards.components(["a", "b", "c"], prompts=["[dribble]"] * 3, columns={{}})
+except Exception as err:
+    print(f"after {{time.monotonic() - start:.1f}} s: {{err}}", flush=True)
+""")
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the process was still alive 30 s after its reward timed out at 1 s: {out[-2000:]}")
+    assert proc.returncode == 0, out[-2000:]
+    assert re.search(r"after 1\.\d s: reward 'llm_judge': no answer after 1 s \(its timeout_s\)", out), out[-2000:]
+    assert stub.seen["dribble"] == 3

@@ -89,3 +89,27 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_logs_each_step_once(t
     resumed = _resume(out, saved + 2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(out) == list(range(1, saved + 3))
+
+
+def test_sigterm_to_the_launcher_of_two_processes_is_one_line_and_143(tmp_path, tiny_lm_dir):
+    """``python -m unirl.launch`` (torchrun's arguments): SIGTERM to the launcher reaches both processes, which
+    stop after the same step with a checkpoint; rank 0 alone prints the stop lines, and the launcher exits 143
+    with one line (torchrun exits 1 with its SignalException's traceback)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "unirl.launch", "--standalone", "--nproc_per_node", "2", "-m", "unirl.cli", "train",
+           "text", "--config", "tiny", "--output-dir", str(out), *ARGS, "trainer.total_steps=500", "trainer.save_every=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    _wait_for_steps(proc, out, 2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    said = stdout + stderr
+    assert proc.returncode == 143 and "Traceback" not in said, said[-3000:]
+    last = _steps(out)[-1]
+    checkpoint = out / "checkpoints" / f"step_{last:06d}"
+    assert (checkpoint / "trainer_state" / "loop.json").exists()
+    assert said.count("unirl: SIGTERM received; stopping after this step") == 1, said[-3000:]
+    assert said.count(f"unirl: stopped by SIGTERM after step {last}; checkpoint {checkpoint}") == 1, said[-3000:]
+    assert stderr.splitlines()[-1] == ("unirl: the launcher got SIGTERM and passed it on; its processes stopped after "
+                                       "their step (rank 0's line above names the checkpoint)")
+    assert "death signal" not in said  # torchrun's own notices, one per process, stay at ERROR

@@ -109,7 +109,8 @@ def test_gsm8k_dry_run_without_a_gpu_says_so(empty_cwd, capsys, monkeypatch):
     code, out, _ = _dry_run(capsys, "text", "gsm8k")
     assert code == 0
     assert ("this config expects a GPU (trainer.mixed_precision=bf16, rollout.dtype=bfloat16) and torch sees none: "
-            "it would run on the CPU, slowly") in _lines(out, "note")
+            "it would run on the CPU, slowly (model.dtype=float32 trainer.mixed_precision=no runs faster there)"
+            ) in _lines(out, "note")
     code, out, _ = _dry_run(capsys, "text", "gsm8k", "model.attn_implementation=flash_attention_2")
     assert code != 0
     assert ("model.attn_implementation: flash_attention_2 runs on CUDA only and torch sees no GPU; use sdpa"

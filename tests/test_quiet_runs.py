@@ -37,8 +37,12 @@ def default_run(tiny_demo_run):
 @pytest.mark.slow
 def test_default_run_prints_a_start_line_the_bar_and_a_summary(default_run):
     run, proc = default_run
-    # stdout: unirl's start line and its summary, nothing else.
-    lines = proc.stdout.splitlines()
+    # stdout: unirl's start line, a step's samples every trainer.log_completions_every (10) steps
+    # (trainer.log_completions: 2, one per prompt) and its summary, nothing else.
+    samples = [line for line in proc.stdout.splitlines() if line.startswith("unirl: step ")]
+    assert [line.split()[2] for line in samples] == [str(step) for step in range(10, 151, 10) for _ in range(2)], samples
+    assert all(" sample: '" in line and "(reward " in line for line in samples), samples
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("unirl: step ")]
     assert lines[0] == f"unirl: training text with config tiny, model tiny -> {run}"
     assert lines[1].startswith("unirl: done, 150 steps in ") and lines[1].endswith(" s")
     summary = lines[2:]
@@ -76,9 +80,13 @@ def test_eval_from_another_directory_prints_one_line_with_the_weighted_total(def
                   "rewards[1].weight=0.5", "rewards[0].kwargs={method: strict_normalized}", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"eval {ckpt}: 100 prompts x 1, accuracy ")
-    # stderr: only unirl's line saying which config scored it (issue 37 item 18), no library output.
-    assert proc.stderr.strip().splitlines() == [f"config: {run / 'config.yaml'} (the run's saved config)"], \
-        proc.stderr[-2000:]
+    # stderr: only unirl's lines, saying which config scored it (issue 37 item 18) and what it is doing (issue 51),
+    # no library output.
+    assert proc.stderr.strip().splitlines() == [
+        f"config: {run / 'config.yaml'} (the run's saved config)",
+        f"unirl: eval: loading {ckpt} and the held-out prompts of tiny ...",
+        "unirl: eval: answering 100 prompts (greedy, rollout.engine=vllm) ...",
+        f"unirl: eval: scoring 100 answers with gsm8k, {tmp_path / 'half.py'}:half ..."], proc.stderr[-2000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["reward/half"] == 0.5
     assert summary["reward"] == pytest.approx(summary["reward/gsm8k"] + 0.5 * 0.5, abs=1e-6)
@@ -124,6 +132,28 @@ def test_run_output_routes_library_output_to_the_log_and_the_users_warnings_to_t
     assert shown == ["your prompt is empty"] and "your prompt is empty" not in log
     # Left as they were: the loggers have their own handlers again.
     assert {name: list(logging.getLogger(name).handlers) for name in before} == before
+
+
+def test_set_up_progress_reaches_the_console_and_the_log(tmp_path, capfd):
+    """A toy model's build reports progress while the set-up's output goes to the run log: the first tiny_search
+    run showed one console line in 1733 s while run.log got 17 progress lines. Real descriptors here (capfd)."""
+    from unirl.logs import RunOutput
+    from unirl.models.cache import progress
+
+    def setup():
+        os.write(2, b"C-level notice on descriptor 2\n")
+        progress("building the tiny search model once ...")
+        progress("tiny search model warm start: step 100")
+
+    with RunOutput(tmp_path, verbose=False) as output:
+        output.quiet(setup)()
+    err = capfd.readouterr().err
+    log = (tmp_path / "run.log").read_text()
+    for line in ("unirl: building the tiny search model once ...", "unirl: tiny search model warm start: step 100"):
+        assert err.count(line) == 1 and line in log, (err, log)
+    assert "C-level notice" not in err and "C-level notice" in log
+    progress("outside a run")  # no redirection: once, on stderr
+    assert capfd.readouterr().err == "unirl: outside a run\n"
 
 
 def test_verbose_redirects_nothing(tmp_path):
@@ -173,6 +203,8 @@ def test_the_end_of_run_summary_is_a_few_short_lines(tmp_path):
         f"  curves         {tmp_path}/metrics.jsonl (unirl plot {tmp_path})",
         f"  library log    {tmp_path}/run.log",
     ]
+    # The set-up (a toy model's first build, the load, vLLM's start) is said apart from the steps.
+    assert end_line(result, 46.2, None, set_up=1733.4).splitlines()[0] == "unirl: done, 4 steps in 46 s, after a set-up of 1733 s"
     no_checkpoint = TrainResult(metrics=metrics[:1], evals=evals[1:], run_dir=tmp_path, checkpoint=None, config=None)
     assert end_line(no_checkpoint, 1, None).splitlines()[1:] == [
         "  reward/mean    0.000 -> 0.000 (first and last 1 step)",

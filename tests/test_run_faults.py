@@ -74,3 +74,21 @@ def test_non_finite_values_stop_the_run_with_one_line_and_keep_the_last_good_che
     assert saved == list(range(1, first)), saved  # every finite step's checkpoint, none after
     assert f"the last checkpoint is {tmp_path / 'run' / 'checkpoints' / f'step_{first - 1:06d}'}" in message
     assert f"step {first}: not checkpointed: " in capsys.readouterr().out
+
+
+def test_the_zero_advantage_streak_survives_a_resume(tmp_path, tiny_lm_dir, capsys):
+    """``adv/zero_adv_steps`` counts the steps in a row whose every advantage was 0 (a reward that is always 0
+    here); it travels in loop.json, so a run resumed after 3 such steps counts 4, 5 and warns at 5 as an
+    uninterrupted run does (it restarted at 0 and the 5-in-a-row warning could never come)."""
+    reward = tmp_path / "zero.py"
+    reward.write_text("def reward(samples, **kwargs):\n    return [0.0] * len(samples)\n")
+    common = [f"rewards=[{{name: {reward}:reward}}]", "trainer.save_every=1", "trainer.eval_every=0"]
+    first = _trainer(tmp_path, *common, "trainer.total_steps=3")
+    first.train()
+    first.env.close()
+    resumed = _trainer(tmp_path, *common, "trainer.total_steps=5", "trainer.resume=true")
+    resumed.train()
+    resumed.env.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["adv/zero_adv_steps"] for r in rows] == [1, 2, 3, 4, 5]
+    assert "step 5: every advantage has been 0 for 5 steps in a row" in capsys.readouterr().out

@@ -80,8 +80,10 @@ def test_tiny_demo_checkpoint_loads_and_weights_changed(tiny_run, tiny_lm_dir):
     out = trained.generate(ids, max_new_tokens=8, do_sample=False)
     assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).startswith("#### ")
     state = json.loads((ckpt / "trainer_state" / "loop.json").read_text())
-    # one optimizer step per training step; no prompt batches drawn by dynamic sampling (it is off)
-    assert state == {"step": 150, "optimizer_steps": 150, "prompt_batches": 0}
+    # one optimizer step per training step; no prompt batches drawn by dynamic sampling (it is off); the streak of
+    # all-zero-advantage steps as the last step logged it
+    streak = _train_rows(tiny_run)[-1]["adv/zero_adv_steps"]
+    assert state == {"step": 150, "optimizer_steps": 150, "prompt_batches": 0, "zero_adv_steps": streak}
 
 
 def test_hf_engine_run_and_resume(tmp_path, tiny_lm_dir):

@@ -208,12 +208,20 @@ def test_hermes_format_parses_calls_and_renders_tool_messages_with_the_template(
     assert fmt.parse("It is <answer>4821</answer>").answer == "4821"
 
 
-def test_hermes_needs_a_chat_template():
+def test_hermes_on_a_base_model_shows_each_result_as_hermes_tool_response_block():
+    """A tokenizer without a chat template (the tiny toys, a base model): the run stopped at its start; now each
+    result is the block the templates put inside their tool turn (above: ``<tool_response>\\nA\\n</tool_response>``)."""
     class NoTemplate:
         chat_template = None
+        eos_token = "<eos>"
 
-    with pytest.raises(ValueError, match="chat template"):
-        HermesFormat(NoTemplate())
+    fmt = HermesFormat(NoTemplate())
+    assert fmt.observation(["A", "3"], ended_with_eos=False) == (
+        "\n<tool_response>\nA\n</tool_response>\n\n<tool_response>\n3\n</tool_response>\n")
+    assert fmt.parse('<tool_call>{"name": "define", "arguments": {"word": "epoch"}}</tool_call>').calls[0].arguments == {
+        "word": "epoch"}
+    with pytest.raises(ValueError, match="needs the policy's tokenizer"):
+        HermesFormat(None)
 
 
 # ------------------------------------------------------------------ bad results and bad settings (issue 37)

@@ -60,6 +60,7 @@ def test_tensorboard_gets_the_metrics_and_the_eval_answers(tmp_path, tiny_lm_dir
     assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2]
     text = [t for t in acc.Tags()["tensors"] if t.startswith("eval/samples")]
     assert text, acc.Tags()
+    assert [e.step for e in acc.Tensors("samples/completions/text_summary")] == [1, 2]  # each step's samples
 
 
 def _wandb_history(path: Path) -> list[dict]:
@@ -99,9 +100,10 @@ def test_wandb_offline_gets_the_metrics_and_the_eval_table(tmp_path, tiny_lm_dir
     files = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     rows = _wandb_history(files[0])
-    # A table is logged as its fields (eval/samples/path, .../nrows, ...).
-    logged = {"eval/samples" if k.startswith("eval/samples/") else k for row in rows for k in row if not k.startswith("_")}
-    assert logged == _metric_keys(out) | {"eval/samples"}
+    # A table is logged as its fields (eval/samples/path, .../nrows, ...); samples/completions: each step's samples
+    tables = ("eval/samples", "samples/completions")
+    logged = {next((t for t in tables if k.startswith(t + "/")), k) for row in rows for k in row if not k.startswith("_")}
+    assert logged == _metric_keys(out) | set(tables)
     by_step = {row["_step"]: row for row in rows}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row in metrics:
@@ -122,3 +124,23 @@ def test_tensorboard_gets_the_diffusion_eval_grid(tmp_path):
     assert set(acc.Tags()["scalars"]) == _metric_keys(out)
     grids = acc.Images("eval/grid")
     assert [g.step for g in grids] == [0, 2] and grids[0].width > 100
+
+
+def test_wandb_without_a_login_is_a_preflight_problem_saying_the_ways_out(tmp_path, monkeypatch):
+    """It was a 49-line ``[rank0]:`` traceback once the model had loaded."""
+    from unirl.preflight import preflight
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_DISABLED", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    cfg = load_config(TextConfig, {"trainer": {"log_with": ["wandb"]}, "output_dir": str(tmp_path / "run")})
+    problems = [p for p in preflight(cfg, "text").problems if "wandb" in p]
+    assert problems == [f"trainer.log_with: wandb has no login on this machine (no WANDB_API_KEY, no api.wandb.ai entry "
+                        f"in {tmp_path / 'netrc'}): run `wandb login` once, or set WANDB_MODE=offline to write the run "
+                        f"under the run directory (`wandb sync` uploads it later)"]
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert not [p for p in preflight(cfg, "text").problems if "wandb" in p]
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert not [p for p in preflight(cfg, "text").problems if "wandb" in p]

@@ -69,7 +69,7 @@ def test_row_images_accepts_paths_pil_bytes_and_dicts_and_names_the_bad_row(tmp_
         row_images({"images": ["missing.png"]}, 7, base_dir=tmp_path)
     with pytest.raises(ValueError, match=r"row 3: images\[1\]: 5 bytes is not a readable image"):
         row_images({"images": [buffer.getvalue(), b"hello"]}, 3)
-    with pytest.raises(TypeError, match=r"row 2: images\[0\]: expected an image path.*got int"):
+    with pytest.raises(ValueError, match=r"row 2: images\[0\]: expected an image path.*got int"):  # one line, not a TypeError
         row_images({"images": [5]}, 2)
 
 

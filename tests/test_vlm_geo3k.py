@@ -47,7 +47,7 @@ def test_geometry3k_parquet_rows_load_with_their_figures_and_verls_prompt(tmp_pa
                                            f"Find the area of the figure. {GEO3K_INSTRUCTION}"]
     assert [r["answer"] for r in rows] == ["3.5", "\\frac{3}{2}"]
     assert [[im.size for im in r["images"]] for r in rows] == [[(60, 40)], [(30, 30)]]
-    assert rows[1]["images"][0].getpixel((0, 0)) == (0, 0, 255)
+    assert rows[1]["images"][0].open().getpixel((0, 0)) == (0, 0, 255)  # checked at load, decoded when used
     ids = env.encode_prompt(rows[0], 0)
     assert len(ids.images) == 1 and ids.count(env.processor.image_token_id) == 6  # 60x40 -> 84x56 (aspect kept): 3x2 tokens
 

@@ -68,19 +68,29 @@ def load_config(env: str, config: Any = "tiny", overrides: Iterable[str] | Mappi
 
 
 def train(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str, Any] = (), *,
-          rewards: Sequence[Any] | None = None, train_data: Any = None, test_data: Any = None,
-          output_dir: str | Path | None = None, new_run: bool = False, progress: bool = True,
-          verbose: bool = False, recipe: str | None = None) -> TrainResult:
+          model: str | Path | None = None, rewards: Sequence[Any] | None = None, reward_funcs: Sequence[Any] | None = None,
+          train_data: Any = None, test_data: Any = None, output_dir: str | Path | None = None, new_run: bool = False,
+          progress: bool = True, verbose: bool = False, recipe: str | None = None, **unknown: Any) -> TrainResult:
     """Train ``env`` (``text`` or ``diffusion``) on ``config`` as ``unirl train`` does; returns a ``TrainResult``.
 
-    ``rewards`` replaces the config's rewards; ``train_data``/``test_data`` its data files;
-    ``output_dir`` its run directory (``new_run``: a fresh, time-stamped directory beside it);
-    ``progress=False`` hides the progress bar; ``verbose`` shows the libraries' start-up output;
-    ``recipe`` (``dr_grpo``, ``gspo``, ``rloo``: ``unirl.config.recipes``) sets its keys before ``overrides``."""
+    ``model`` replaces the config's ``model.name_or_path`` (a hub name, a directory, a toy); ``rewards`` (or
+    ``reward_funcs``, TRL's name) its rewards; ``train_data``/``test_data`` its data files; ``output_dir`` its
+    run directory (``new_run``: a fresh, time-stamped directory beside it); ``progress=False`` hides the
+    progress bar; ``verbose`` shows the libraries' start-up output; ``recipe`` (``dr_grpo``, ``gspo``,
+    ``rloo``: ``unirl.config.recipes``) sets its keys before ``overrides``. Another of TRL's
+    ``GRPOTrainer`` arguments is a ``TypeError`` naming unirl's way to say it."""
     from unirl.config import resolve_config_path
     from unirl.preflight import PreflightError, existing_run_problem
 
+    if unknown:
+        raise TypeError(_unknown_argument(next(iter(unknown))))
+    if reward_funcs is not None:
+        if rewards is not None:
+            raise TypeError("unirl.train: give rewards or reward_funcs (TRL's name for it), not both")
+        rewards = reward_funcs
     cfg = load_config(env, config, overrides, recipe=recipe)
+    if model is not None:
+        cfg.model.name_or_path = str(model)
     if output_dir is not None:
         cfg.output_dir = str(output_dir)
     if new_run:
@@ -116,8 +126,10 @@ def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[st
     (``config`` then, default ``tiny``); the summary's ``config`` says which."""
     from unirl import logs
     from unirl.evaluation import check_checkpoint_path, choose_config, evaluate_diffusion, evaluate_text
+    from unirl.hub import check_hub_access, look_up
 
-    check_checkpoint_path(str(checkpoint))  # before anything is written: a missing one is one line
+    if check_checkpoint_path(str(checkpoint)) is None and "/" in str(checkpoint):  # a hub name (org/name)
+        check_hub_access([look_up("--checkpoint", str(checkpoint), "model")[0]])  # reachable, or offline from the cache
     if protocols and env != "text":
         raise ValueError("--protocol: evaluation protocols are text's (diffusion evaluates its data.test)")
     config, which = choose_config(checkpoint, config, run_config, default="tiny")
@@ -135,6 +147,28 @@ def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[st
         else:
             summary = output.quiet(evaluate_diffusion)(cfg, str(checkpoint), out)
     return {**summary, "config": which.removeprefix("config: ")}
+
+
+#: TRL's ``GRPOTrainer`` arguments that are said otherwise here.
+_TRL_ARGUMENTS = {
+    "train_dataset": "train_data=", "eval_dataset": "test_data=",
+    "args": "a config and overrides, e.g. unirl.train('text', 'gsm8k', {'optim.lr': 1e-6}) (GRPOConfig's fields by "
+            "their unirl names: docs/configs.md)",
+    "peft_config": "the model.lora.* overrides, e.g. {'model.lora.enabled': True, 'model.lora.r': 16}",
+    "processing_class": "nothing: the model directory's own tokenizer is used",
+}
+
+
+def _unknown_argument(name: str) -> str:
+    import difflib
+    import inspect
+
+    if name in _TRL_ARGUMENTS:
+        return f"unirl.train() has no {name!r} (TRL's GRPOTrainer argument); here it is {_TRL_ARGUMENTS[name]}"
+    known = [p for p in inspect.signature(train).parameters if p != "unknown"]
+    close = difflib.get_close_matches(name, known, n=2)
+    return (f"unirl.train() got an unexpected argument {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
+            + f" (its arguments: {', '.join(known)})")
 
 
 def _default_eval_dir(checkpoint: str | Path) -> Path:

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from unirl.logs import say
+
 
 def run_config_file(checkpoint: str | Path) -> Path | None:
     """The saved ``config.yaml`` of the run a checkpoint lies in (``RUN/checkpoints/step_N`` -> ``RUN/config.yaml``)."""
@@ -71,36 +73,18 @@ def check_checkpoint_path(checkpoint: str) -> Path | None:
     """The checkpoint's path when it is one on disk; None for a hub name (``org/name`` or ``name``). A
     path that does not exist (absolute, relative with a folder in it, ``~`` or ``.``) is one error, not
     the hub's "Repo id must be ..." or a failed connection."""
+    from unirl.text.model_loading import check_weight_files
+
     path = Path(checkpoint).expanduser()
     if path.exists():
-        check_safetensors(path)
+        check_weight_files(path, "checkpoint file")  # a truncated file named before a library fails on it
         return path
-    hub_like = not checkpoint.startswith(("/", ".", "~")) and checkpoint.count("/") <= 1 and not checkpoint.endswith("/")
+    # org/name is a hub name unless its first part is a local folder (runs/nope-ckpt: a path that does not exist)
+    hub_like = (not checkpoint.startswith(("/", ".", "~")) and checkpoint.count("/") <= 1 and not checkpoint.endswith("/")
+                and not ("/" in checkpoint and Path(checkpoint.split("/")[0]).is_dir()))
     if hub_like:
         return None
     raise FileNotFoundError(f"--checkpoint {checkpoint} does not exist")
-
-
-def check_safetensors(path: Path) -> None:
-    """Each ``.safetensors`` file of a checkpoint (the directory, its subdirectories one level down, or
-    the file) holds the bytes its header promises; a truncated or garbled one is named, before a
-    library fails on it with a traceback. Reads the headers only."""
-    files = [path] if path.is_file() else [*path.glob("*.safetensors"), *path.glob("*/*.safetensors")]
-    for file in files:
-        if file.suffix != ".safetensors":
-            continue
-        size = file.stat().st_size
-        try:
-            with open(file, "rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                if not 2 <= length <= size - 8:
-                    raise ValueError(f"header of {length} bytes")
-                header = json.loads(f.read(length))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError) as err:
-            raise ValueError(f"checkpoint file {file} is not a readable safetensors file ({err})") from None
-        if 8 + length + end > size:
-            raise ValueError(f"checkpoint file {file} is truncated: {size} bytes, its header needs {8 + length + end}")
 
 
 def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
@@ -159,11 +143,21 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="unirl-eval-") as work:
+        say(f"unirl: eval: loading {checkpoint} and the held-out prompts of "
+            f"{', '.join(p.data if p.name is None else p.name for p in chosen)} ...")
         env = _text_environment(cfg, checkpoint, Path(work), chosen)  # 1. the engine, tokenizer, each set's rows
         try:
-            answered = [(s, held_out.answer(env, s.rows, s.protocol)) for s in env.eval_sets]  # 2. the answers
+            answered = []  # 2. the answers, set by set
+            for s in env.eval_sets:
+                rows = env.with_pictures(s.rows)  # a VLM's pictures decoded for this evaluation only
+                p = s.protocol
+                say(f"unirl: eval: answering {len(rows)} prompts{'' if p.name is None else f' of {p.name}'} "
+                    f"({'greedy' if p.greedy else f'{p.n} samples each'}, rollout.engine={cfg.rollout.engine}) ...")
+                answered.append((held_out.EvalSet(p, rows), held_out.answer(env, rows, p)))
         finally:
             env.close()
+    say(f"unirl: eval: scoring {sum(len(s.rows) * s.protocol.n for s, _ in answered)} answers with "
+        f"{', '.join(r.name for r in cfg.rewards)} ...")
     # 3. Scores and figures, per set. The weighted total is the raw rewards' (normalize_then_sum is for advantages).
     summary: dict = {"checkpoint": str(checkpoint)}
     rewards = RewardSet(cfg.rewards, aggregation="sum_then_normalize")
@@ -275,11 +269,14 @@ def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     base = {"pipeline": str(path), "hub": checkpoint}.get(kind, cfg.model.name_or_path)
+    say(f"unirl: eval: loading {checkpoint} ({base}) and the held-out prompts of {cfg.data.test} ...")
     env = _diffusion_env(cfg, base)
     try:
         _load_diffusion_weights(env, path, kind)  # 2. the checkpoint's weights
         # 3. Images and scores.
         prompts = [row["prompt"] for row in env.test_rows]
+        say(f"unirl: eval: sampling {len(prompts)} prompts, then scoring them with "
+            f"{', '.join(r.name for r in cfg.rewards)} ...")
         with torch.no_grad():
             images = env.sample_deterministic(env.test_rows)
         columns = {c: [row.get(c) for row in env.test_rows] for c in env.test_rows[0] if c != "prompt"}

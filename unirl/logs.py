@@ -97,6 +97,24 @@ def silence_rotary_reload_warning() -> None:
         logger.addFilter(RotaryReloadFilter())
 
 
+#: The console's stderr of each ``RunOutput.quiet`` call running now, innermost last (empty: ``sys.stderr`` is it).
+_CONSOLES: list = []
+
+
+def console():
+    """Where a line meant for the person at the console goes now: ``sys.stderr``, or the console's stderr
+    kept aside while a ``RunOutput.quiet`` call points descriptors 1 and 2 (and ``sys.stderr``) at the run log."""
+    return _CONSOLES[-1] if _CONSOLES else sys.stderr
+
+
+def say(line: str) -> None:
+    """``line`` on the console and, while set-up output goes to the run log, in the log too: unirl's own
+    progress (a toy model's build takes minutes on a CPU) must not sit in the log alone, looking like a hang."""
+    print(line, file=sys.stderr, flush=True)
+    if console() is not sys.stderr:
+        print(line, file=console(), flush=True)
+
+
 class RunOutput:
     """The libraries' output of one run (or one evaluation) in ``directory/run.log``, unirl's on the console.
 
@@ -167,10 +185,12 @@ class RunOutput:
         log = open(self.path, "a", buffering=1, encoding="utf-8")
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+        _CONSOLES.append(self._console)
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 yield
         finally:
+            _CONSOLES.pop()
             log.flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)

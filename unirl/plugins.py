@@ -54,8 +54,11 @@ class Plugins(Registry):
     """
 
     def __init__(self, kind: str, *, builtin_modules: list[str], group: str, error: type[Exception],
-                 register: Callable[[str, Any], Any], package_dir: Path, skip_first: bool):
+                 register: Callable[[str, Any], Any], package_dir: Path, skip_first: bool,
+                 check: Callable[[str, Any], None] | None = None):
         super().__init__(kind)
+        #: Raises ``error`` when a resolved object cannot be called as this kind is (rewards: the argument order).
+        self.check = check
         self.builtin_modules, self.group, self.error = builtin_modules, group, error
         self.register_entry_point, self.package_dir, self.skip_first = register, package_dir, skip_first
         #: name -> what the listing shows (a dataclass with a ``source`` field).
@@ -77,6 +80,8 @@ class Plugins(Registry):
             check_kwargs(spec, remote, kwargs, kind=self.kind, error=self.error)
             return remote(spec, **kwargs)
         obj = self.resolve(spec)
+        if self.check is not None:
+            self.check(spec, obj)
         if inspect.isclass(obj):
             check_kwargs(spec, obj, kwargs, kind=self.kind, error=self.error)
             try:

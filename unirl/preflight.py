@@ -6,8 +6,9 @@ contacted) and what passed:
 
 1. data: every data file exists (a relative path is looked for from the working directory, then
    beside the config file; the error names every place) and its rows parse in the environment's
-   format (the same loaders a run uses); generated and bundled ``unirl://`` sources resolve; a hub
-   dataset is looked for in the local cache;
+   format (the same loaders a run uses); a row's pictures exist, decode and are within
+   ``data.max_image_pixels``; generated and bundled ``unirl://`` sources resolve; a hub dataset is
+   looked for in the local cache;
 2. rewards: every spec resolves (a ``file.py:function`` file exists and has the function, a
    registered name is known, a missing optional package is named) and its kwargs are parameters;
 3. batch arithmetic (samples per step, optimizer steps, micro-batches);
@@ -58,6 +59,10 @@ class Report:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     not_checked: tuple[str, ...] = NOT_CHECKED
+    #: The hub repos the config names, each with whether it is cached (``unirl.hub.check_hub_access``).
+    hub: list = field(default_factory=list)
+    #: Notes a real run prints at its start too (a dry run's notes are read; a run's are not).
+    warnings: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         """The report as YAML comment lines (so the dry run's stdout stays valid YAML)."""
@@ -79,9 +84,17 @@ def preflight(cfg: Any, env_name: str, config_file: str | Path | None = None) ->
     if getattr(getattr(cfg, "rollout", None), "tools", None):
         _check_tools(cfg.rollout.tools, config_dir, report)
         _check_call_format(cfg.rollout.call_format, config_dir, report, cfg.rollout.tools)
+    if "wandb" in cfg.trainer.log_with:  # its start failed after the model loaded
+        from unirl.trainer.run_log import wandb_login_problem
+
+        report.problems.extend(filter(None, [wandb_login_problem()]))
     _check_batch(cfg, report)
     _check_output_dir(cfg.output_dir, report, resume=cfg.trainer.resume)
     _check_model(cfg.model.name_or_path, report)
+    if env_name == "text":  # the settings a vision-language policy does not support
+        from unirl.text.vlm import unsupported_settings, vlm_model
+
+        report.problems.extend(unsupported_settings(cfg) if vlm_model(cfg.model.name_or_path, fetch=False) else [])
     _check_gpu(cfg, report)
     known_estimator = _check_adv_estimator(cfg.algo.adv_estimator, report)
     critic = getattr(cfg, "critic", None)
@@ -154,10 +167,13 @@ def _text_data(cfg: Any, config_dir: Path | None, report: Report) -> None:
             continue
 
         def load(path: str) -> list[dict]:
+            from unirl.text.vlm import load_pictures
+
             rows = load_rows(path)
             if not rows:
                 raise ValueError(f"{path}: no rows")
             to_prompt_rows(rows, adapter=data.adapter, prompt_key=data.prompt_key, source=path)  # every row
+            load_pictures(rows, path, data.max_image_pixels)  # a VLM's pictures: present, whole, of a sane size
             return rows
 
         rows = _load(what, source, config_dir, report, load)
@@ -409,7 +425,8 @@ def _check_gpu(cfg: Any, report: Report) -> None:
                                "use sdpa")
     if half:
         report.notes.append(f"this config expects a GPU ({', '.join(half)}) and torch sees none: it would run on the "
-                            f"CPU, slowly")
+                            f"CPU, slowly (model.dtype=float32 trainer.mixed_precision=no runs faster there)")
+        report.warnings.append(report.notes[-1])
 
 
 def _check_named_model(what: str, name: str, report: Report) -> None:
@@ -427,16 +444,15 @@ def _check_named_model(what: str, name: str, report: Report) -> None:
 
 def _check_hub(what: str, repo_id: str, repo_type: str, report: Report, extra: str = "") -> None:
     """A note saying whether the hub repo is in the local cache (not an error: it may be downloaded)."""
-    from huggingface_hub import constants
+    from unirl.hub import look_up
 
-    caches = [Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}" / "snapshots"]
-    if repo_type == "dataset":  # ``datasets`` keeps its prepared copies apart
-        root = os.environ.get("HF_DATASETS_CACHE") or os.path.join(constants.HF_HOME, "datasets")
-        caches.append(Path(root) / repo_id.replace("/", "___"))
-    cached = next((c for c in caches if c.is_dir() and any(c.iterdir())), None)
+    name, cached, caches = look_up(what, repo_id, repo_type)
+    report.hub.append(name)
     if cached is not None:
         report.passed.append(f"{what}: hub {repo_type} {repo_id}{extra} is in the local cache ({cached})")
         return
+    from huggingface_hub import constants
+
     offline = " HF_HUB_OFFLINE is set, so the run would fail." if constants.HF_HUB_OFFLINE else ""
     report.notes.append(f"{what}: hub {repo_type} {repo_id}{extra} is not in the local cache "
                         f"({', '.join(map(str, caches))}); the run downloads it (network needed).{offline}")

@@ -10,7 +10,7 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png of the first run)")
     p.add_argument("--metrics", default=None, help="comma-separated metrics, e.g. reward/mean,eval/accuracy")
-    p.set_defaults(func=plot_command)
+    p.set_defaults(func=plot_command, loads_libraries=False)  # matplotlib only: transformers and diffusers took ~6 s
 
 
 def plot_command(args: argparse.Namespace) -> int:

@@ -36,15 +36,16 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
 def train_command(args: argparse.Namespace) -> int:
     import signal
 
-    from unirl.trainer.preemption import Preempted, stop_during_startup
+    from unirl.trainer.preemption import Preempted, main_rank, stop_during_startup
 
     # SIGTERM before the loop takes over (checks, loading, vLLM start-up) stops with one line, not silently.
     previous = signal.signal(signal.SIGTERM, stop_during_startup)
     try:
         train(args.env, args.config, args.overrides, args.output_dir, args.dry_run,
               verbose=getattr(args, "verbose", False), new_run=args.new_run, recipe=args.recipe)
-    except Preempted as e:  # a signal-stopped run: one line saying where its checkpoint is
-        print(f"unirl: {e}", file=sys.stderr)
+    except Preempted as e:  # a signal-stopped run: one line saying where its checkpoint is (rank 0's alone)
+        if main_rank():
+            print(f"unirl: {e}", file=sys.stderr)
         return e.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -216,7 +216,7 @@ def _apply_override(cls: type, data: dict, item: str) -> None:
         if dataclasses.is_dataclass(tp):
             fields = fields_of(tp)
             if part not in fields:
-                raise ConfigError(unknown_keys_message(tp, path, [part]))
+                raise ConfigError(unknown_keys_message(tp, path, [part], root=cls))
             field, child_tp = fields[part]
             if isinstance(strip_optional(child_tp), type) and dataclasses.is_dataclass(strip_optional(child_tp)):
                 seed = {}  # the field's default is merged in when the instance is built

@@ -383,6 +383,13 @@ class TrainerConfig:
     project: str = "unirl"
     #: Show a progress bar.
     progress: bool = True
+    #: Samples of each step written to ``RUN/samples.jsonl`` and the trackers while the run trains (one per
+    #: prompt, the first prompts; TRL's ``log_completions``, which is off by default there: a first run
+    #: should show what its policy writes before it ends); 0: none (unirl/trainer/completions.py).
+    log_completions: int = 2
+    #: Print those samples above the progress bar every N steps (0: never; TRL prints at each logging step,
+    #: its ``logging_steps``, 10 in ``GRPOConfig``).
+    log_completions_every: int = 10
     #: Threads scoring finished chunks of samples while the next chunk is sampled (0: score inline).
     #: The rewards are identical either way.
     reward_workers: int = 0
@@ -414,6 +421,8 @@ class TrainerConfig:
             raise ValueError(f"micro_batch_tokens must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.reward_workers < 0:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
+        check_range(self, "log_completions", low=0)
+        check_range(self, "log_completions_every", low=0)
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:

@@ -7,6 +7,7 @@ module knows no field names and reads no files.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -43,7 +44,21 @@ def fields_of(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
 
 
+#: The config class being built from its root, for an unknown key's "did you mean" in other sections.
+_ROOT: contextvars.ContextVar[type | None] = contextvars.ContextVar("unirl_config_root", default=None)
+
+
 def build_dataclass(cls: type, value: Any, path: str) -> Any:
+    if path:
+        return _build_dataclass(cls, value, path)
+    token = _ROOT.set(cls)
+    try:
+        return _build_dataclass(cls, value, path)
+    finally:
+        _ROOT.reset(token)
+
+
+def _build_dataclass(cls: type, value: Any, path: str) -> Any:
     if isinstance(value, cls):
         return value
     shorthand = getattr(cls, SHORTHAND, None)
@@ -219,21 +234,38 @@ def join_path(path: str, part: str | int) -> str:
     return f"{path}.{part}" if path else str(part)
 
 
-def unknown_keys_message(cls: type, path: str, keys: list) -> str:
-    """One line per unknown key: where a key moved (the class's ``config_moved``: old key -> the new
-    key's full path), that path; else the close matches and the valid keys."""
+def unknown_keys_message(cls: type, path: str, keys: list, root: type | None = None) -> str:
+    """One line per unknown key of section ``path`` (a ``cls``): where a key moved (the class's ``config_moved``:
+    old key -> the new key's full path), that path; else close names in the section and the keys of that name in
+    the root config's other sections (``trainer.lr``: ``optim.lr``), then the section's valid keys."""
     valid = list(fields_of(cls))
     where = f"{path} ({cls.__name__})" if path else cls.__name__
     moved = getattr(cls, "config_moved", {})
+    root = root or _ROOT.get()
     lines = []
     for key in keys:
         if key in moved:
             lines.append(f"{join_path(path, str(key))}: this key moved to {moved[key]}; set it there")
             continue
-        close = difflib.get_close_matches(str(key), valid, n=3)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        close = [repr(k) for k in difflib.get_close_matches(str(key), valid, n=3)]
+        if root is not None:
+            close += [repr(k) for k in dotted_keys(root) if k.rpartition(".")[2] == str(key)
+                      and k.rpartition(".")[0] != path][:3]
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
         lines.append(f"{join_path(path, str(key))}: unknown key.{hint} Valid keys of {where}: {', '.join(valid)}")
     return "\n".join(lines)
+
+
+def dotted_keys(cls: type, prefix: str = "", depth: int = 3) -> list[str]:
+    """Every leaf key of a config class as a dotted path (``optim.lr``), nested sections ``depth`` deep."""
+    out = []
+    for name, (_, tp) in fields_of(cls).items():
+        inner = strip_optional(tp)
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner) and depth > 1:
+            out += dotted_keys(inner, f"{prefix}{name}.", depth - 1)
+        else:
+            out.append(f"{prefix}{name}")
+    return out
 
 
 def type_name(tp: Any) -> str:

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,9 +34,11 @@ def spec_digest(spec: dict) -> str:
 
 
 def progress(message: str) -> None:
-    """One line on stderr (and so in the run log): a build takes minutes on a CPU and would otherwise
-    look like a hang."""
-    print(f"unirl: {message}", file=sys.stderr, flush=True)
+    """One line on the console (and in the run log while set-up output goes there, ``unirl.logs.say``): a
+    build takes minutes on a CPU and would otherwise look like a hang."""
+    from unirl.logs import say
+
+    say(f"unirl: {message}")
 
 
 def cached_build(directory: Path, spec: dict, marker_name: str, build: Callable[[Path], dict | None], *,

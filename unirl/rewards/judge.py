@@ -11,9 +11,13 @@ one score parser, and the judge's texts returned with the scores (``ScoresWithTe
 keeps in its samples.
 
 The score (``score_format``): ``final_score``, the number after the answer's last ``Final Score:``
-(markdown bold allowed); ``number``, the answer's first number ("4 out of 5" is 4); ``json``, the
-field ``json_field`` of the first JSON object in the answer. An answer without one, or with one
-outside ``[min_score, max_score]``, is unparsable, and ``on_unparsable`` says what it becomes:
+(markdown bold allowed); ``number``, the answer's first number that is not part of a quoted scale
+("4 out of 5" is 4, "on a scale of 1 to 5, a 4" is 4: a range ``A to B`` / ``A-B`` and the ``B``
+of ``out of B`` are the rubric's scale, not a score); ``json``, the field ``json_field`` of the first
+JSON object in the answer. A number is read whole, exponent included ("1e1" is 10, "1e308" is
+1e308, not 1). An answer without one, or with one outside ``[min_score, max_score]`` (refused, never
+clamped: a judge answering 1e308 or 10 on a 1-to-5 rubric has not used the rubric), or a JSON
+answer nested too deep to parse, is unparsable, and ``on_unparsable`` says what it becomes:
 ``error`` (the default) stops the run with a ``RewardError`` naming the sample and quoting the
 answer; ``none`` makes the reward "not apply" to that sample (None: left out of the reward's mean;
 with several rewards the sample's total is the others'); ``min`` gives it ``min_score``, the rubric's
@@ -46,8 +50,13 @@ IMAGE_TEMPLATE = (
     "from 1 (poor) to 5 (excellent).\nCaption: {prompt}"
 )
 
-_SCORE = re.compile(r"final\s+score\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+#: A number as a judge writes it, exponent included: without it "1e308" read as 1, a score inside the scale.
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_SCORE = re.compile(rf"final\s+score\s*[:=]\s*\**\s*({_NUM})", re.IGNORECASE)
+_NUMBER = re.compile(_NUM)
+#: A quoted scale, whose numbers are not the score: "1 to 5", "from 1 to 10", "1-5", "1–5", and the 5 of "out of 5".
+_SCALE = re.compile(rf"(?:{_NUM})\s*(?:to|–|—)\s*(?:{_NUM})|(?<![\d.])\d+(?:\.\d+)?-\d+(?:\.\d+)?(?!\.?\d)"
+                    rf"|out\s+of\s+(?:{_NUM})", re.IGNORECASE)
 SCORE_FORMATS = ("final_score", "number", "json")
 UNPARSABLE = ("error", "none", "min")
 
@@ -59,6 +68,10 @@ def parse_score(answer: str, score_format: str = "final_score", json_field: str 
     (4.0, 3.5, None)
     >>> parse_score(" 4.", "number"), parse_score("I'd say 4 out of 5", "number"), parse_score("#### 7", "number")
     (4.0, 4.0, 7.0)
+    >>> parse_score("On a scale of 1 to 5 I give it 4", "number"), parse_score("Rating (1-5): 3", "number")
+    (4.0, 3.0)
+    >>> parse_score("Final Score: 1e308"), parse_score("1e1", "number")
+    (1e+308, 10.0)
     >>> parse_score('Sure: {"reason": "right", "score": 5}', "json"), parse_score('{"score": "high"}', "json")
     (5.0, None)
     """
@@ -66,20 +79,49 @@ def parse_score(answer: str, score_format: str = "final_score", json_field: str 
         found = _SCORE.findall(answer)
         return float(found[-1]) if found else None
     if score_format == "number":
-        match = _NUMBER.search(answer)
+        match = _NUMBER.search(_SCALE.sub(" ", answer))
         return float(match.group(0)) if match else None
     value = _first_json_object(answer).get(json_field)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+#: A template's field: ``{name}``, name an identifier. Any other brace is the rubric's own text (a JSON example
+#: such as ``{"score": N}``); ``{{`` and ``}}`` are one brace, as in ``str.format``.
+_FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_]\w*)\}")
+
+
+def template_fields(template: str) -> set[str]:
+    """The names a judge's template fills: ``{prompt}``, ``{response}``, dataset columns.
+
+    >>> sorted(template_fields('Answer as {"score": N}. Q: {prompt} A: {response} {{response}}'))
+    ['prompt', 'response']
+    """
+    return {m.group(1) for m in _FIELD.finditer(template) if m.group(1)}
+
+
+def fill_template(template: str, values: dict[str, Any]) -> str:
+    """``template`` with each ``{name}`` replaced by ``values[name]``; other braces are kept as written
+    (``str.format`` read a rubric's ``{"score": N}`` as a field named ``"score"``).
+
+    >>> fill_template('Reply {"score": N} for {response}; {{response}} stays', {"response": "4"})
+    'Reply {"score": N} for 4; {response} stays'
+    """
+    return _FIELD.sub(lambda m: "{" if m.group(0) == "{{" else "}" if m.group(0) == "}}" else str(values[m.group(1)]),
+                      template)
+
+
 def _first_json_object(answer: str) -> dict:
-    """The first ``{...}`` in ``answer`` that parses as a JSON object (a fenced block's too), else {}."""
+    """The first ``{...}`` in ``answer`` that parses as a JSON object (a fenced block's too), else {}.
+    A value nested deeper than Python's recursion limit makes the whole answer unparsable (trying each
+    inner ``{`` of 10^5 levels in turn took 4 s)."""
     decoder = json.JSONDecoder()
     for start in (i for i, c in enumerate(answer) if c == "{"):
         try:
             value, _ = decoder.raw_decode(answer, start)
         except ValueError:
             continue
+        except RecursionError:
+            return {}
         if isinstance(value, dict):
             return value
     return {}
@@ -152,9 +194,16 @@ class VLMJudge(Judge):
 
     default_template = IMAGE_TEMPLATE
 
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        unknown = template_fields(self.template) - {"prompt"}
+        if unknown:
+            raise RewardError(f"vlm_judge: the template reads {sorted(unknown)}, but only {{prompt}} is filled in (the "
+                              f"image is sent beside it); write {{{{ and }}}} for a literal brace")
+
     def __call__(self, samples: Sequence[Any], *, prompts: Sequence[str], **columns: Any) -> ScoresWithText:
         conversations = [[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": image_data_url(image)}},
-            {"type": "text", "text": self.template.format(prompt=prompt)},
+            {"type": "text", "text": fill_template(self.template, {"prompt": prompt})},
         ]}] for image, prompt in zip(samples, prompts)]
         return self.judge(conversations, prompts)

@@ -2,18 +2,27 @@
 
 ``ChatClient.ask_all(conversations)`` sends one ``POST <url>/v1/chat/completions`` per conversation,
 at most ``concurrency`` at once (threads: the time is spent waiting on the server, which batches
-concurrent requests itself, as ``vllm serve`` does), and returns the answers' texts in order. Each
-request has a ``timeout``; connection failures, timeouts and 429/5xx answers are retried ``retries``
-times with exponential backoff (``backoff``, doubled each time, as FlowGRPO's UnifiedReward client
-waits between attempts). Any other answer that is not a chat completion is a ``RewardError`` at once,
-naming the endpoint and what came back. Answers are cached (``cache_size`` most recent, in memory) by
+concurrent requests itself, as ``vllm serve`` does), and returns the answers' texts in order. The
+threads are daemons of the client's own, not a ``ThreadPoolExecutor``'s: an executor's threads are
+joined at interpreter exit, so a judge that never finished answering kept a stopped run's process alive
+(past ``rewards[i].timeout_s`` and a second SIGTERM). Each attempt has a ``timeout`` for the whole
+request, connecting to the answer's last byte: a watchdog shuts the socket down when it is spent
+(urllib's own timeout bounds each socket read, so a judge dribbling its answer a byte at a time held
+a step for minutes). An answer is read up to ``max_answer_bytes`` (1 MiB plus 64 bytes per
+``max_tokens``, far more than a completion of ``max_tokens`` tokens can take), never whole.
+Connection failures, timeouts and 429/5xx answers are retried ``retries`` times with exponential
+backoff (``backoff``, doubled each time, as FlowGRPO's UnifiedReward client waits between
+attempts). Any other answer that is not a chat completion is a ``RewardError`` at once, naming the
+endpoint and what came back. Answers are cached (``cache_size`` most recent, in memory) by
 the request itself (model, messages, max_tokens, temperature): the same rubric, prompt and answer
 (or image) is asked once, however often a group or an evaluation repeats it. Stdlib only.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.client
 import json
 import os
 import socket
@@ -22,8 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from unirl.rewards.registry import RewardError
 
@@ -37,7 +45,7 @@ class ChatClient:
     Args:
         url: the server's base URL (``http://127.0.0.1:8000``; a trailing ``/v1`` is accepted).
         model: the served model's name (``vllm serve NAME`` serves it as NAME).
-        timeout: seconds one request may take.
+        timeout: seconds one attempt may take, from connecting to the answer's last byte.
         retries: further attempts after a connection failure, a timeout or a 429/5xx answer.
         backoff: seconds before the first retry, doubled for each further one.
         concurrency: requests in flight at once, at most.
@@ -62,6 +70,7 @@ class ChatClient:
         self.api_key = os.environ.get(api_key_env) if api_key_env else None
         if api_key_env and not self.api_key:
             raise RewardError(f"judge {url}: api_key_env={api_key_env!r} is not set in the environment")
+        self.max_answer_bytes = 2**20 + 64 * self.max_tokens
         self.cache_size, self.cache_hits, self.requests = int(cache_size), 0, 0  # requests: those sent to the server
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
@@ -70,8 +79,7 @@ class ChatClient:
         """The answer to each conversation (a list of chat messages), in order."""
         if len(conversations) <= 1 or self.concurrency == 1:
             return [self.ask(c) for c in conversations]
-        with ThreadPoolExecutor(min(self.concurrency, len(conversations)), thread_name_prefix="unirl-judge") as pool:
-            return list(pool.map(self.ask, conversations))
+        return _in_daemon_threads(self.ask, list(conversations), self.concurrency)
 
     def ask(self, messages: list[dict]) -> str:
         """The text of the first choice of one chat completion (from the cache when asked before)."""
@@ -111,25 +119,138 @@ class ChatClient:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             request = urllib.request.Request(self.endpoint, data=body, method="POST", headers=headers)
+            deadline = _Deadline(self.timeout)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    raw = response.read()
+                with _opener(deadline).open(request, timeout=self.timeout) as response:
+                    raw = response.read(self.max_answer_bytes + 1)
             except urllib.error.HTTPError as err:
-                text = err.read().decode("utf-8", "replace")[:300]
+                text = err.read(300).decode("utf-8", "replace")
                 if err.code not in _RETRY_STATUSES:
                     raise RewardError(f"judge {self.endpoint} answered HTTP {err.code}: {text}") from None
                 last = f"HTTP {err.code}: {text}"
                 continue
-            except (urllib.error.URLError, TimeoutError, socket.timeout, ConnectionError, OSError) as err:
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError, socket.timeout, ConnectionError,
+                    OSError) as err:
                 reason = getattr(err, "reason", err)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
+                if deadline.spent:
+                    last = f"no whole answer within the {self.timeout:g}s timeout ({last})"
                 continue
+            finally:
+                deadline.cancel()
+            if deadline.spent:  # the watchdog cut a dribbling answer short: what was read is not the answer
+                last = f"no whole answer within the {self.timeout:g}s timeout ({len(raw)} bytes had come)"
+                continue
+            if len(raw) > self.max_answer_bytes:
+                raise RewardError(f"judge {self.endpoint} answered more than {self.max_answer_bytes} bytes (1 MiB plus "
+                                  f"64 per max_tokens), which no chat completion of max_tokens={self.max_tokens} "
+                                  f"needs; not read further")
             try:
                 answer = json.loads(raw)
-            except ValueError:
-                raise RewardError(f"judge {self.endpoint} answered garbage (not JSON): {raw[:200]!r}") from None
+            except (ValueError, RecursionError):
+                raise RewardError(f"judge {self.endpoint} answered garbage (not JSON, or nested too deep): "
+                                  f"{raw[:200]!r}") from None
             if not isinstance(answer, dict):
                 raise RewardError(f"judge {self.endpoint} answered garbage: expected a JSON object, got {raw[:200]!r}")
             return answer
         raise RewardError(f"judge {self.endpoint} failed {self.retries + 1} attempt(s) with a {self.timeout:g}s "
                           f"timeout; the last: {last}")
+
+
+def _in_daemon_threads(work: Callable[[Any], str], items: list, concurrency: int) -> list[str]:
+    """``[work(x) for x in items]``, at most ``concurrency`` at a time, in daemon threads (module docstring:
+    nothing joins them at exit). After a failure no further item is started; the first failure, in the
+    items' order, is raised once the started ones have ended, as ``ThreadPoolExecutor.map`` raises."""
+    results: list[Any] = [None] * len(items)
+    errors: dict[int, BaseException] = {}
+    next_item, lock = iter(range(len(items))), threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                i = None if errors else next(next_item, None)
+            if i is None:
+                return
+            try:
+                results[i] = work(items[i])
+            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread below
+                with lock:
+                    errors[i] = err
+
+    threads = [threading.Thread(target=worker, name="unirl-judge", daemon=True)
+               for _ in range(min(concurrency, len(items)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[min(errors)]
+    return results
+
+
+class _Deadline:
+    """A watchdog over one attempt: when ``seconds`` have passed it shuts down the attempt's socket,
+    which ends any read or write blocked on it (``spent`` then says why the attempt ended)."""
+
+    def __init__(self, seconds: float):
+        self.spent, self._socket, self._lock = False, None, threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socket = sock
+            if self.spent:
+                _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.spent = True
+            if self._socket is not None:
+                _shut(self._socket)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed: the attempt has ended anyway
+        pass
+
+
+class _WatchedHTTP(http.client.HTTPConnection):
+    def __init__(self, *args, deadline: _Deadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self):
+        super().connect()
+        self.deadline.watch(self.sock)
+
+
+class _WatchedHTTPS(http.client.HTTPSConnection):
+    def __init__(self, *args, deadline: _Deadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self):
+        super().connect()
+        self.deadline.watch(self.sock)
+
+
+def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
+    """urllib's usual opener (proxies from the environment included) whose connections ``deadline`` watches."""
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(functools.partial(_WatchedHTTP, deadline=deadline), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(functools.partial(_WatchedHTTPS, deadline=deadline), req,
+                                context=self._context)
+
+    return urllib.request.build_opener(HTTP, HTTPS)

@@ -2,7 +2,9 @@
 response to its prompt against a rubric (LLM-as-judge; a generative reward model).
 
 The rubric (``template``) is a string with ``{prompt}`` and ``{response}`` (and any dataset column by
-name, e.g. ``{answer}`` for a reference answer), sent as one user message. The judge's answer is parsed
+name, e.g. ``{answer}`` for a reference answer), sent as one user message. Only ``{name}`` with an
+identifier inside is a field: a JSON example in the rubric (``Reply with {"score": N}``) is sent as
+written (``{{`` and ``}}`` are single braces, as in ``str.format``). The judge's answer is parsed
 by ``score_format`` (``final_score``, ``number`` or ``json`` with ``json_field``), and an unparsable one
 becomes what ``on_unparsable`` says, counted in ``reward/llm_judge/parse_failed`` (``unirl/rewards/judge.py``).
 Requests go out ``concurrency`` at a time (the server batches them), with a ``timeout``, ``retries``
@@ -19,10 +21,9 @@ SmolLM2-135M-Instruct is ``configs/text/smollm2_judge.yaml``.
 
 from __future__ import annotations
 
-import string
 from typing import Any, Sequence
 
-from unirl.rewards.judge import Judge
+from unirl.rewards.judge import Judge, fill_template, template_fields
 from unirl.rewards.registry import RewardError, ScoresWithText, register_reward
 
 #: The default rubric: ``{prompt}`` is the question, ``{response}`` the answer judged.
@@ -41,7 +42,7 @@ class LLMJudge(Judge):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self.fields = {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+        self.fields = template_fields(self.template)
         if "response" not in self.fields:
             raise RewardError(f"llm_judge: the template has no {{response}}, so the judge would never see the answer "
                               f"it scores; fields found: {sorted(self.fields) or 'none'}")
@@ -51,7 +52,7 @@ class LLMJudge(Judge):
         if missing:
             raise RewardError(f"llm_judge: the template reads {sorted(missing)}, which the dataset has no column for "
                               f"(columns: {sorted(columns) or 'none'})")
-        conversations = [[{"role": "user", "content": self.template.format(
-            prompt=prompt, response=response, **{k: columns[k][i] for k in self.fields if k in columns})}]
+        conversations = [[{"role": "user", "content": fill_template(self.template, {
+            "prompt": prompt, "response": response, **{k: columns[k][i] for k in self.fields if k in columns}})}]
             for i, (response, prompt) in enumerate(zip(samples, prompts))]
         return self.judge(conversations, prompts)

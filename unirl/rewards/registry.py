@@ -111,10 +111,28 @@ class RewardInfo:
 #: The registered rewards, with their ``RewardInfo`` (``REWARDS.info``) and the built-ins and entry
 #: points that could not be loaded (``REWARDS.unavailable``); a test may swap in copies
 #: (``isolated_registry`` in tests/conftest.py).
+def check_argument_order(spec: str, obj: Any) -> None:
+    """``RewardError`` when a reward's parameters are TRL's order, ``(prompts, completions, **kwargs)``: unirl
+    calls ``reward(samples, prompts=..., **columns)``, so such a function gets the completions as ``prompts``
+    and then ``prompts`` again ("got multiple values for argument 'prompts'"), after the first rollout."""
+    target = obj.__call__ if inspect.isclass(obj) else obj
+    try:
+        params = [p for p in inspect.signature(target).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1 if inspect.isclass(obj) else 0:]
+    except (TypeError, ValueError):  # not introspectable (a builtin): nothing to check
+        return
+    if params and params[0].name in ("prompts", "prompt"):
+        found = ", ".join(p.name for p in params[:3])
+        raise RewardError(f"reward {spec!r} takes ({found}, ...) first, TRL's order; unirl calls a reward as "
+                          f"reward(samples, prompts=..., **columns): the completions first, by position, the prompts and "
+                          f"the dataset's columns by keyword. Write it as def {getattr(obj, '__name__', 'reward')}"
+                          f"(completions, prompts, **kwargs) (docs/rewards.md)")
+
+
 REWARDS: Plugins = Plugins(
     "reward", builtin_modules=BUILTIN_MODULES, group=ENTRY_POINT_GROUP, error=RewardError,
     register=lambda name, obj: register_reward(name, modality=getattr(obj, "modality", "text"))(obj),
-    package_dir=Path(__file__).resolve().parent, skip_first=True)
+    package_dir=Path(__file__).resolve().parent, skip_first=True, check=check_argument_order)
 
 
 def register_reward(

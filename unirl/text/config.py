@@ -98,6 +98,10 @@ class DataConfig:
     #: Drop the rows whose prompt is longer than ``max_prompt_length`` (verl's
     #: ``data.filter_overlong_prompts``; default false there too) instead of stopping the run.
     filter_overlong_prompts: bool = False
+    #: Pictures (a VLM's rows' ``images``) with more pixels than this are refused at load and by the dry run,
+    #: naming the row (null: no limit). A vision tower reads far fewer (Qwen2-VL resizes to at most 12.8 MP);
+    #: 50 MP keeps a 45 MP camera's frames, and one picture decoded at load holds at most 150 MB (RGB).
+    max_image_pixels: Optional[int] = 50_000_000
     #: Number of held-out rows used per evaluation (null: all).
     eval_size: Optional[int] = None
     #: Shuffle the training rows each epoch (seeded by ``trainer.seed``); false: file order.
@@ -106,6 +110,7 @@ class DataConfig:
     def __post_init__(self):
         check_range(self, "max_prompt_length", low=1)
         check_range(self, "eval_size", low=1, optional=True)
+        check_range(self, "max_image_pixels", low=1, optional=True)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from unirl.text.model_loading import resolve_model_path
+from unirl.text.model_loading import check_weight_files, resolve_model_path
 from unirl.text.packing import check_packable, use_packed_attention
 
 
@@ -22,6 +22,7 @@ def load_teacher(cfg, policy_tokenizer, dtype: torch.dtype, accelerator) -> torc
 
     name = cfg.distill.teacher
     path = resolve_model_path(name)
+    check_weight_files(path, f"distill.teacher={name}: weights file")
     check_teacher_tokenizer(path, policy_tokenizer, teacher=name, policy=cfg.model.name_or_path,
                             embedded=getattr(AutoConfig.from_pretrained(path), "vocab_size", None))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.model.attn_implementation)
@@ -29,6 +30,30 @@ def load_teacher(cfg, policy_tokenizer, dtype: torch.dtype, accelerator) -> torc
         check_packable(model.config)
         use_packed_attention(model)
     return place_frozen(accelerator, model)
+
+
+def check_teacher_positions(config, cfg, longest_prompt: int) -> None:
+    """``ValueError`` naming the teacher and the lengths when the teacher's config places fewer positions
+    (``max_position_embeddings`` or GPT-2's ``n_positions``, times a RoPE scaling factor, as vLLM counts
+    them) than the run's longest prompt (measured at load) plus its longest answer (``max_new_tokens``, or
+    ``rollout.max_total_tokens`` for a multi-turn run): a model with learned positions stops at step 1 with
+    an ``IndexError``, and one with rotary positions scores tokens past what it was trained on."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not positions:
+        return
+    stretch = (getattr(text, "rope_scaling", None) or {}).get("factor") or 1
+    r = cfg.rollout
+    answer = max(r.max_new_tokens, r.eval_max_new_tokens or 0)
+    if r.tools and r.max_total_tokens:
+        longest, how = r.max_total_tokens, f"rollout.max_total_tokens={r.max_total_tokens}"
+    else:
+        longest, how = longest_prompt + answer, f"the longest prompt, {longest_prompt} tokens, + {answer} of answer"
+    if longest > positions * stretch:
+        raise ValueError(f"distill.teacher={cfg.distill.teacher} places {int(positions * stretch)} positions (its "
+                         f"config's max_position_embeddings), fewer than the run's longest sequence, {longest} tokens "
+                         f"({how}); take a teacher with a longer context, or shorten data.max_prompt_length / "
+                         f"rollout.max_new_tokens")
 
 
 def place_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:

@@ -23,11 +23,11 @@ from unirl.text.config import CriticConfig, TextConfig
 from unirl.text.critic import load_value_model
 from unirl.text.data import load_rows, to_prompt_rows
 from unirl.sharding import is_sharded
-from unirl.text.distill import load_teacher
+from unirl.text.distill import check_teacher_positions, load_teacher
 from unirl.rollout import EngineContext, build_engine
 from unirl.rollout.engines import engine_loads_weights, engine_takes_hf_weights
 from unirl.rollout.weights import export_sharded, publish
-from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
+from unirl.text.model_loading import check_lora_targets, check_weight_files, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
 from unirl.text.held_out import EvalSet, evaluate_held_out
 from unirl.text.protocols import run_protocols
 from unirl.agents.episodes import episode_rollout
@@ -42,6 +42,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class TextEnvironment(Environment):
     takes_images = False  # VLMEnvironment's (unirl/text/vlm_env.py): unirl.text.build_environment picks it
     actions_class = TextActions  # a VLM's forward of stored samples adds its pictures (unirl/text/vlm_env.py)
+    sampler_class = TextSampler  # a VLM's decodes each batch's pictures (unirl/text/vlm_env.py)
 
     def __init__(self, cfg: TextConfig):
         # A VLM given to this class directly; local files only (build_environment has asked the hub already).
@@ -55,7 +56,7 @@ class TextEnvironment(Environment):
         self.tools = None
         self.episodes = None  # rollout.environment's episodes (unirl/agents/episodes.py), set up with the engine
         self.actions = self.actions_class(self)
-        self.sampler, self.scorer = TextSampler(self), TextScorer(self)
+        self.sampler, self.scorer = self.sampler_class(self), TextScorer(self)
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
@@ -95,6 +96,8 @@ class TextEnvironment(Environment):
         # 3. Data: the training rows, and the held-out sets (the default set data.test and eval.protocols).
         self.train_rows = self._rows(cfg.data.train, cfg.data.train_split, "train")
         self.eval_sets = self._eval_sets(run_protocols(cfg))
+        if self.teacher is not None:  # it must place the longest prompt + answer (an IndexError at step 1 otherwise)
+            check_teacher_positions(self.teacher.config, cfg, self.longest_prompt)
         self.prompts = Prompts(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
                                shuffle=cfg.data.shuffle, rank=accelerator.process_index,
                                world_size=accelerator.num_processes, test_rows=self.test_rows)
@@ -162,6 +165,7 @@ class TextEnvironment(Environment):
         pass
 
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
+        check_weight_files(self.model_path, f"model.name_or_path={self.cfg.model.name_or_path}: weights file")
         return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
 
     def _eval_sets(self, protocols: list) -> list[EvalSet]:
@@ -195,8 +199,11 @@ class TextEnvironment(Environment):
         self._check_images(rows, source)
         return self._within_prompt_length(rows, source, where or f"data.{which}")
 
-    def _check_images(self, rows: list[dict], source: str) -> None:  # a VLM opens them (unirl/text/vlm_env.py)
+    def _check_images(self, rows: list[dict], source: str) -> None:  # a VLM checks them (unirl/text/vlm_env.py)
         refuse_images_for_text_model(rows, source, self.model_path)
+
+    def with_pictures(self, rows: list[dict]) -> list[dict]:  # a VLM decodes the rows' pictures (unirl/text/vlm_env.py)
+        return rows
 
     def _within_prompt_length(self, rows: list[dict], source: str, where: str) -> list[dict]:
         """Every prompt measured once before training: the rows longer than ``data.max_prompt_length``
@@ -206,6 +213,7 @@ class TextEnvironment(Environment):
         limit = self.cfg.data.max_prompt_length
         lengths = [self._prompt_length(row) for row in rows]
         over = [i for i, n in enumerate(lengths) if n > limit]
+        self.longest_prompt = max([getattr(self, "longest_prompt", 0)] + [n for n in lengths if n <= limit])
         if not over:
             return rows
         if self.cfg.data.filter_overlong_prompts:

@@ -164,7 +164,7 @@ def _evaluate_set(env, eval_set: EvalSet, step: int, run_dir: Path) -> tuple[dic
         return {}, None
     acc = env.accelerator
     mine = list(range(acc.process_index, len(all_rows), acc.num_processes))
-    rows = [all_rows[i] for i in mine]
+    rows = env.with_pictures([all_rows[i] for i in mine])  # a VLM's pictures decoded for this evaluation only
     answers = answer(env, rows, protocol, indices=mine)
     _, texts, comps, judged = score(env.rewards, rows, answers)
     flat = [a for per_row in answers for a in per_row]

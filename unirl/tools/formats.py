@@ -121,14 +121,19 @@ class SearchR1Format(CallFormat):
 
 @CALL_FORMATS.register("hermes")
 class HermesFormat(CallFormat):
+    """Hermes' tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the model's text, the
+    results rendered as ``tool`` messages by the tokenizer's chat template. A tokenizer without a chat template
+    (a base model, the tiny toys) gets each result as Hermes' own ``<tool_response>`` block, the text Qwen2.5's
+    and Hermes-2-Pro's templates put inside their tool turn, without the turn's markup."""
+
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
     def __init__(self, tokenizer=None):
         super().__init__(tokenizer)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("rollout.call_format='hermes' renders tool messages with the tokenizer's chat template, "
-                             "and this tokenizer has none: use call_format='search_r1' or a chat model")
+        if tokenizer is None:
+            raise ValueError("rollout.call_format='hermes' needs the policy's tokenizer (its chat template renders "
+                             "the tool messages)")
 
     def parse(self, text: str) -> Turn:
         calls = [self._call(body) for body in self._CALL.findall(text)]
@@ -161,6 +166,8 @@ class HermesFormat(CallFormat):
         """The template's rendering of the tool messages and the next generation prompt: rendered after a
         stand-in user/assistant exchange, minus that exchange, so a template that adds a default system
         prompt to a conversation adds it to neither."""
+        if not getattr(self.tokenizer, "chat_template", None):  # a base model: Hermes' blocks as plain text
+            return "".join(f"\n<tool_response>\n{r}\n</tool_response>\n" for r in results)
         base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
         tools = [{"role": "tool", "content": r} for r in results]
         prefix = self.tokenizer.apply_chat_template(base, tokenize=False)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import random
 import re
 import shutil
@@ -48,6 +49,12 @@ from unirl.trainer.state_files import StateFileError, load_state, read_json, sav
 
 class CheckpointError(OSError):
     """A checkpoint that cannot be written or resumed from; the message names the file and what to do."""
+
+
+class ModelMismatch(CheckpointError, StateFileError):
+    """A checkpoint's model that does not fit this run's (other keys or shapes). Resume skips it and tries the
+    one before, as for a damaged file: a file with a key missing is damage when the checkpoint before fits,
+    and another model setting fails every checkpoint, which the final error lists."""
 
 
 #: Optimizer settings that its restored ``param_groups`` carry: resuming with another value would
@@ -244,7 +251,7 @@ def resume(backend, run_dir: Path, objects: dict[str, tuple[str, Any]],
     if steps and state is None:
         raise CheckpointError(f"resume: no checkpoint in {run_dir / 'checkpoints'} can be read: {'; '.join(problems)}")
     if accelerator.is_main_process:
-        for name in ("metrics.jsonl", "eval_samples.jsonl"):
+        for name in ("metrics.jsonl", "eval_samples.jsonl", "samples.jsonl"):
             drop_rows_after(run_dir / name, state["step"] if state else -1)
     accelerator.wait_for_everyone()
     if state is not None:
@@ -372,6 +379,17 @@ def _load_into(obj, state: Any, stem: Path) -> None:
 
 
 def _set_rng_states(states: Any, stem: Path) -> None:
+    """Each library's RNG state, checked whole first: no float in it may be infinite or NaN (Python's and
+    numpy's ``setstate`` take a cached Gaussian of ``inf`` as it is, and the next normal draw returns it)."""
+    def floats(value):
+        return [x for v in value for x in floats(v)] if isinstance(value, (list, tuple)) else (
+            [value] if isinstance(value, float) else [])
+
+    bad = [x for key in ("python", "numpy") for x in floats(states.get(key, ()) if isinstance(states, dict) else ())
+           if not math.isfinite(x)]
+    if bad:
+        raise StateFileError(f"{stem}: corrupt RNG state (holds {bad[0]}; an RNG state is whole numbers and a finite "
+                             f"cached Gaussian draw)")
     try:
         random.setstate(states["python"])
         np.random.set_state(states["numpy"])

@@ -40,7 +40,7 @@ from unirl.env import Environment, Rollout
 from unirl.rewards.registry import RewardError
 from unirl.config.schema import AlgoConfig, OptimConfig, SourceConfig, TrainerConfig
 from unirl.rollout.sources import build_source, resolve_bypass_mode
-from unirl.trainer import checkpoints, zero_advantage
+from unirl.trainer import checkpoints, completions, zero_advantage
 from unirl.trainer.backends import build_backend
 from unirl.trainer.context import RunState, StepContext
 from unirl.trainer.critic import Critic
@@ -92,6 +92,7 @@ class Trainer:
             extra=list(stages or []))
         self.source = self.producer = self.ctx = self.critic = None  # built at setup
         self.nonfinite = NonFiniteWatch(trainer.max_nonfinite_steps)  # NaN losses or values: stop, keep the checkpoints
+        self.samples_to_log: list[dict] = []  # a few samples of the last trained batch (unirl.trainer.completions)
         self.zero_adv = zero_advantage.ZeroAdvantageWatch()  # every advantage 0 for steps in a row: a warning line
 
     @classmethod
@@ -225,6 +226,7 @@ class Trainer:
                 self.zero_adv.observe(metrics, self.step, self.accelerator.print)  # adds adv/zero_adv_steps
                 history.append(metrics)
                 self.run_log.log(metrics)
+                completions.log_completions(self.run_log, self.samples_to_log, self.step)  # samples.jsonl, trackers
                 progress.update(metrics)
                 self.nonfinite.observe(metrics, self.step, self.run_dir)
                 last = self.step == self.cfg.total_steps
@@ -273,9 +275,11 @@ class Trainer:
               ) -> tuple[Rollout, dict[str, float]]:
         """The step plan on a scored rollout (``unirl.trainer.plan``: advantages, old/reference log-probs, the
         updates and the weight sync, in the order the config's stages need). Returns the rollout that trained
-        (``algo.drop_zero_adv`` may drop samples) and the figures."""
+        (``algo.drop_zero_adv`` may drop samples) and the figures; keeps a few of its samples for the logging stage."""
         rollout.rewards = rewards
-        return self.plan.run(self.ctx, self.state, rollout, {} if times is None else times)
+        rollout, metrics = self.plan.run(self.ctx, self.state, rollout, {} if times is None else times)
+        self.samples_to_log = completions.records(rollout, self.cfg.log_completions)  # unirl.trainer.completions
+        return rollout, metrics
 
     # ============================ single stages, for tests and tools (the plan runs them in a step)
     def advantages(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
@@ -352,7 +356,8 @@ class Trainer:
             self.accelerator.print(skip_save_line(self.step, why, self.run_dir))
             return (checkpoints.checkpoint_dirs(self.run_dir) or [None])[-1]
         self.source.drain()  # threaded: the in-flight batches finished (saved with the state), prompt_batches settled
-        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.producer.prompt_batches}
+        state = {"step": self.step, "optimizer_steps": self.optimizer_steps, "prompt_batches": self.producer.prompt_batches,
+                 "zero_adv_steps": self.zero_adv.streak}  # the streak its warning counts goes on after a resume
         if self.kl_ctrl is not None:  # plain JSON in loop.json: the coefficient resumes exactly
             state["kl_ctrl"] = self.kl_ctrl.state_dict()
         return checkpoints.save_checkpoint(self.backend, self.env, self.run_dir, self.step, self.state_objects, state,
@@ -363,5 +368,6 @@ class Trainer:
         if state is not None:
             self.step, self.optimizer_steps = state["step"], state["optimizer_steps"]
             self.producer.prompt_batches = state.get("prompt_batches", 0)
+            self.zero_adv.streak = state.get("zero_adv_steps", 0)
             if self.kl_ctrl is not None and "kl_ctrl" in state:
                 self.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -2,11 +2,14 @@
 
 The first signal asks the loop to stop after the current step: it saves a checkpoint, closes the
 engines and raises ``Preempted`` (exit status 143 / 130 from the CLI). A second signal of either
-kind interrupts at once (``StopNow``), also while the step waits on a reward that hangs. With several processes every one stops after the same step.
+kind interrupts at once (``StopNow``), also while the step waits on a reward that hangs. With several processes
+every one stops after the same step, and the first process alone prints the lines; ``python -m unirl.launch``
+(``unirl/launch.py``) is ``torchrun`` whose own exit is then 143 and one line too.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -46,6 +49,12 @@ class StartupStopped(KeyboardInterrupt):
         self.exit_code = SIGNAL_EXIT.get(signum, 143)
 
 
+def main_rank() -> bool:
+    """Whether this is the run's first process (``RANK`` as ``torchrun`` and ``accelerate launch`` set it; a
+    process launched alone is): the one that prints a stop line all processes would print alike."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def stop_during_startup(signum, frame):
     """A signal handler for start-up: raise ``StartupStopped``."""
     raise StartupStopped(signum)
@@ -72,8 +81,9 @@ class StopSignals:
             if self.signal is not None:
                 raise StopNow(signum)  # a second signal (Ctrl-C, or a SIGTERM while a step hangs): stop now
             self.signal = signum
-            print(f"unirl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint "
-                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
+            if main_rank():  # every process got it (a launcher passes it on): one line, not one per process
+                print(f"unirl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint "
+                      f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
         self._previous = {sig: signal.signal(sig, handler) for sig in SIGNAL_EXIT}
 

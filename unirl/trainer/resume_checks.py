@@ -57,7 +57,7 @@ def check_loop_state(state: Any, file: Path, step: int) -> dict[str, Any]:
     _count(state, "step", file)
     if state["step"] != step:
         raise StateFileError(f"{file}: step is {state['step']}, but the checkpoint is step_{step:06d}")
-    for name in ("optimizer_steps", "prompt_batches"):
+    for name in ("optimizer_steps", "prompt_batches", "zero_adv_steps"):
         if name in state:
             _count(state, name, file)
     if "kl_ctrl" in state:

@@ -90,6 +90,30 @@ class Progress:
             self.bar.close()
 
 
+def wandb_login_problem() -> str | None:
+    """Why a wandb tracker would fail at the run's start (after the model loaded, with a 49-line traceback),
+    or None: no ``WANDB_MODE`` that needs no login (offline, disabled), no ``WANDB_API_KEY`` or identity token
+    file, and no entry for wandb's host in the netrc file that ``wandb login`` writes. Reads files only."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or \
+            os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true") or \
+            os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    file = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        if netrc.netrc(str(file)).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"trainer.log_with: wandb has no login on this machine (no WANDB_API_KEY, no {host} entry in {file}): run "
+            f"`wandb login` once, or set WANDB_MODE=offline to write the run under the run directory (`wandb sync` "
+            f"uploads it later)")
+
+
 def write_yaml(path: Path, data: dict) -> None:
     import yaml
 

@@ -14,6 +14,10 @@ the whole model), or the whole tensor where the current run holds it whole. So a
 processes loads on M (a 2-process FSDP2 checkpoint on one process, under DDP, or the reverse).
 FSDP2 splits a dimension of n rows as ``torch.chunk`` does: ceil(n / W) rows a process, the last
 ones fewer or none.
+
+A damaged or edited file (truncated, a tensor it names missing, a value of the wrong type, a piece's
+dim, offset or rows that do not tile the whole) is a ``StateFileError`` naming the file or the key, so
+resume skips the checkpoint in one line and falls back to the one before, as for a DDP checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +49,18 @@ class TensorRef:
                 return part[tuple([slice(None)] * dim + [slice(start, stop)])]
         except Exception as e:  # safetensors' error type: truncated, corrupt, a key missing
             raise StateFileError(f"{self.file}: cannot read tensor {self.key} ({str(e).strip()[:200]})") from e
+
+
+def _header(file: Path, key: str, what):
+    """``what(slice)`` of tensor ``key`` in ``file`` from its header (no data read); ``StateFileError`` naming both
+    when the file is truncated or corrupt or lacks the key."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return what(f.get_slice(key))
+    except Exception as e:  # safetensors' error type: truncated, corrupt, a key missing
+        raise StateFileError(f"{file}: cannot read tensor {key} ({str(e).strip()[:200]})") from e
 
 
 @dataclass
@@ -112,6 +128,10 @@ def _merge(trees: list, where: str) -> Any:
     if isinstance(first, Piece):
         if not all(isinstance(t, Piece) and t.shape == first.shape and t.dim == first.dim for t in trees):
             raise StateFileError(f"{where}: the processes' pieces of one tensor disagree")
+        shape, dim = first.shape, first.dim
+        if not all(n >= 0 for n in shape) or not 0 <= dim < len(shape) or any(t.offset < 0 for t in trees):
+            raise StateFileError(f"{where}: a piece of a {list(shape)} tensor along dim {dim} at offset "
+                                 f"{min(t.offset for t in trees)}: no such rows")
         pieces = sorted(trees, key=lambda p: p.offset)
         return Sharded(pieces)
     if isinstance(first, dict):
@@ -119,6 +139,8 @@ def _merge(trees: list, where: str) -> Any:
             raise StateFileError(f"{where}: the processes' files hold different states")
         return {k: _merge([t[k] for t in trees], f"{where}[{k!r}]") for k in first}
     if isinstance(first, (list, tuple)):
+        if any(type(t) is not type(first) or len(t) != len(first) for t in trees):
+            raise StateFileError(f"{where}: the processes' files hold different states")
         merged = [_merge([t[i] for t in trees], f"{where}[{i}]") for i in range(len(first))]
         return type(first)(merged) if isinstance(first, tuple) else merged
     return first
@@ -130,13 +152,21 @@ def _read_rows(leaf: Sharded | TensorRef | torch.Tensor, dim: int, start: int, s
         return leaf.narrow(dim, start, stop - start)
     if isinstance(leaf, TensorRef):
         return leaf.read(dim, start, stop)
-    parts = []
+    parts, covered = [], start
     for piece in leaf.pieces:
         lo = max(start, piece.offset)
-        length = _piece_rows(piece)
-        hi = min(stop, piece.offset + length)
+        shape = _piece_shape(piece)
+        hi = min(stop, piece.offset + shape[dim])
         if lo < hi:
+            if lo != covered or piece.dim != dim or len(shape) != len(leaf.shape) or any(
+                    n != whole for d, (n, whole) in enumerate(zip(shape, leaf.shape)) if d != dim):
+                break  # a gap, an overlap, or a piece of another shape: the check below names it
             parts.append(_read_rows(piece.data, piece.dim, lo - piece.offset, hi - piece.offset))
+            covered = hi
+    if covered != stop:
+        where = leaf.pieces[0].data.file if isinstance(leaf.pieces[0].data, TensorRef) else "a sharded tensor"
+        raise StateFileError(f"{where}: the pieces of a {list(leaf.shape)} tensor do not tile rows {start}-{stop} "
+                             f"along dim {dim} (whole from {start} to {covered} only)")
     if not parts:
         shape = list(leaf.shape)
         shape[dim] = 0
@@ -144,13 +174,12 @@ def _read_rows(leaf: Sharded | TensorRef | torch.Tensor, dim: int, start: int, s
     return torch.cat(parts, dim=dim)
 
 
-def _piece_rows(piece: Piece) -> int:
-    from safetensors import safe_open
-
+def _piece_shape(piece: Piece) -> tuple[int, ...]:
     if isinstance(piece.data, torch.Tensor):
-        return piece.data.shape[piece.dim]
-    with safe_open(str(piece.data.file), framework="pt") as f:
-        return f.get_slice(piece.data.key).get_shape()[piece.dim]
+        return tuple(piece.data.shape)
+    if not isinstance(piece.data, TensorRef):
+        raise StateFileError(f"a piece of a sharded tensor is {type(piece.data).__name__}, not a tensor reference")
+    return tuple(_header(piece.data.file, piece.data.key, lambda part: part.get_shape()))
 
 
 def is_saved_tensor(leaf: Any) -> bool:
@@ -158,14 +187,11 @@ def is_saved_tensor(leaf: Any) -> bool:
 
 
 def saved_shape(leaf: Any) -> tuple[int, ...]:
-    from safetensors import safe_open
-
     if isinstance(leaf, Sharded):
         return tuple(leaf.shape)
     if isinstance(leaf, torch.Tensor):
         return tuple(leaf.shape)
-    with safe_open(str(leaf.file), framework="pt") as f:
-        return tuple(f.get_slice(leaf.key).get_shape())
+    return tuple(_header(leaf.file, leaf.key, lambda part: part.get_shape()))
 
 
 def materialise(leaf: Any, like: Any = None) -> Any:
@@ -210,12 +236,16 @@ def load_model_shards(model: torch.nn.Module, stem: Path) -> None:
     from unirl.sharding import resharded
 
     tree = read_shards(stem)
+    if not isinstance(tree, dict):
+        raise StateFileError(f"{stem}.rank*: not a model's state (a mapping of names to tensors)")
     current = resharded(model).state_dict()
     missing, unexpected = sorted(set(current) - set(tree)), sorted(set(tree) - set(current))
     if missing or unexpected:
         raise ValueError(f"keys differ: missing {missing[:3]}, unexpected {unexpected[:3]}")
     with torch.no_grad():
         for name, target in current.items():
+            if not is_saved_tensor(tree[name]):
+                raise StateFileError(f"{stem}.rank*: {name} is a {type(tree[name]).__name__}, not a saved tensor")
             if saved_shape(tree[name]) != tuple(target.shape):
                 raise ValueError(f"{name}: saved shape {saved_shape(tree[name])}, this model's {tuple(target.shape)}")
             value = materialise(tree[name], target)

@@ -81,7 +81,7 @@ def load_state(stem: Path) -> Any:
     plain = read_json(json_file)
     try:
         return _decode(plain, tensors)
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:  # OverflowError: Infinity as an int
         raise StateFileError(f"{json_file}: cannot be read ({_first_line(e)})") from e
 
 

@@ -128,7 +128,7 @@ class Backend:
         """What ``save_model`` wrote, or an FSDP2 run's shards (any number of processes) into the whole model."""
         from safetensors.torch import load_model
 
-        from unirl.trainer.checkpoints import CheckpointError
+        from unirl.trainer.checkpoints import ModelMismatch
         from unirl.trainer.sharded_state import has_shards, load_model_shards
         from unirl.trainer.state_files import StateFileError
 
@@ -136,15 +136,15 @@ class Backend:
             try:
                 load_model_shards(model, stem)
             except ValueError as e:
-                raise CheckpointError(f"{stem}.rank*: does not fit this run's {stem.name} (was it saved with other "
-                                      f"model settings, e.g. model.lora.enabled?): {str(e)[:300]}") from e
+                raise ModelMismatch(f"{stem}.rank*: does not fit this run's {stem.name} (was it saved with other "
+                                    f"model settings, e.g. model.lora.enabled?): {str(e)[:300]}") from e
             return
         file = stem.with_name(stem.name + ".safetensors")
         try:
             load_model(self.unwrap(model), str(file))
         except RuntimeError as e:  # strict loading: the keys or shapes differ
-            raise CheckpointError(f"{file} does not fit this run's {stem.name} (was it saved with other model settings, "
-                                  f"e.g. model.lora.enabled?): {str(e).strip().splitlines()[0][:300]}") from e
+            raise ModelMismatch(f"{file} does not fit this run's {stem.name} (was it saved with other model settings, "
+                                f"e.g. model.lora.enabled?): {str(e).strip().splitlines()[0][:300]}") from e
         except Exception as e:  # safetensors' error type: a truncated or corrupt file
             raise StateFileError(f"{file}: cannot be read ({str(e).strip()[:200]})") from e
 
