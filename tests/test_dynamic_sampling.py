@@ -84,6 +84,23 @@ def test_nonconstant_groups_keeps_float64_precision():
     assert nonconstant_groups(torch.tensor([1, 1, 0, 1]), torch.tensor([0, 0, 1, 1])).tolist() == [False, False, True, True]
 
 
+def test_rewards_reach_the_filter_in_float64(tmp_path):
+    """A reward's scores are kept in float64 from the reward function to the filter: 1 and 1 + 1e-9 (one
+    float32) are a varied group, as in verl, whose filter reads the scores as Python floats. The combined
+    reward that feeds the advantages stays float32."""
+    from unirl.config.schema import RewardConfig
+    from unirl.reward_set import RewardSet
+
+    (tmp_path / "near.py").write_text("def near(samples, **kwargs):\n    return [1.0, 1.0 + 1e-9, 1.0, 1.0]\n")
+    rewards = RewardSet([RewardConfig(name=f"{tmp_path / 'near.py'}:near")])
+    ids = torch.tensor([0, 0, 1, 1])
+    components = rewards.components(["a", "b", "c", "d"], prompts=["p", "p", "q", "q"], columns={})
+    assert components["near"].dtype == torch.float64
+    assert nonconstant_groups(components["near"], ids).tolist() == [True, True, False, False]
+    total, _ = rewards.combine(components, ids)
+    assert total.dtype == torch.float32 and total.tolist() == [1.0] * 4
+
+
 def test_concat_rollouts_pads_each_side_and_renumbers_groups():
     a = Rollout(tensors={"prompt_ids": torch.tensor([[0, 5], [0, 5]]), "response_ids": torch.tensor([[7], [8]])},
                 group_ids=torch.tensor([3, 3]), prompts=["p", "p"], samples=["x", "y"], columns={"c": [1, 1]})

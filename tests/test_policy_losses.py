@@ -155,7 +155,7 @@ def test_algo_policy_loss_is_checked_where_the_config_loads():
 
     # An unknown name: one line with the registered ones.
     with pytest.raises(ValueError, match=r"policy_loss: unknown policy loss 'clippd'\. Did you mean 'clipped'\?"
-                                         r" Available: clipped, gspo, nft") as caught:
+                                         r" Available: cispo, clip_cov, clipped, dppo_kl, dppo_tv, geo_mean, gspo, kl_cov, nft, sapo") as caught:
         load_config(TextConfig, None, ["algo.policy_loss=clippd"])
     assert "\n" not in str(caught.value)
     # A loss the rollouts cannot feed: nft reads DiffusionNFT's velocities only.
@@ -166,7 +166,11 @@ def test_algo_policy_loss_is_checked_where_the_config_loads():
     with pytest.raises(ValueError, match="algo.policy_loss=clipped with algorithm=nft"):
         load_config(DiffusionConfig, None, ["algorithm=nft", "sampling.train_cfg=false", "sampling.sde_window.size=0",
                                             "algo.policy_loss=clipped"])
-    assert load_config(DiffusionConfig, None, ["algo.policy_loss=gspo"]).algo.policy_loss == "gspo"
+    assert load_config(DiffusionConfig, None, ["algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean"]
+                       ).algo.policy_loss == "gspo"
+    # GSPO is defined with seq-mean-token-mean (verl hard-codes it): another is refused here, not at the first step.
+    with pytest.raises(ValueError, match="algo.policy_loss=gspo aggregates with loss_agg=seq-mean-token-mean"):
+        load_config(DiffusionConfig, None, ["algo.policy_loss=gspo"])
 
 
 def test_the_run_policy_loss_is_the_configured_one_first():

@@ -25,6 +25,10 @@ def _trainer(tmp_path, kl: float, clip_high: float, mini: int) -> Trainer:
         "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false", "algo.loss_agg=token-mean",
         f"algo.kl_coef={kl}", f"algo.clip_high={clip_high}", "algo.kl_clamp=null", "algo.tis_cap=null",
         "optim.max_grad_norm=1.0", "optim.lr=1e-2", "model.share_prompt=false", "model.logprob_chunk_size=null",
+        # Adam's first step moves a weight by lr * g / (|g| + eps): at eps 1e-8 a gradient of ~1e-8 (a few of
+        # the tiny model's) turns a rounding-level difference in summation order into 1e-5 of weight (CI: one of 16384). At 1e-6,
+        # which both optimizers use, the compared weights are as well-conditioned as the compared gradients.
+        "optim.eps=1e-6",
     ], output_dir=str(tmp_path / f"run-{kl}-{clip_high}-{mini}"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()

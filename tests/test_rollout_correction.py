@@ -62,6 +62,32 @@ def test_sequence_truncate_is_verls_seq_tis(seed):
     torch.testing.assert_close(ours * m, expected)
 
 
+def _verl_seq_sum_k1_keeps(old, rollout, mask, spec):
+    """verl ``compute_rollout_rejection_mask(rollout_rs="seq_sum_k1", rollout_rs_threshold=spec)``, re-typed
+    (``verl/trainer/ppo/rollout_corr_helper.py`` at verl-project/verl 1dda039b): ``log_ratio = old - rollout``
+    clamped to +-20, ``token_k1 = -log_ratio``, the sequence's masked sum kept within ``[log a, log b]`` for
+    ``spec = "a_b"``. [N] bool."""
+    lower, upper = (float(x) for x in spec.split("_"))
+    token_k1 = -torch.clamp(old - rollout, min=-20.0, max=20.0)
+    seq = (token_k1 * mask).sum(-1)
+    return (seq >= math.log(lower)) & (seq <= math.log(upper))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sequence_mask_bounds_the_ratio_where_verls_seq_sum_k1_bounds_its_inverse(seed):
+    """The convention, pinned: ``sequence_mask`` keeps a sequence when ``low <= prod rho <= high`` (TRL's,
+    and verl's sequence IcePop); verl's ``seq_sum_k1`` rejection with ``"a_b"`` keeps ``a <= 1/prod rho <= b``,
+    so it is ``low = 1/b, high = 1/a`` here; with asymmetric bounds the same numbers keep other sequences."""
+    old, rollout, mask = _inputs(seed, n=40, spread=0.15)
+    kept = rollout_is_weights(old, rollout, mask, mode="sequence_mask", high=2.0, low=0.8)[:, 0] > 0  # [N]
+    assert torch.equal(kept, _verl_seq_sum_k1_keeps(old, rollout, mask.double(), "0.5_1.25"))  # 1/2, 1/0.8
+    assert not torch.equal(kept, _verl_seq_sum_k1_keeps(old, rollout, mask.double(), "0.8_2.0"))
+    # verl's symmetric default "0.5_2.0" is the same set either way.
+    sym = rollout_is_weights(old, rollout, mask, mode="sequence_mask", high=2.0, low=0.5)[:, 0] > 0
+    assert torch.equal(sym, _verl_seq_sum_k1_keeps(old, rollout, mask.double(), "0.5_2.0"))
+    assert kept.any() and not kept.all()
+
+
 def test_by_hand():
     # log-ratios [ln 1.5, ln 3, -ln 2]; bounds [0.6, 2].
     old = torch.tensor([[math.log(1.5), math.log(3.0), -math.log(2.0)]], dtype=F64)

@@ -47,7 +47,7 @@ def test_a_registered_engine_samples_a_run(tmp_path, tiny_lm_dir):
         ENGINES.remove("test_counting")
     assert calls == [4, 4]
     assert all(row["rollout/logprob_diff_max"] < 1e-4 for row in result.metrics)
-    with pytest.raises(ValueError, match=r"engine: unknown rollout engine 'test_counting'\. .*Available: hf, server, "):
+    with pytest.raises(ValueError, match=r"rollout.engine=test_counting: unknown rollout engine 'test_counting'\. .*Available: hf, "):
         unirl.load_config("text", "tiny", {"rollout.engine": "test_counting"})
 
 

@@ -183,7 +183,7 @@ def test_vlm_environment_rollout_logprobs_equal_the_trainers_and_image_tokens_ar
         scored = env.actions.score_actions(env.model, batch)
         t = batch.tensors  # the model's own full distribution, to check the engine's renormalisation
         ids = torch.cat([t["prompt_ids"], t["response_ids"]], 1)
-        _, vision = env._model_inputs(batch, ids, None, None)
+        _, vision = env.actions._model_inputs(batch, ids, None, None)
         attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], 1)
         logits = env.model(input_ids=ids, attention_mask=attn, **vision).logits[:, -t["response_ids"].shape[1] - 1:-1]
     p_vision = torch.softmax(logits.float(), -1)[..., env.processor.vision_token_ids].sum(-1)  # [n, R]

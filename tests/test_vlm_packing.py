@@ -107,18 +107,18 @@ def test_packed_vlm_rows_place_prompts_by_the_models_own_rope_index(packed_env):
     env, batch = packed_env
     t = batch.tensors
     captured = {}
-    original = env._packed_row
+    original = env.actions._packed_row
 
     def spy(*args):
         captured["packed"], captured["extra"] = out = original(*args)
         return out
 
-    env._packed_row = spy
+    env.actions._packed_row = spy
     try:
         with torch.no_grad():
             env.actions.score_actions(env.model, batch)
     finally:
-        del env._packed_row
+        del env.actions._packed_row
     packed = captured["packed"]
     assert packed.position_ids.shape == (3, 1, packed.input_ids.shape[1])
     assert packed.prompt_samples == [0, 2, 4, 6]  # four distinct prompts (rows 0 and 1 kept apart)

@@ -158,7 +158,7 @@ def test_rewards_score_a_video_as_its_frames(tiny_wan_dir):
     rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     scores, _ = env.scorer.score(rollout)
     by_hand = torch.tensor([np.mean([np.asarray(f, dtype=np.float64).mean() / 255 for f in video])
-                            for video in rollout.samples], dtype=torch.float32)
+                            for video in rollout.samples], dtype=torch.float64)
     torch.testing.assert_close(rollout.tensors["score/brightness"], by_hand, rtol=0, atol=1e-6)
     assert scores.shape == (8,)
     env.close()
@@ -179,7 +179,7 @@ def test_frame_rewards_stride_reduce_and_none():
                                      (1, "min", [0.0, 0.4]), (3, "max", [1.0, 0.4])]:
         rewards = FrameRewards(RewardSet([RewardConfig(name="brightness")]), stride=stride, reduce=reduce)
         got = rewards.components(videos, prompts=["a", "b"], columns={})["brightness"]
-        torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6)
         # The pool route gives the same scores.
         torch.testing.assert_close(rewards.submit(videos, prompts=["a", "b"], columns={}).result()["brightness"], got)
     # colour_share applies to no frame of a video whose prompt names no colour: NaN (does not apply).

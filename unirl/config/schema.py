@@ -65,11 +65,16 @@ def check_policy_loss(name: str | None) -> None:
 def check_loss_args(algo: "AlgoConfig", default: str | None = None) -> str:
     """The run's policy loss (``algo.policy_loss``, else the rollout mode's ``default``, else the ratio loss
     at ``algo.level``: ``clipped`` per token, ``gspo`` per sequence), after checking ``algo.loss_args``
-    against its registered settings (``ValueError`` naming the bad key); environment configs call it."""
-    from unirl.core.policy_losses import build_loss_args
+    against its registered settings (``ValueError`` naming the bad key) and ``algo.loss_agg`` against the
+    one aggregation the loss may be defined with (``PolicyLoss.loss_agg``); environment configs call it."""
+    from unirl.core.policy_losses import POLICY_LOSSES, build_loss_args
 
     name = algo.policy_loss or default or ("gspo" if algo.level == "sequence" else "clipped")
     build_loss_args(name, algo.loss_args)
+    required = POLICY_LOSSES.get(name).loss_agg
+    if required is not None and algo.loss_agg != required:
+        raise ValueError(f"algo.policy_loss={name} aggregates with loss_agg={required}, as verl does; got "
+                         f"loss_agg={algo.loss_agg} (set algo.loss_agg={required})")
     return name
 
 
@@ -195,6 +200,9 @@ class AlgoConfig:
     #: (TIS, ``min(rho_t, C)``; what unirl did before the modes), token_mask (tokens outside the
     #: bounds get weight 0), sequence_truncate / sequence_mask (the same on the product of a
     #: sequence's ratios: verl's Seq-TIS / Seq-MIS). TRL's default is sequence_mask with C_max 3.
+    #: The bounds act on rho = pi_trainer / pi_engine, as TRL's; verl's rejection ``seq_sum_k1`` /
+    #: ``token_k1`` bounds 1/rho, so its ``rollout_rs_threshold: "a_b"`` is ``rollout_is_min: 1/b``,
+    #: ``tis_cap: 1/a`` here (the same for its symmetric "0.5_2.0").
     #: ``unirl.core.rollout_correction``; the mismatch figures are logged whatever the mode.
     rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,

@@ -2,7 +2,8 @@
 
 Functions over tensors only: advantages from group rewards, rewards on tokens and PPO's
 critic-based advantages (GAE), KL penalties, on-policy distillation's reverse-KL advantages, the
-registered policy losses (``policy_losses``: clipped ratio, GSPO, DiffusionNFT's), the value loss and
+registered policy losses (``policy_losses``: clipped ratio, GSPO, DiffusionNFT's; ``is_weighted_losses``:
+CISPO, DPPO; ``smooth_ratio_losses``: SAPO, GMPO; ``covariance_losses``: Clip-Cov, KL-Cov), the value loss and
 their aggregation. No config objects, no ``.item()``, no distributed calls, no I/O.
 """
 
@@ -33,7 +34,10 @@ from unirl.core.losses import (
     truncated_importance_weights,
 )
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, PolicyLoss, register_policy_loss
+# The 2026 losses register themselves on import (cispo, dppo_tv, dppo_kl; sapo, geo_mean; clip_cov, kl_cov).
+from unirl.core import covariance_losses, is_weighted_losses, smooth_ratio_losses  # noqa: F401
 from unirl.core.returns import (
+    discounted_future_sum,
     discounted_returns,
     gae_advantages,
     kl_penalized_rewards,
@@ -56,6 +60,7 @@ __all__ = [
     "aggregate_denominator",
     "clipped_policy_loss",
     "compute_advantages",
+    "discounted_future_sum",
     "discounted_returns",
     "estimate_advantages",
     "explained_variance",

@@ -334,6 +334,12 @@ class DiffusionConfig(RunConfig):
             raise ValueError("source.bypass_mode=true: diffusion samples with the policy itself, so there is no "
                              "rollout engine whose log-probs the ratio could be taken against; set source.bypass_mode "
                              "to false or null")
+        from unirl.core.policy_losses import POLICY_LOSSES
+
+        policy_loss = self.policy_loss_name()
+        if POLICY_LOSSES.get(policy_loss).discrete:
+            raise ValueError(f"algo.policy_loss={policy_loss} reads exp(logp) as a token's probability; a diffusion "
+                             f"step's log-prob is a density, so it is a text loss only")
         family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
         if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:
             raise ValueError(

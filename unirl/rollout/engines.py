@@ -56,7 +56,7 @@ def check_engine(name: str) -> None:
     """Raise ``ValueError`` (one line listing the registered engines) unless ``name`` is one (``rollout.engine``,
     checked where the config loads; a user's engine counts once the module registering it is imported)."""
     if name not in ENGINES:
-        raise ValueError(f"engine: {ENGINES.unknown_message(name)}")
+        raise ValueError(f"rollout.engine={name}: {ENGINES.unknown_message(name)}")
 
 
 def build_engine(name: str, ctx: EngineContext) -> Engine:

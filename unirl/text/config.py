@@ -248,7 +248,8 @@ class OverlongConfig:
     #: reward (``unirl.core.overlong_penalty``), logged as ``reward/overlong_penalty``; the raw
     #: ``reward/<name>`` components (and dynamic sampling's metric) are not changed. null disables.
     #: With tools, as verl: the whole response (observations included) against ``rollout.max_total_tokens``
-    #: less the prompt (or ``max_turns * max_new_tokens``); the penalty is at most ``penalty_factor``.
+    #: less the prompt; without ``max_total_tokens``, the generated tokens against ``max_turns *
+    #: max_new_tokens`` (what bounds them); the penalty is at most ``penalty_factor``.
     buffer: Optional[int] = None
     #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``), >= 0.
     penalty_factor: float = 1.0
@@ -304,7 +305,8 @@ class DistillConfig:
     #: the outcome advantages of ``algo.adv_estimator`` on every token (Tinker adds it the same way).
     mode: Literal["alone", "added"] = "alone"
     #: Each token's advantage sums the later ones' with this discount (Tinker's ``kl_discount_factor``,
-    #: default 0: a token answers for its own KL only).
+    #: default 0: a token answers for its own KL only), to the sample's end: through a tool run's
+    #: observations, which count one discount step per token, as Tinker's sum over the whole sample.
     discount: float = 0.0
 
     def __post_init__(self):
@@ -351,4 +353,4 @@ class TextConfig(RunConfig):
                              "earned); with weight 0 when other rewards alone should score the transcripts")
         if self.algo.policy_loss == "nft":
             raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
-                             "text trains a loss over log-probs: clipped, gspo or one you register")
+                             "text trains a loss over log-probs: clipped, gspo, cispo, sapo, ... (unirl config losses) or one you register")

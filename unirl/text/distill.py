@@ -35,7 +35,7 @@ def place_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """A frozen model's place in the run: eval mode, no gradients, whole on this process's device, as
     the text reference copy is today. Under ``trainer.strategy=fsdp2`` the trainer then shards it as it
     shards the reference (``Trainer.setup``), so each process holds its shard and ``score_actions`` runs
-    the collective forward on every process (each runs as many micro-batches, ``Trainer.micro_batches``)."""
+    the collective forward on every process (each runs as many micro-batches, ``StepContext.micro_batches``)."""
     return model.eval().requires_grad_(False).to(accelerator.device)
 
 
