@@ -7,6 +7,7 @@ session's calls chained into one masked trajectory or cut where the tokens do no
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -215,3 +216,71 @@ def test_a_call_that_does_not_chain_starts_a_new_trajectory(second_prompt):
     trajectories, finished, breaks = chain([_call([10, 11], [20, EOS]), _call(second_prompt, [21], finished=False)])
     assert breaks == 1 and [t.prompt_ids for t in trajectories] == [[10, 11], second_prompt]
     assert trajectories[1].ids == [21] and trajectories[1].loss_mask == [1] and finished == [True, False]
+
+
+class _CharEngine(ScriptedEngine):
+    """A scripted engine with the character tokenizer, as the agent endpoint reads ``engine.tokenizer``."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.tokenizer = CharTokenizer()
+
+    def generate(self, prompt_ids, *, seed=None, **kw):  # the Engine protocol's seed (the script ignores it)
+        return super().generate(prompt_ids, **kw)
+
+
+def test_the_agent_endpoint_records_sessions_and_refuses_what_it_should(tmp_path, monkeypatch):
+    import httpx
+
+    from unirl.config.schema import AgentEndpointConfig
+    from unirl.rollout.sessions import TOKEN_ENV, SessionFeed
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(ValueError, match="needs|token"):  # beyond loopback only with a token
+        SessionFeed(AgentEndpointConfig(port=0, host="0.0.0.0"), None, model_name="m", group_size=2, max_tokens=4,
+                    reads_reward=True)
+    engine = VersionedEngine(_CharEngine(lambda context: "ab$"), 3)
+    feed = SessionFeed(AgentEndpointConfig(port=0, max_open_sessions=2, max_calls_per_session=2), engine,
+                       model_name="m", group_size=2, max_tokens=4, reads_reward=True, output_dir=str(tmp_path))
+    groups = FinishedGroups()
+    feed.start(groups, 0, lambda b: True)
+    try:
+        url = json.loads((tmp_path / "agent_endpoint.json").read_text())["url"]
+        http = httpx.Client(base_url=url, timeout=10)
+
+        def call(prompt, user="s1", **kw):
+            return http.post("/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4, "user": user,
+                                                   "return_token_ids": True, **kw})
+
+        first = call("hi")
+        assert first.status_code == 200, first.text
+        choice = first.json()["choices"][0]
+        assert choice["token_ids"] == [ord("a"), ord("b"), EOS] and choice["finish_reason"] == "stop"
+        # the second call shows the first completion (its EOS written back) and the environment's answer "!"
+        second = call([ord(c) for c in "hi"] + choice["token_ids"] + [ord("!")])
+        assert second.status_code == 200, second.text
+        assert call("x", user="s2").status_code == 200  # a second session, s1 still open
+        assert call("y", user="s3").status_code == 429  # max_open_sessions=2
+        assert call("z").status_code == 400  # s1 made its max_calls_per_session=2
+        assert call("hi", user="s2", max_tokens=5).status_code == 400  # over max_tokens
+        assert http.post("/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200  # unrecorded
+        assert http.post("/sessions/nope/reward", json={"reward": 1.0}).status_code == 404
+        assert http.post("/sessions/s1/reward", json={"reward": True}).status_code == 400
+        assert http.post("/sessions/s1/reward", json={"reward": 1.0, "group": "g"}).status_code == 200
+        assert len(groups) == 0  # one session of the group of two
+        assert http.post("/sessions/s1/reward", json={"reward": 1.0}).status_code == 404  # ended
+        assert call("q", user="s2").status_code == 200  # does not extend "x" + its completion: a new trajectory
+        assert http.post("/sessions/s2/reward", json={"reward": 0.0, "group": "g"}).status_code == 200
+        (items,) = groups.take(1, 1.0, str)
+        rollout = feed.to_rollout([items])
+        metrics = feed.metrics()
+    finally:
+        feed.stop()
+    ab = [ord("a"), ord("b"), EOS]
+    # s1: "hi" -> ab<EOS>, "!" shown, ab<EOS>: one trajectory; s2: "x" -> ab<EOS>, then "q" cut off as a second
+    assert rollout.tensors["response_ids"].shape[0] == 3 and rollout.columns["session_reward"] == [1.0, 0.0, 0.0]
+    assert rollout.tensors["response_ids"][0, :7].tolist() == ab + [ord("!")] + ab
+    assert rollout.tensors["response_mask"][0, :7].tolist() == [1, 1, 1, 0, 1, 1, 1]
+    assert rollout.token_version[0, :7].tolist() == [3, 3, 3, -1, 3, 3, 3]
+    assert rollout.group_ids.tolist() == [0, 0, 0]
+    assert metrics["agent/prefix_breaks"] == 1 and metrics["agent/unrecorded_calls"] == 1
