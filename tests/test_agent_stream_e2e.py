@@ -34,7 +34,11 @@ def test_streamed_episodes_train_with_per_token_versions(tmp_path):
     for r in rows:
         # no token is older than the bound (k = 1: the weights of the step before), none left the loss for it
         assert r["rollout/staleness_token_max"] <= 1 and r["rollout/stale_token_frac"] == 0.0, r
-        assert r["stream/turns_per_engine_call"] >= 1 and r["env/errors"] == 0
+        assert r["env/errors"] == 0
+    # turns went to the engine (a step between whose figures the engine made no call, its batch played ahead
+    # of time, logs no turns_per_engine_call)
+    assert all(r.get("stream/turns_per_engine_call", 1) >= 1 for r in rows)
+    assert any("stream/turns_per_engine_call" in r for r in rows)
     # episodes of the next batch play while the trainer updates: later batches hold tokens of the older weights
     assert any(r["rollout/staleness_token_max"] == 1 for r in rows[1:]), rows
 
