@@ -33,8 +33,8 @@ def _run(*argv: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["config", "list"], ["rewards", "list"], ["data", "list"],
-                                  ["tools", "list"]])
+@pytest.mark.parametrize("argv", [["--help"], ["config", "list"], ["config", "protocols"], ["rewards", "list"],
+                                  ["data", "list"], ["tools", "list"]])
 def test_listing_commands_import_no_torch_transformers_or_diffusers(argv):
     result = _run(*argv)
     assert result["code"] == 0

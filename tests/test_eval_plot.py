@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import unirl
-from unirl.evaluation import pass_at_k
+from unirl.core.eval_metrics import pass_at_k
 
 REPO = Path(__file__).resolve().parents[1]
 

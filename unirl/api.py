@@ -105,11 +105,12 @@ def train(env: str, config: Any = "tiny", overrides: Iterable[str] | Mapping[str
 
 def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[str, Any] = (), *,
              checkpoint: str | Path, output_dir: str | Path | None = None, n: int = 1, ks: Sequence[int] = (),
-             rewards: Sequence[Any] | None = None, test_data: Any = None, verbose: bool = False,
-             run_config: bool = True) -> dict:
+             protocols: Sequence[str] | None = None, rewards: Sequence[Any] | None = None, test_data: Any = None,
+             verbose: bool = False, run_config: bool = True) -> dict:
     """Score ``checkpoint`` on the config's held-out prompts as ``unirl eval`` does; returns the summary
-    (``reward``: the weighted total's mean, ``reward/<name>`` each reward's, and for text with one
-    reward ``accuracy`` and ``pass@k``), also written to ``output_dir/summary.json`` (default
+    (``reward``: the weighted total's mean, ``reward/<name>`` each reward's; for text ``accuracy``, ``pass@k``
+    with ``n > 1``, and each evaluation protocol's figures under ``<name>/``; ``protocols``: only these,
+    ``unirl.evaluation.evaluate_text``), also written to ``output_dir/summary.json`` (default
     ``CHECKPOINT/eval``). The libraries' output goes to ``output_dir/eval.log`` unless ``verbose``.
     A checkpoint of a run is scored with the run's saved ``config.yaml`` unless ``run_config=False``
     (``config`` then, default ``tiny``); the summary's ``config`` says which."""
@@ -117,6 +118,8 @@ def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[st
     from unirl.evaluation import check_checkpoint_path, choose_config, evaluate_diffusion, evaluate_text
 
     check_checkpoint_path(str(checkpoint))  # before anything is written: a missing one is one line
+    if protocols and env != "text":
+        raise ValueError("--protocol: evaluation protocols are text's (diffusion evaluates its data.test)")
     config, which = choose_config(checkpoint, config, run_config, default="tiny")
     cfg = load_config(env, config, overrides)
     logs.configure(verbose=verbose)  # imports transformers and diffusers: after the checks, which need neither
@@ -127,7 +130,8 @@ def evaluate(env: str, config: Any = None, overrides: Iterable[str] | Mapping[st
     cfg.rewards = reward_configs
     with _registered(callables, _MODALITY[env]), logs.RunOutput(out, verbose=verbose, name="eval.log") as output:
         if env == "text":
-            summary = output.quiet(evaluate_text)(cfg, str(checkpoint), out, n=n, ks=list(ks))
+            summary = output.quiet(evaluate_text)(cfg, str(checkpoint), out, n=n, ks=list(ks),
+                                                  protocols=None if protocols is None else list(protocols))
         else:
             summary = output.quiet(evaluate_diffusion)(cfg, str(checkpoint), out)
     return {**summary, "config": which.removeprefix("config: ")}

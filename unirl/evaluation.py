@@ -3,24 +3,26 @@ named ``evaluate``, so that ``unirl.evaluate`` stays the function once it is imp
 
 ``unirl eval text|diffusion --config NAME --checkpoint DIR [--output-dir D] [--n N] [key=value ...]``.
 
-Text scores a policy without training it: the config's held-out split (``data.test``, ``data.eval_size``)
-and rewards, through the config's rollout engine (vLLM; ``rollout.engine=hf`` for transformers).
+Text scores a policy without training it, under the config's evaluation protocols
+(``unirl/text/protocols.py``): the default set (``data.test``, ``data.eval_size``, greedy) and each of
+``eval.protocols`` (``--protocol NAME,...``: only these; a name is one of the config's protocols, ``default``
+or a shipped protocol, ``unirl config protocols``), through the config's rollout engine (vLLM;
+``rollout.engine=hf`` for transformers) and the path the run's own evaluation takes, so the figures are the
+run's ``eval/...`` ones.
 
-The summary gives ``reward``, the weighted total of the config's rewards (as a run's
-``reward/mean``), and ``reward/<name>``, each reward's mean. With one reward:
-
-* ``--n 1`` (default): greedy answers; ``accuracy`` is the share that get the reward's full score
-  (1 for ``gsm8k``), as a run's ``eval/accuracy``.
-* ``--n N``: N answers per prompt sampled at ``rollout.temperature``; ``pass@k`` for k = 1 and N (and
-  any ``--k``) with the unbiased estimator of Chen et al. 2021 (https://arxiv.org/abs/2107.03374):
-  ``1 - C(n - c, k) / C(n, k)`` per prompt with c correct answers, averaged over prompts.
-
-With several rewards no answer is "correct" as a whole, so ``accuracy`` and ``pass@k`` are left out.
+The summary gives, for the default set, ``prompts``, ``n``, ``reward`` (the weighted total of the config's
+rewards, as a run's ``reward/mean``), ``reward/<name>`` (each reward's mean) and ``accuracy`` (the share of
+answers that get the first reward's full score, 1 for ``gsm8k``; a protocol's ``correct`` names another), as
+a run's ``eval/accuracy``; each protocol's figures follow under ``<name>/`` (with its ``avg@k`` and
+``pass@k``). ``--n N`` samples the default set N times a prompt at ``rollout.temperature`` (seed 0) with
+``pass@k`` for k = 1 and N (and any ``--k``), the unbiased estimator of Chen et al. 2021
+(https://arxiv.org/abs/2107.03374, ``unirl/core/eval_metrics.py``).
 
 ``--checkpoint`` takes a run's ``checkpoints/step_N/`` (a full model, LoRA runs save the merged model
 there too), a LoRA adapter directory (``adapter_config.json``: merged into ``model.name_or_path``
 first), or any model directory or hub name ``from_pretrained`` loads. It writes ``samples.jsonl``
-(one line per answer) and ``summary.json`` to the output directory and prints one summary line.
+(one line per answer; a protocol's ``samples_<name>.jsonl``) and ``summary.json`` to the output directory
+and prints one summary line.
 
 Diffusion samples the held-out prompts with the deterministic ODE sampler (``eval_num_steps``,
 ``guidance_scale``, fixed seeds, as a run's evaluation) and scores them with the config's rewards.
@@ -33,23 +35,9 @@ diffusers pipeline directory. It writes ``samples.jsonl`` (prompt and rewards pe
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): ``1 - C(n-c, k) / C(n, k)``.
-
-    >>> pass_at_k(4, 0, 1), pass_at_k(4, 4, 2), round(pass_at_k(4, 1, 2), 4)
-    (0.0, 1.0, 0.5)
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def run_config_file(checkpoint: str | Path) -> Path | None:
@@ -154,77 +142,113 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
     return str(work)
 
 
-def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: list[int] | None = None) -> dict:
-    """Score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also written to disk).
-    A LoRA checkpoint is merged into a temporary directory, removed when done. The answers come from the
-    path the run's own evaluation takes (``unirl.text.held_out``: the environment's engine and tools)."""
-    if n < 1:
-        raise ValueError(f"--n must be >= 1, got {n}")
-    if any(k > n for k in ks or []):
-        raise ValueError(f"--k {max(ks)} is larger than --n {n}")
-    if not cfg.data.test:
-        raise ValueError("data.test is null: this config has no held-out prompts to evaluate on")
+def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: list[int] | None = None,
+                  protocols: list[str] | None = None) -> dict:
+    """Score ``checkpoint`` under ``cfg``'s evaluation protocols (``unirl.text.protocols.run_protocols``: the
+    default set ``data.test`` and ``eval.protocols``, or the ``protocols`` named); returns the summary (also
+    written to disk). The answers, scores and figures come from the path the run's own evaluation takes
+    (``unirl.text.held_out``: the environment's engine and tools, ``answer``, ``score``, ``figures``), so a
+    run's ``eval/...`` figures and these agree. ``n > 1`` samples the default set n times a prompt at
+    ``rollout.temperature`` (seed 0) with pass@k for k = 1, n and ``ks``. A LoRA checkpoint is merged into a
+    temporary directory, removed when done."""
+    from unirl.reward_set import RewardSet
     from unirl.text import held_out
 
+    chosen = _text_protocols(cfg, n, ks or [], protocols)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="unirl-eval-") as work:
-        env = _text_environment(cfg, checkpoint, Path(work), n)  # 1. the policy's engine, tokenizer, held-out rows
+        env = _text_environment(cfg, checkpoint, Path(work), chosen)  # 1. the engine, tokenizer, each set's rows
         try:
-            rows = env.test_rows
-            answers = held_out.answer(env, rows, n=n, greedy=n == 1)  # 2. greedy for n = 1, sampled otherwise
+            answered = [(s, held_out.answer(env, s.rows, s.protocol)) for s in env.eval_sets]  # 2. the answers
         finally:
             env.close()
-    # 3. Scores, per answer and per prompt.
-    texts, flat_rows, comps, judged, total = _score_answers(cfg, rows, answers)
-    flat = [a for per_prompt in answers for a in per_prompt]
-    # accuracy and pass@k count an answer correct when it gets the reward's full score (1 for gsm8k);
-    # with several rewards there is no one "correct", so only the weighted total and each reward are given.
-    correct = (next(iter(comps.values())) >= 1.0).view(len(rows), n) if len(comps) == 1 else None  # [prompts, n]
-    pictures = _save_pictures(out, rows)  # a VLM's held-out pictures, written beside the answers
-    records = []
-    with open(out / "samples.jsonl", "w") as f:
+    # 3. Scores and figures, per set. The weighted total is the raw rewards' (normalize_then_sum is for advantages).
+    summary: dict = {"checkpoint": str(checkpoint)}
+    rewards = RewardSet(cfg.rewards, aggregation="sum_then_normalize")
+    try:
+        for eval_set, answers in answered:
+            summary.update(_score_set(rewards, eval_set, answers, out))
+    finally:
+        rewards.close()
+    summary["seconds"] = round(time.perf_counter() - start, 2)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _text_protocols(cfg, n: int, ks: list[int], names: list[str] | None) -> list:
+    """The resolved protocols ``unirl eval`` applies: ``run_protocols``, the default set sampled ``n`` times a
+    prompt when ``n > 1`` (``--n``)."""
+    import dataclasses
+
+    from unirl.text.protocols import run_protocols
+
+    if n < 1:
+        raise ValueError(f"--n must be >= 1, got {n}")
+    if any(k > n for k in ks):
+        raise ValueError(f"--k {max(ks)} is larger than --n {n}")
+    chosen = run_protocols(cfg, names)
+    if not chosen:
+        raise ValueError("data.test is null and eval.protocols is empty: this config has no held-out prompts to "
+                         "evaluate on")
+    if n > 1:
+        if not any(p.name is None for p in chosen):
+            raise ValueError(f"--n {n} samples the default set (data.test), which is not evaluated here; an eval "
+                             f"protocol sets its own n")
+        r = cfg.rollout
+        sampled = dict(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=0,
+                       metrics=[f"pass@{k}" for k in sorted({1, n, *ks})])
+        chosen = [dataclasses.replace(p, **sampled) if p.name is None else p for p in chosen]
+    return chosen
+
+
+def _score_set(rewards, eval_set, answers: list, out: Path) -> dict:
+    """One set's figures for the summary (the default set's unprefixed, a protocol's under ``<name>/``), its
+    answers in ``samples.jsonl`` (a protocol's: ``samples_<name>.jsonl``), one line each."""
+    from unirl.text import held_out
+
+    protocol, rows = eval_set.protocol, eval_set.rows
+    flat_rows, texts, comps, judged = held_out.score(rewards, rows, answers)
+    flat = [a for per_row in answers for a in per_row]
+    calls = [a.tool_calls for a in flat] if flat and flat[0].tool_calls is not None else None
+    figures = held_out.figures(protocol, rewards, rows, comps, calls)
+    total = held_out.weighted_total(rewards, comps)
+    correct = comps[protocol.correct or rewards.names[0]] >= 1.0  # [answers]
+    stem = "samples" if protocol.name is None else f"samples_{protocol.name}"
+    pictures = _save_pictures(out, rows, "images" if protocol.name is None else f"images_{protocol.name}")
+    n, records = protocol.n, []
+    with open(out / f"{stem}.jsonl", "w") as f:
         for i, (row, text) in enumerate(zip(flat_rows, texts)):
             records.append({"index": i // n, "prompt": row["prompt"], **({"images": pictures[i // n]} if pictures else {}),
                             "response": text, "reward": float(total[i]),
                             **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
-                            **{f"judge/{k}": v[i] for k, v in judged.items()},
-                            **({"correct": bool(correct.view(-1)[i])} if correct is not None else {}),
+                            **{f"judge/{k}": v[i] for k, v in judged.items()}, "correct": bool(correct[i]),
                             **({"tool_calls": flat[i].tool_calls, "tool_errors": flat[i].tool_errors}
                                if flat[i].tool_calls is not None else {})})
             f.write(json.dumps(records[-1]) + "\n")
     if pictures:
         from unirl.text.vlm import samples_markdown
 
-        (out / "samples.md").write_text(samples_markdown(records, rows))
-    summary = {"checkpoint": str(checkpoint), "prompts": len(rows), "n": n, "reward": total.mean().item(),
-               **{f"reward/{k}": v.nanmean().item() for k, v in comps.items()}}
-    if correct is not None:
-        for k in sorted({1, n, *(ks or [])}):
-            summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
-        summary["accuracy"] = correct.float().mean().item()
-    if flat and flat[0].tool_calls is not None:
-        summary["tool_calls_mean"] = sum(a.tool_calls for a in flat) / len(flat)
-    summary["seconds"] = round(time.perf_counter() - start, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+        (out / f"{stem}.md").write_text(samples_markdown(records, rows))
+    prefix = protocol.prefix("")
+    return {f"{prefix}prompts": len(rows), f"{prefix}n": n, **{prefix + k: v for k, v in figures.items()}}
 
 
-def _save_pictures(out: Path, rows: list[dict]) -> list[list[str]] | None:
-    """Each held-out row's images as ``out/images/<row>_<k>.png`` (paths relative to ``out``), or None when
+def _save_pictures(out: Path, rows: list[dict], folder: str) -> list[list[str]] | None:
+    """Each held-out row's images as ``out/<folder>/<row>_<k>.png`` (paths relative to ``out``), or None when
     no row has any (a text policy)."""
     from unirl.text.vlm import IMAGES_KEY, save_images
 
     if not any(row.get(IMAGES_KEY) for row in rows):
         return None
-    return [[f"images/{name}" for name in save_images(row.get(IMAGES_KEY) or [], out / "images", f"{i:04d}")]
+    return [[f"{folder}/{name}" for name in save_images(row.get(IMAGES_KEY) or [], out / folder, f"{i:04d}")]
             for i, row in enumerate(rows)]
 
 
-def _text_environment(cfg, checkpoint: str, work: Path, n: int):
+def _text_environment(cfg, checkpoint: str, work: Path, protocols: list):
     """The config's text environment set up for evaluation only (``TextEnvironment.setup_evaluation``): the
-    checkpoint's tokenizer, the held-out rows, the config's engine over the checkpoint, the run's tools."""
+    checkpoint's tokenizer, each protocol's rows, the config's engine over the checkpoint, the run's tools."""
     from accelerate import Accelerator
 
     from unirl.rollout.engines import engine_loads_weights
@@ -233,26 +257,8 @@ def _text_environment(cfg, checkpoint: str, work: Path, n: int):
     env = build_environment(cfg)  # a VLMEnvironment for a vision-language model (unirl/text/vlm_env.py)
     # An engine that loads the model directory itself (vLLM) leaves the device to itself.
     accelerator = Accelerator(cpu=True) if engine_loads_weights(env.engine_name) else Accelerator()
-    env.setup_evaluation(accelerator, resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work),
-                         answers_per_prompt=n)
+    env.setup_evaluation(accelerator, resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work), protocols)
     return env
-
-
-def _score_answers(cfg, rows: list[dict], answers: list) -> tuple:
-    """``(texts, their rows, each reward's scores, a judge reward's answers, the weighted total)``, one per answer."""
-    import torch
-
-    from unirl.reward_set import RewardSet
-    from unirl.text import held_out
-
-    # The weighted sum of the raw rewards (normalize_then_sum's group normalisation is for advantages).
-    rewards = RewardSet(cfg.rewards, aggregation="sum_then_normalize")
-    try:
-        flat_rows, texts, comps, judged = held_out.score(rewards, rows, answers)
-        total, _ = rewards.combine(comps, torch.arange(len(texts)))  # [answers], each in a group of its own
-    finally:
-        rewards.close()
-    return texts, flat_rows, comps, judged, total
 
 
 def evaluate_diffusion(cfg, checkpoint: str, output_dir: str | Path) -> dict:
@@ -349,9 +355,20 @@ def _load_diffusion_weights(env, path: Path | None, kind: str) -> None:
 
 
 def summary_line(summary: dict) -> str:
-    parts = [f"{summary['prompts']} prompts x {summary['n']}"]
-    parts += [f"{k} {summary[k]:.4f}" for k in ("accuracy", "reward") if k in summary]
-    parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("pass@")]
-    parts += [f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("reward/")]
-    parts += [f"tool calls per answer {summary['tool_calls_mean']:.2f}"] if "tool_calls_mean" in summary else []
-    return f"eval {summary['checkpoint']}: " + ", ".join(parts) + f" ({summary['seconds']:.1f} s)"
+    """``eval CKPT: P prompts x n, accuracy A, reward R, pass@k ..., reward/<name> ...`` and, after ``;``, each
+    protocol's ``NAME: P prompts x n, accuracy ...``."""
+    names = [k.removesuffix("/prompts") for k in summary if k.endswith("/prompts")]
+    groups = ([""] if "prompts" in summary else []) + [f"{name}/" for name in names]
+    parts = [_summary_part({k.removeprefix(g): v for k, v in summary.items()
+                            if k.startswith(g) and (g or k.split("/", 1)[0] not in names)}, g.rstrip("/"))
+             for g in groups]
+    return f"eval {summary['checkpoint']}: " + "; ".join(parts) + f" ({summary['seconds']:.1f} s)"
+
+
+def _summary_part(figures: dict, name: str) -> str:
+    parts = [(f"{name}: " if name else "") + f"{figures['prompts']} prompts x {figures['n']}"]
+    parts += [f"{k} {figures[k]:.4f}" for k in ("accuracy", "reward") if k in figures]
+    parts += [f"{k} {v:.4f}" for k, v in figures.items() if k.startswith(("pass@", "avg@"))]
+    parts += [f"{k} {v:.4f}" for k, v in figures.items() if k.startswith("reward/")]
+    parts += [f"tool calls per answer {figures['tool_calls_mean']:.2f}"] if "tool_calls_mean" in figures else []
+    return ", ".join(parts)

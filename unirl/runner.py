@@ -143,6 +143,8 @@ def end_line(result: TrainResult, seconds: float, log_file: Path | None) -> str:
           checkpoint     RUN/checkpoints/step_000150
           curves         RUN/metrics.jsonl (unirl plot RUN)
           library log    RUN/run.log
+
+    Every ``eval/`` figure gets a line, but those of an evaluation protocol's groups (``<column>=<value>/``).
     """
     rows = []
     rewards = result.rewards
@@ -154,7 +156,7 @@ def end_line(result: TrainResult, seconds: float, log_file: Path | None) -> str:
         a, b = result.evals[0], result.evals[-1]
         steps = f"step {b['step']}" if a is b else f"steps {a['step']} -> {b['step']}"
         rows += [(key, f"{a[key]:.3f} -> {b[key]:.3f} ({steps})" if key in a and a is not b else f"{b[key]:.3f} ({steps})")
-                 for key in b if key.startswith("eval/") and isinstance(b[key], (int, float))]
+                 for key in b if key.startswith("eval/") and "=" not in key and isinstance(b[key], (int, float))]
     rows.append(("checkpoint", str(result.checkpoint)) if result.checkpoint else ("checkpoint", "none"))
     rows.append(("curves", f"{result.run_dir / 'metrics.jsonl'} (unirl plot {result.run_dir})"))
     if log_file is not None:

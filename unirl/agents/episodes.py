@@ -45,19 +45,22 @@ class EpisodeRollout:
         self.make = load_environment(env.name, env.kwargs)
         self.wrap = chat_observation(tokenizer) if chat_template and getattr(tokenizer, "chat_template", None) else None
 
-    def settings(self, max_new_tokens: int | None = None) -> dict:
-        """The runner's settings (``unirl.agents.runner.players``) from the run's config."""
+    def settings(self, max_new_tokens: int | None = None, sampling: dict | None = None) -> dict:
+        """The runner's settings (``unirl.agents.runner.players``) from the run's config; ``sampling`` replaces
+        the rollout's ``temperature``, ``top_p``, ``top_k`` and gives a ``seed`` (an evaluation protocol's)."""
         r, env = self.cfg, self.env_cfg
-        return dict(encode=self.encode, max_new_tokens=max_new_tokens or r.max_new_tokens, temperature=r.temperature,
-                    top_p=r.top_p, top_k=r.top_k, max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
+        sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, **(sampling or {})}
+        return dict(encode=self.encode, max_new_tokens=max_new_tokens or r.max_new_tokens, **sampling,
+                    max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
                     max_observation_tokens=r.max_observation_tokens, truncated_text=r.observation_truncated_text,
                     step_timeout_s=env.step_timeout_s, concurrency=env.concurrency, wrap_observation=self.wrap,
                     stop=getattr(self.make, "stop", None), name=f"environment {env.name}")
 
-    def play(self, engine, rows: list[dict], *, n: int, greedy: bool = False, max_new_tokens: int | None = None
-             ) -> list[list[EpisodeTrace]]:
+    def play(self, engine, rows: list[dict], *, n: int, greedy: bool = False, max_new_tokens: int | None = None,
+             sampling: dict | None = None) -> list[list[EpisodeTrace]]:
+        """``n`` episodes per row (one when ``greedy``), in lock-step; ``sampling``: ``settings``'."""
         return run_episodes(engine, self.tokenizer, self.make, rows, n=n, greedy=greedy,
-                            **self.settings(max_new_tokens))
+                            **self.settings(max_new_tokens, sampling))
 
     def rollout(self, engine, rows: list[dict], group_size: int) -> Rollout:
         return traces_to_rollout(rows, self.play(engine, rows, n=group_size), self.tokenizer,

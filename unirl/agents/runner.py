@@ -97,7 +97,7 @@ def players(engine, tokenizer, make: Callable[[dict], Any], *, encode: Callable[
             max_new_tokens: int, max_total_tokens: int | None, temperature: float, top_p: float = 1.0, top_k: int = -1,
             greedy: bool = False, max_observation_tokens: int | None = None, truncated_text: str = " ...(truncated)",
             step_timeout_s: float = 30.0, concurrency: int = 64, wrap_observation: Callable[[str, bool], str] | None = None,
-            stop: list[str] | None = None, name: str = "environment") -> "_Players":
+            stop: list[str] | None = None, name: str = "environment", seed: int | None = None) -> "_Players":
     """What plays episodes against ``engine``: ``all(rows)`` in lock-step (``run_episodes``), or ``play(index,
     row)`` one at a time on a batcher of one's own (``unirl/agents/stream.py``).
 
@@ -105,8 +105,11 @@ def players(engine, tokenizer, make: Callable[[dict], Any], *, encode: Callable[
     observation into prompt ids (the chat template, the prompt-length check); ``wrap_observation(text,
     eos)`` what the policy is shown of a later observation after a turn that ended with EOS or not
     (default: the text as it is); ``stop`` ends a turn besides EOS. At most ``concurrency`` calls into the
-    environment run at once, each at most ``step_timeout_s`` seconds."""
+    environment run at once, each at most ``step_timeout_s`` seconds. ``seed``: each engine call samples from
+    its own seeds (``call_seed``, the batcher's; None: the engine's random state)."""
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, stop=stop)
+    if seed is not None:  # TurnBatcher gives each call its own
+        sampling["seed"] = seed
     limits = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
                   max_observation_tokens=max_observation_tokens, truncated_text=truncated_text, stop=stop or [],
                   chars_per_token=longest_token_chars(tokenizer) if max_observation_tokens is not None else 0)

@@ -1,5 +1,6 @@
-"""``unirl config list``, ``unirl config show`` and ``unirl config losses``: the shipped configs, every key
-of one with its value and default, and the registered policy losses with their own settings.
+"""``unirl config list``, ``unirl config show``, ``unirl config losses`` and ``unirl config protocols``: the shipped
+configs, every key of one with its value and default, the registered policy losses with their own settings,
+and the shipped evaluation protocols.
 
 ``unirl config list`` prints each shipped config (``configs/<env>/NAME.yaml``) with the first sentence of
 its header comment, and each recipe (``unirl/config/recipes.py``) with the keys it sets. ``unirl config show ENV --config NAME [key=value ...]`` loads the config as a run
@@ -30,6 +31,9 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p_losses = config_sub.add_parser("losses", help="the registered policy losses and their settings (algo.loss_args)",
                                      parents=[common])
     p_losses.set_defaults(func=losses_command)
+    p_protocols = config_sub.add_parser("protocols", help="the shipped evaluation protocols (eval.protocols, unirl eval "
+                                        "--protocol)", parents=[common])
+    p_protocols.set_defaults(func=protocols_command, loads_libraries=False)
 
 
 def list_command(args: argparse.Namespace) -> int:
@@ -80,6 +84,19 @@ def losses_command(args: argparse.Namespace) -> int:
         print(f"{name}: {line}")
         for key, default, about in settings:
             print(f"    algo.loss_args.{key} = {_text(default)}" + (f"   # {about}" if about else ""))
+    return 0
+
+
+def protocols_command(args: argparse.Namespace) -> int:
+    """Each shipped evaluation protocol and the keys it sets (the others: the run's config, docs/evaluation.md)."""
+    import dataclasses
+
+    from unirl.text.protocols import PROTOCOLS
+
+    for name, protocol in PROTOCOLS.items():
+        keys = {f.name: getattr(protocol, f.name) for f in dataclasses.fields(protocol)}
+        print(f"{name}: " + ", ".join(f"{k}={_text(v)}" for k, v in keys.items() if v is not None and k != "name"))
+    print("\nUse: eval.protocols=[NAME, ...] in a text config, or unirl eval text --protocol NAME")
     return 0
 
 

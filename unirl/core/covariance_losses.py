@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unirl.core.loss_terms import TokenTerms, aggregate_tokens, check_number, token_terms
+from unirl.core.loss_terms import TokenTerms, aggregate_tokens, check_number, token_figures, token_terms
 from unirl.core.policy_losses import LossInputs, LossSettings, register_policy_loss
 
 
@@ -148,7 +148,16 @@ def kl_cov_per_token(terms: TokenTerms, args: KlCovArgs) -> tuple[torch.Tensor, 
     return torch.where(penalised, loss + args.ppo_kl_coef * terms.log_ratio.abs(), loss), penalised
 
 
-@register_policy_loss("kl_cov", settings=KlCovArgs, whole_sequences=True)
+def kl_cov_figures(inputs: LossInputs, settings: LossSettings) -> dict[str, torch.Tensor]:
+    """``kl_cov_frac``: the share of trained tokens given the KL penalty (KL-Cov has no clip), with the
+    ratio figures (``token_figures``). (Clip-Cov keeps PPO's clip figures: its clip is ``algo.clip_low/high``;
+    its draw is random, and a figure must not draw again.)"""
+    terms = _terms(inputs)
+    _, penalised = kl_cov_per_token(terms, settings.args or KlCovArgs())
+    return token_figures(terms, kl_cov_frac=penalised)
+
+
+@register_policy_loss("kl_cov", settings=KlCovArgs, whole_sequences=True, figures=kl_cov_figures)
 def kl_cov_loss(inputs: LossInputs, settings: LossSettings):
     """KL-Cov (https://arxiv.org/abs/2505.22617; verl ``compute_policy_loss_kl_cov``): the unclipped ratio
     loss plus ``ppo_kl_coef * |logp - old_logp|`` on the ``kl_cov_ratio`` share of the micro-batch's tokens

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unirl.core.loss_terms import LOG_RATIO_CLAMP, TokenTerms, aggregate_tokens, check_number, token_terms
+from unirl.core.loss_terms import (LOG_RATIO_CLAMP, TokenTerms, aggregate_tokens, check_number, token_figures,
+                                   token_terms)
 from unirl.core.policy_losses import LossInputs, LossSettings, register_policy_loss
 
 
@@ -69,7 +70,20 @@ def cispo_per_token(terms: TokenTerms, is_low: float | None, is_high: float) -> 
     return -weight * terms.advantages * terms.logp
 
 
-@register_policy_loss("cispo", settings=CispoArgs)
+def cispo_figures(inputs: LossInputs, settings: LossSettings) -> dict[str, torch.Tensor]:
+    """``is_clip_frac`` (and ``_low``, ``_high``): the share of trained tokens whose IS weight sits at a bound
+    (the ratio below ``1 - is_low`` or above ``1 + is_high``, whatever the advantage's sign: CISPO bounds the
+    weight, not the objective; verl's ``pg_clipfrac`` is ``ratio != clipped_ratio``, the same), with the
+    ratio figures (``token_figures``)."""
+    terms = _terms(inputs)
+    args = settings.args or CispoArgs()
+    ratio = _ratio(terms)  # [n, T']
+    low = ratio < 1 - args.is_low if args.is_low is not None else torch.zeros_like(ratio, dtype=torch.bool)
+    high = ratio > 1 + args.is_high
+    return token_figures(terms, is_clip_frac=low | high, is_clip_frac_low=low, is_clip_frac_high=high)
+
+
+@register_policy_loss("cispo", settings=CispoArgs, figures=cispo_figures)
 def cispo_loss(inputs: LossInputs, settings: LossSettings):
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): the policy gradient weighted by the clipped,
     stop-gradient IS ratio, so no token loses its gradient (verl ``compute_policy_loss_cispo``).
@@ -88,6 +102,16 @@ def _dppo_per_token(terms: TokenTerms, valid: torch.Tensor, ratio_cap: float) ->
     """``-sg(min(r, ratio_cap)) * A * logp`` where ``valid``, 0 elsewhere (no gradient there)."""
     weight = _ratio(terms).clamp(max=ratio_cap)  # [n, T']: truncated IS, in place of PPO's dual clip
     return torch.where(valid, -weight * terms.advantages * terms.logp, 0.0)
+
+
+def _dppo_figures(terms: TokenTerms, kept: torch.Tensor, ratio_cap: float) -> dict[str, torch.Tensor]:
+    """``trust_mask_frac`` (and ``_low`` for A <= 0, ``_high`` for A > 0): the share of trained tokens whose
+    gradient the trust region dropped; ``ratio_cap_frac``: the share whose IS weight was truncated at
+    ``ratio_cap``; with the ratio figures (``token_figures``)."""
+    dropped = ~kept  # [n, T']
+    positive = (terms.advantages > 0).expand_as(dropped)
+    return token_figures(terms, trust_mask_frac=dropped, trust_mask_frac_low=dropped & ~positive,
+                         trust_mask_frac_high=dropped & positive, ratio_cap_frac=_ratio(terms) > ratio_cap)
 
 
 def _check_dppo(args, low: str, high: str) -> None:
@@ -116,7 +140,21 @@ class DppoTvArgs:
         _check_dppo(self, "tv_low", "tv_high")
 
 
-@register_policy_loss("dppo_tv", settings=DppoTvArgs, discrete=True)
+@torch.no_grad()
+def dppo_tv_kept(terms: TokenTerms, args: DppoTvArgs) -> torch.Tensor:
+    """[n, T'] the tokens DPPO-Binary-TV keeps: ``p - p_old <= tv_high`` for A > 0, ``>= -tv_low`` otherwise."""
+    moved = torch.exp(terms.logp) - torch.exp(terms.old_logp)  # [n, T'] p - p_old (0 where masked)
+    return torch.where(terms.advantages > 0, moved <= args.tv_high, moved >= -args.tv_low)
+
+
+def dppo_tv_figures(inputs: LossInputs, settings: LossSettings) -> dict[str, torch.Tensor]:
+    """``_dppo_figures`` of ``dppo_tv``."""
+    terms = _terms(inputs)
+    args = settings.args or DppoTvArgs()
+    return _dppo_figures(terms, dppo_tv_kept(terms, args), args.ratio_cap)
+
+
+@register_policy_loss("dppo_tv", settings=DppoTvArgs, discrete=True, figures=dppo_tv_figures)
 def dppo_tv_loss(inputs: LossInputs, settings: LossSettings):
     """DPPO-Binary-TV (Qi et al. 2026, https://arxiv.org/abs/2602.04879; verl
     ``compute_policy_loss_dppo_tv``): the truncated-IS policy gradient, with a token's gradient dropped
@@ -130,10 +168,7 @@ def dppo_tv_loss(inputs: LossInputs, settings: LossSettings):
     sign, a rollout correction (unirl's ``algo.rollout_is: token_mask``), not a trust region."""
     terms = _terms(inputs)
     args = settings.args or DppoTvArgs()
-    with torch.no_grad():
-        moved = torch.exp(terms.logp) - torch.exp(terms.old_logp)  # [n, T'] p - p_old (0 where masked)
-        valid = torch.where(terms.advantages > 0, moved <= args.tv_high, moved >= -args.tv_low)  # [n, T']
-    return _finish(_dppo_per_token(terms, valid, args.ratio_cap), terms, inputs, settings)
+    return _finish(_dppo_per_token(terms, dppo_tv_kept(terms, args), args.ratio_cap), terms, inputs, settings)
 
 
 @dataclass(frozen=True)
@@ -161,15 +196,27 @@ def binary_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     return p_old * (old_logp - logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
 
 
-@register_policy_loss("dppo_kl", settings=DppoKlArgs, discrete=True)
+@torch.no_grad()
+def dppo_kl_kept(terms: TokenTerms, args: DppoKlArgs) -> torch.Tensor:
+    """[n, T'] the tokens DPPO-Binary-KL keeps: for A > 0 those whose binary KL is at most ``kl_high`` or
+    whose probability did not rise, for A <= 0 at most ``kl_low`` or did not fall."""
+    kl = binary_kl(terms.logp, terms.old_logp)  # [n, T'] (0 where masked: both log-probs are 0 there)
+    p, p_old = torch.exp(terms.logp), torch.exp(terms.old_logp)  # compared as probabilities, as verl does
+    return torch.where(terms.advantages > 0, (kl <= args.kl_high) | (p <= p_old), (kl <= args.kl_low) | (p >= p_old))
+
+
+def dppo_kl_figures(inputs: LossInputs, settings: LossSettings) -> dict[str, torch.Tensor]:
+    """``_dppo_figures`` of ``dppo_kl``."""
+    terms = _terms(inputs)
+    args = settings.args or DppoKlArgs()
+    return _dppo_figures(terms, dppo_kl_kept(terms, args), args.ratio_cap)
+
+
+@register_policy_loss("dppo_kl", settings=DppoKlArgs, discrete=True, figures=dppo_kl_figures)
 def dppo_kl_loss(inputs: LossInputs, settings: LossSettings):
     """DPPO-Binary-KL (https://arxiv.org/abs/2602.04879; verl ``compute_policy_loss_dppo_kl``): as
     ``dppo_tv`` with the binary KL as the divergence: for A > 0 the gradient is dropped where
     ``binary_kl > kl_high`` and the probability rose, for A <= 0 where ``binary_kl > kl_low`` and it fell."""
     terms = _terms(inputs)
     args = settings.args or DppoKlArgs()
-    with torch.no_grad():
-        kl = binary_kl(terms.logp, terms.old_logp)  # [n, T'] (0 where masked: both log-probs are 0 there)
-        p, p_old = torch.exp(terms.logp), torch.exp(terms.old_logp)  # compared as probabilities, as verl does
-        valid = torch.where(terms.advantages > 0, (kl <= args.kl_high) | (p <= p_old), (kl <= args.kl_low) | (p >= p_old))
-    return _finish(_dppo_per_token(terms, valid, args.ratio_cap), terms, inputs, settings)
+    return _finish(_dppo_per_token(terms, dppo_kl_kept(terms, args), args.ratio_cap), terms, inputs, settings)

@@ -11,11 +11,12 @@ Shapes: n samples of the micro-batch, T' the columns of the piece.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from unirl.core.losses import _bool_mask, _check_same_shape, _masked, aggregate
+from unirl.core.losses import aggregate, bool_mask, check_same_shape, masked
 
 #: verl's clamp of the token log-ratio before ``exp`` in ``cispo``, ``sapo``, ``dppo_tv`` and ``dppo_kl``
 #: (``torch.clamp(negative_approx_kl, min=-20.0, max=20.0)``, "for stability").
@@ -46,17 +47,17 @@ def token_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     [n] or [n, T'], ``mask``, ``weights``), after checking their shapes (one ``ValueError`` naming them)."""
     if logp.ndim != 2:
         raise ValueError(f"logp must be 2-D [n, T], got shape {tuple(logp.shape)}")
-    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask, weights=weights)
+    check_same_shape(logp=logp, old_logp=old_logp, mask=mask, weights=weights)
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages must be [n] or [n, T] with [n, T] = {tuple(logp.shape)}, "
                          f"got {tuple(advantages.shape)}")
-    mask = _bool_mask(mask)
-    logp = _masked(mask, logp)  # [n, T']
-    old_logp = _masked(mask, old_logp.detach())  # [n, T']
+    mask = bool_mask(mask)
+    logp = masked(mask, logp)  # [n, T']
+    old_logp = masked(mask, old_logp.detach())  # [n, T']
     adv = advantages.detach()
-    adv = _masked(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv)  # [n, T'] ([n, 1] without a mask)
+    adv = masked(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv)  # [n, T'] ([n, 1] without a mask)
     if weights is not None:
-        weights = _masked(mask, weights.detach())  # [n, T']
+        weights = masked(mask, weights.detach())  # [n, T']
     return TokenTerms(mask, logp, old_logp, logp - old_logp, adv, weights)
 
 
@@ -69,6 +70,26 @@ def aggregate_tokens(per_token: torch.Tensor, terms: TokenTerms, mode: str, *,
     if terms.weights is not None:
         per_token = per_token * terms.weights
     return aggregate(per_token, terms.mask, mode, denominator=denominator, seq_lengths=seq_lengths)
+
+
+@torch.no_grad()
+def token_figures(terms: TokenTerms, **means: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A loss's figures over the trained tokens (``PolicyLoss.figures``, logged ``actor/<name>``), detached
+    0-dim tensors: ``approx_kl`` (CleanRL's ``(r - 1) - log r``, the k3 estimate of KL(old || new)),
+    ``ratio_mean``, ``ratio_max`` and ``ratio_min`` of the token ratio ``r = exp(logp - old_logp)`` (the same
+    four PPO's clip figures give at token level), and each [n, T'] (or [n, 1]) tensor of ``means`` as its mean
+    over the trained tokens (of a boolean: the share where it holds)."""
+    log_ratio = terms.log_ratio.detach()  # [n, T'], 0 where masked
+    ratio = torch.exp(log_ratio)  # [n, T']
+    count = terms.mask.sum().clamp_min(1) if terms.mask is not None else max(ratio.numel(), 1)
+
+    def mean(values: torch.Tensor) -> torch.Tensor:
+        return masked(terms.mask, values.expand_as(ratio).to(ratio.dtype)).sum() / count
+
+    out = {"approx_kl": mean(torch.expm1(log_ratio) - log_ratio), "ratio_mean": mean(ratio),
+           "ratio_max": masked(terms.mask, ratio, -math.inf).amax(), "ratio_min": masked(terms.mask, ratio, math.inf).amin()}
+    out.update({name: mean(values) for name, values in means.items()})
+    return out
 
 
 def check_number(owner: object, name: str, *, low: float | None = None, low_open: bool = False,

@@ -43,17 +43,17 @@ LEVELS = ("token", "sequence")
 GSPO_LOG_RATIO_MAX = 10.0
 
 
-def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+def bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask if mask is None or mask.dtype == torch.bool else mask != 0
 
 
-def _masked(mask: torch.Tensor | None, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+def masked(mask: torch.Tensor | None, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
     """``values`` where the boolean ``mask`` is set and ``fill`` elsewhere; ``values`` itself when
     ``mask`` is None (every position counts)."""
     return values if mask is None else torch.where(mask, values, fill)
 
 
-def _check_same_shape(**tensors: torch.Tensor | None) -> None:
+def check_same_shape(**tensors: torch.Tensor | None) -> None:
     """Raise unless the given tensors (None ones skipped: an absent mask) have one shape."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
     if len(set(shapes.values())) > 1:
@@ -71,8 +71,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, 
         mask: boolean or 0/1, same shape as ``values``.
         dim: dim(s) to reduce.
     """
-    _check_same_shape(values=values, mask=mask)
-    mask = _bool_mask(mask)
+    check_same_shape(values=values, mask=mask)
+    mask = bool_mask(mask)
     total = torch.where(mask, values, 0.0)
     if dim is None:
         return total.sum() / mask.sum().clamp_min(1)
@@ -102,7 +102,7 @@ def aggregate_denominator(mask: torch.Tensor, mode: str, *, norm_length: int | N
         raise ValueError(f"mode must be one of {', '.join(map(repr, AGG_MODES))}, got {mode!r}")
     if mask.ndim != 2:
         raise ValueError(f"mask must be 2-D [N, T], got shape {tuple(mask.shape)}")
-    mask = _bool_mask(mask)
+    mask = bool_mask(mask)
     if mode == "token-mean":
         return mask.sum().clamp_min(1)
     num_seqs = mask.any(dim=-1).sum()
@@ -157,15 +157,15 @@ def aggregate(
         raise ValueError(f"mode must be one of {', '.join(map(repr, AGG_MODES))}, got {mode!r}")
     if values.ndim != 2:
         raise ValueError(f"values must be 2-D [N, T], got shape {tuple(values.shape)}")
-    _check_same_shape(values=values, mask=mask)
-    mask = _bool_mask(mask)
+    check_same_shape(values=values, mask=mask)
+    mask = bool_mask(mask)
     if denominator is None:
         everything = torch.ones_like(values, dtype=torch.bool) if mask is None else mask
         denominator = aggregate_denominator(everything, mode, norm_length=norm_length)
-    masked = _masked(mask, values)  # [N, T]
+    kept = masked(mask, values)  # [N, T]
     if mode == "token-mean":
-        return masked.sum() / denominator
-    seq_sums = masked.sum(dim=-1)  # [N]
+        return kept.sum() / denominator
+    seq_sums = kept.sum(dim=-1)  # [N]
     if mode == "seq-mean-token-mean":
         if seq_lengths is None and mask is None:  # every sequence has all T positions
             return (seq_sums / max(values.shape[-1], 1)).sum() / denominator
@@ -241,14 +241,14 @@ def clipped_policy_loss(
     # 1. Check inputs.
     if logp.ndim != 2:
         raise ValueError(f"logp must be 2-D [N, T], got shape {tuple(logp.shape)}")
-    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(
             f"advantages must be [N] or [N, T] with [N, T] = {tuple(logp.shape)}, "
             f"got advantages {tuple(advantages.shape)}"
         )
     if weights is not None:
-        _check_same_shape(logp=logp, weights=weights)
+        check_same_shape(logp=logp, weights=weights)
     # clip_low in [0, 1), clip_high >= 0 and dual_clip > 1 are checked where the config loads (AlgoConfig).
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
@@ -262,7 +262,7 @@ def clipped_policy_loss(
         )
 
     # 2. Log-ratios (masked positions are 0, so junk there cannot reach values or gradients).
-    mask = _bool_mask(mask)
+    mask = bool_mask(mask)
     token_log_ratio, log_ratio = _log_ratios(logp, old_logp, mask, level)  # [N, T] each
     ratio = torch.exp(log_ratio)  # [N, T]
 
@@ -304,11 +304,11 @@ def policy_loss_metrics(
     Returns:
         detached 0-dim tensors, see ``clipped_policy_loss``.
     """
-    _check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
+    check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
     if level not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
     with torch.no_grad():
-        mask = _bool_mask(mask)
+        mask = bool_mask(mask)
         token_log_ratio, log_ratio = _log_ratios(logp.detach(), old_logp, mask, level)
         adv = _masked_advantages(advantages, mask)
         return _ratio_metrics(torch.exp(log_ratio), token_log_ratio, adv, mask, clip_low, clip_high, dual_clip)
@@ -321,7 +321,7 @@ def _log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor |
     if level == "token":
         # Masked after the difference (one where instead of one per input): 0 there in value and in
         # gradient (where's backward sends 0 to the masked positions) whatever junk either side holds.
-        token_log_ratio = _masked(mask, logp - _detached(old_logp))  # [N, T]
+        token_log_ratio = masked(mask, logp - _detached(old_logp))  # [N, T]
         return token_log_ratio, token_log_ratio
     if mask is None:  # GSPO's sequence means need the counts: an all-True mask
         mask = torch.ones_like(logp, dtype=torch.bool)
@@ -339,7 +339,7 @@ def _masked_advantages(advantages: torch.Tensor, mask: torch.Tensor | None) -> t
     """Advantages [N] or [N, T] as a detached [N, T], 0 where masked out; without a mask per-sample
     ones stay a [N, 1] column (the operations they meet broadcast it)."""
     adv = _detached(advantages)
-    return _masked(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv)  # [N, T]: where broadcasts [N, 1]
+    return masked(mask, adv.unsqueeze(-1) if adv.ndim == 1 else adv)  # [N, T]: where broadcasts [N, 1]
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -365,10 +365,10 @@ def _ratio_metrics(r: torch.Tensor, token_log_ratio: torch.Tensor, adv: torch.Te
     # The masked means of all of them in one pass (masked_mean's formula over a stack), not one each.
     stacked = torch.stack([v.to(r.dtype) for v in values])  # [K, N, T]
     count = mask.sum().clamp_min(1) if mask is not None else max(r.numel(), 1)
-    means = _masked(mask, stacked).sum(dim=(1, 2)) / count  # [K]
+    means = masked(mask, stacked).sum(dim=(1, 2)) / count  # [K]
     metrics = dict(zip(names, means.unbind()))
-    metrics["ratio_max"] = _masked(mask, r, -math.inf).amax()
-    metrics["ratio_min"] = _masked(mask, r, math.inf).amin()
+    metrics["ratio_max"] = masked(mask, r, -math.inf).amax()
+    metrics["ratio_min"] = masked(mask, r, math.inf).amin()
     return metrics
 
 
@@ -395,7 +395,7 @@ def truncated_importance_weights(
     Returns:
         [N, T] weights in (0, cap], no gradient.
     """
-    _check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
+    check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap!r}")
     return rollout_is_weights(old_logp, rollout_logp, None, mode="token_truncate", high=cap)

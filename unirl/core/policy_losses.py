@@ -15,7 +15,11 @@ A policy loss is a function ``loss(inputs: LossInputs, settings: LossSettings) -
 
 ``PolicyLoss`` wraps the function with what the trainer must know about it without knowing its name:
 whether it reads log-probs (the ratio losses; then the old log-probs are needed and the ratio figures
-are logged) and whether it needs whole sequences (GSPO: no column pieces).
+are logged), whether it needs whole sequences (GSPO: no column pieces), and its figures
+(``actor/<name>``, over each whole micro-batch): by default PPO's clip figures at ``algo.clip_low/high``
+(``policy_loss_metrics``: ``clip_frac`` ...), which say nothing true of a loss that does not clip the
+ratio there (CISPO clips an IS weight at its own bounds, DPPO masks by a divergence, GMPO clips the
+log-ratio): such a loss registers ``figures=`` of its own.
 
 To add a loss: write the function (and, if it has knobs, a frozen dataclass of them whose defaults are
 its reference's) in one file, decorate it with
@@ -35,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from unirl.core.losses import AGG_MODES, aggregate, clipped_policy_loss
+from unirl.core.losses import AGG_MODES, aggregate, clipped_policy_loss, policy_loss_metrics
 from unirl.core.nft import nft_loss, velocity_kl
 from unirl.registry import Registry
 
@@ -76,6 +80,9 @@ class LossInputs:
 
 
 LossFn = Callable[[LossInputs, LossSettings], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+#: ``figures(inputs, settings) -> {name: 0-dim detached tensor}``, logged as ``actor/<name>``: the inputs of a
+#: whole micro-batch, ``forward["logp"]`` detached, no weights or normaliser.
+FiguresFn = Callable[[LossInputs, LossSettings], "dict[str, torch.Tensor]"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,17 @@ class PolicyLoss:
     #: Whether the loss reads ``exp(logp)`` as a probability in [0, 1] (DPPO's trust regions): true of
     #: tokens only; an environment whose log-probs are densities (diffusion) refuses it where its config loads.
     discrete: bool = False
+    #: The loss's own figures (``FiguresFn``); None: PPO's clip figures at ``algo.clip_low/high`` and ``level``.
+    figures: FiguresFn | None = None
+
+    def ratio_figures(self, inputs: LossInputs, settings: LossSettings) -> dict[str, torch.Tensor]:
+        """The figures of a micro-batch (``actor/<name>``): the loss's own, or PPO's clip figures
+        (``policy_loss_metrics``: ``clip_frac``, ``clip_frac_low/high``, ``approx_kl``, ``ratio_mean/max/min``)."""
+        if self.figures is not None:
+            return self.figures(inputs, settings)
+        return policy_loss_metrics(inputs.forward["logp"], inputs.old_logp, inputs.advantages, inputs.mask,
+                                   clip_low=settings.clip_low, clip_high=settings.clip_high,
+                                   dual_clip=settings.dual_clip, level=self.level)
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
@@ -102,9 +120,10 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 def register_policy_loss(name: str, *, settings: type | None = None, reads_logprobs: bool = True,
                          whole_sequences: bool = False, level: str = "token", loss_agg: str | None = None,
-                         discrete: bool = False) -> Callable[[LossFn], LossFn]:
+                         discrete: bool = False, figures: FiguresFn | None = None) -> Callable[[LossFn], LossFn]:
     """Register ``fn`` as the policy loss ``name`` (a duplicate name is an error), with ``settings`` the
-    dataclass of its own knobs (filled from ``algo.loss_args``); the other arguments are ``PolicyLoss``'s."""
+    dataclass of its own knobs (filled from ``algo.loss_args``) and ``figures`` its figures (None: PPO's
+    clip figures); the other arguments are ``PolicyLoss``'s."""
     if settings is not None and not dataclasses.is_dataclass(settings):
         raise TypeError(f"register_policy_loss({name!r}): settings must be a dataclass type, got {settings!r}")
     if loss_agg is not None and loss_agg not in AGG_MODES:
@@ -113,7 +132,8 @@ def register_policy_loss(name: str, *, settings: type | None = None, reads_logpr
 
     def decorator(fn: LossFn) -> LossFn:
         POLICY_LOSSES.add(name, PolicyLoss(fn, reads_logprobs=reads_logprobs, whole_sequences=whole_sequences,
-                                           level=level, settings=settings, loss_agg=loss_agg, discrete=discrete))
+                                           level=level, settings=settings, loss_agg=loss_agg, discrete=discrete,
+                                           figures=figures))
         return fn
 
     return decorator

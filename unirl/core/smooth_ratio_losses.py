@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unirl.core.loss_terms import LOG_RATIO_CLAMP, TokenTerms, aggregate_tokens, check_number, token_terms
+from unirl.core.loss_terms import (LOG_RATIO_CLAMP, TokenTerms, aggregate_tokens, check_number, token_figures,
+                                   token_terms)
 from unirl.core.losses import aggregate
 from unirl.core.policy_losses import LossInputs, LossSettings, register_policy_loss
 
@@ -38,17 +39,33 @@ class SapoArgs:
         check_number(self, "tau_neg", low=0, low_open=True)
 
 
-def sapo_per_token(terms: TokenTerms, tau_pos: float, tau_neg: float) -> torch.Tensor:
-    """SAPO's per-token loss [n, T']: ``-f(r_t) A_t`` with ``f(r) = sigmoid(tau (r - 1)) * 4 / tau``."""
+def _sapo_gate(terms: TokenTerms, tau_pos: float, tau_neg: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigmoid(tau (r - 1)), tau)`` [n, T'] (tau [n, T'] or [n, 1]), r with gradient."""
     ratio = torch.exp(terms.log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [n, T'], with gradient
     adv = terms.advantages
     # In the advantages' dtype (two Python floats would make a float32 tensor).
     tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # [n, T'] (or [n, 1])
-    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # [n, T']
-    return -gate * adv
+    return torch.sigmoid(tau * (ratio - 1)), tau
 
 
-@register_policy_loss("sapo", settings=SapoArgs, loss_agg="seq-mean-token-mean")
+def sapo_per_token(terms: TokenTerms, tau_pos: float, tau_neg: float) -> torch.Tensor:
+    """SAPO's per-token loss [n, T']: ``-f(r_t) A_t`` with ``f(r) = sigmoid(tau (r - 1)) * 4 / tau``."""
+    sigmoid, tau = _sapo_gate(terms, tau_pos, tau_neg)
+    return -sigmoid * (4 / tau) * terms.advantages
+
+
+@torch.no_grad()
+def sapo_figures(inputs: LossInputs, settings: LossSettings) -> dict[str, torch.Tensor]:
+    """``gate_slope_mean``: the mean over trained tokens of the gate's slope ``f'(r) = 4 s (1 - s)``,
+    ``s = sigmoid(tau (r - 1))``, the factor on each token's policy gradient (1 on policy, smaller the
+    further the ratio left 1; SAPO has no clip, so no clip fraction), with the ratio figures."""
+    terms = _terms(inputs)
+    args = settings.args or SapoArgs()
+    sigmoid, _ = _sapo_gate(terms, args.tau_pos, args.tau_neg)
+    return token_figures(terms, gate_slope_mean=4 * sigmoid * (1 - sigmoid))
+
+
+@register_policy_loss("sapo", settings=SapoArgs, loss_agg="seq-mean-token-mean", figures=sapo_figures)
 def sapo_loss(inputs: LossInputs, settings: LossSettings):
     """SAPO (Soft Adaptive Policy Optimization, https://arxiv.org/abs/2511.20347; verl
     ``compute_policy_loss_sapo``, TRL ``loss_type="sapo"``): PPO's hard clip replaced by a smooth gate;
@@ -109,8 +126,21 @@ def geo_mean_per_sequence(terms: TokenTerms, log_clip_low: float, log_clip_high:
     return loss, lengths > 0
 
 
+def geo_mean_figures(inputs: LossInputs, settings: LossSettings) -> dict[str, torch.Tensor]:
+    """``log_clip_frac`` (and ``_low``, ``_high``): the share of trained tokens whose log-ratio clip bites
+    (A > 0 and log r > log_clip_high; A < 0 and log r < -log_clip_low: where the pessimistic min takes the
+    clipped value, as ``clip_frac`` counts PPO's; verl's ``pg_clipfrac`` counts any clamped token by the
+    advantage's sign, also where the min ignores the clamp), with the token ratio figures."""
+    terms = _terms(inputs)
+    args = settings.args or GeoMeanArgs()
+    log_ratio, adv = terms.log_ratio.detach(), terms.advantages
+    high = (adv > 0) & (log_ratio > args.log_clip_high)  # [n, T']
+    low = (adv < 0) & (log_ratio < -args.log_clip_low)  # [n, T']
+    return token_figures(terms, log_clip_frac=low | high, log_clip_frac_low=low, log_clip_frac_high=high)
+
+
 @register_policy_loss("geo_mean", settings=GeoMeanArgs, whole_sequences=True, level="sequence",
-                      loss_agg="seq-mean-token-mean")
+                      loss_agg="seq-mean-token-mean", figures=geo_mean_figures)
 def geo_mean_loss(inputs: LossInputs, settings: LossSettings):
     """GMPO (Geometric-Mean Policy Optimization, https://arxiv.org/abs/2507.20673; verl
     ``compute_policy_loss_geo_mean``): a sequence's advantage times the *geometric* mean of its token

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core.losses import _bool_mask, _check_same_shape, aggregate
+from unirl.core.losses import aggregate, bool_mask, check_same_shape
 
 
 def value_loss(
@@ -42,10 +42,10 @@ def value_loss(
         ``(loss, metrics)``; metrics are detached 0-dim tensors, masked means: ``vf_clipfrac`` (the
         clipped term is the larger one) and ``vpred_mean``.
     """
-    _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     if not clip > 0:
         raise ValueError(f"clip must be > 0, got {clip!r}")
-    mask = _bool_mask(mask)
+    mask = bool_mask(mask)
     # Masked positions are zeroed before any arithmetic, as the policy loss does: a NaN or inf there
     # would otherwise reach the gradient through the squares (0 * NaN is NaN), whatever the mask does after.
     values = torch.where(mask, values, 0.0)  # [N, T]
@@ -69,8 +69,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     """``1 - Var(R - V) / Var(R)`` over the masked-in positions (Bessel-corrected variances; verl's
     ``critic/vf_explained_var`` adds 1e-5 to the denominator, as here): 1 when the critic predicts the
     returns exactly, 0 when it does no better than their mean, negative when worse. [N, T] -> 0-dim."""
-    _check_same_shape(values=values, returns=returns, mask=mask)
-    mask = _bool_mask(mask)
+    check_same_shape(values=values, returns=returns, mask=mask)
+    mask = bool_mask(mask)
     count = mask.sum()
     if count < 2:
         return values.new_zeros(())

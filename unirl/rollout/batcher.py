@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from unirl.rollout.engine import call_seed
+
 
 class TurnBatcher:
     """See the module docstring. ``engine``: anything with the ``Engine.generate`` signature; ``sampling``:
@@ -33,8 +35,9 @@ class TurnBatcher:
         #: (index, context, budget, sampling, answer) of the requests waiting.
         self.pending: list[tuple[int, list[int], int, dict, asyncio.Future]] = []
         self.busy = False  # an eager engine call is running
-        self.calls = 0  # engine calls made, and the requests they answered (batch sizes' sum)
-        self.requests = 0
+        self.calls = 0  # engine calls made, and the requests they answered (batch sizes' sum); a feed's
+        self.requests = 0  # figures reset these
+        self.sent = 0  # engine calls made, never reset: a seeded call n samples from call_seed(seed, n)
 
     async def generate(self, index: int, context: list[int], budget: int, sampling: dict | None = None):
         """The next turn of episode ``index`` (a ``Generation`` of at most ``budget`` tokens, when every
@@ -62,6 +65,9 @@ class TurnBatcher:
         batch = self._take()
         contexts, budget, sampling = [p[1] for p in batch], max(p[2] for p in batch), batch[0][3]
         self.calls, self.requests = self.calls + 1, self.requests + len(batch)
+        if "seed" in sampling:  # a seeded run: each call its own seeds, so no two turns sample alike
+            sampling = {**sampling, "seed": call_seed(sampling["seed"], self.sent)}
+        self.sent += 1
         if not self.eager:
             try:
                 self._settle(batch, self._generate(contexts, budget, sampling), None)

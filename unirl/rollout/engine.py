@@ -49,7 +49,10 @@ class Engine(Protocol):
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False, stop: list[str] | None = None,
                  seed: int | None = None) -> list[list[Generation]]:
-        """G = ``n`` generations per prompt (one when ``greedy``), grouped by prompt."""
+        """G = ``n`` generations per prompt (one when ``greedy``), grouped by prompt. ``seed``: sample from
+        generators of this seed, leaving the engine's own random state (what training samples from) as it was:
+        vLLM gives request i the seed ``seed + i * n`` (its j-th sample ``+ j``), the transformers engine one
+        stream for the call; None: the engine's own random state."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take new weights in place (names in ``weights_format``); the next generation uses them."""
@@ -62,6 +65,16 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release the engine."""
+
+
+#: ``call_seed``'s step between the seeds of successive calls (more than any call's prompts x samples).
+CALL_SEED_STRIDE = 1_000_003
+
+
+def call_seed(seed: int | None, call: int) -> int | None:
+    """The seed of call ``call`` (0, 1, ...) of a seeded generation made of several engine calls (the turns of
+    a multi-turn answer), so no two calls sample from the same seeds; None stays None."""
+    return None if seed is None else seed + CALL_SEED_STRIDE * call
 
 
 @dataclass

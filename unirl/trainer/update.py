@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from unirl.core import aggregate, aggregate_denominator, policy_loss_metrics, rollout_is_weights
+from unirl.core import aggregate, aggregate_denominator, rollout_is_weights
 from unirl.core.policy_losses import LossInputs, LossSettings, build_loss_args
 from unirl.config.schema import AlgoConfig
 from unirl.env import Environment, Rollout
@@ -104,9 +104,9 @@ def micro_backward(ctx: StepContext, model, micro: Rollout, denominator: torch.T
     graph is alive at a time; the pieces' losses add up to the micro-batch's. DDP synchronises
     gradients in the last backward of the mini-batch (``sync``).
 
-    The ratio figures (``actor/clip_frac`` ...) are computed once over the whole micro-batch from the
-    pieces' detached log-probs, and every figure reaches the host in one transfer at the end (not one
-    per figure and piece: each is a device sync on an accelerator).
+    The loss's figures (``PolicyLoss.ratio_figures``: ``actor/clip_frac`` ..., or the loss's own) are computed
+    once over the whole micro-batch from the pieces' detached log-probs, and every figure reaches the host in
+    one transfer at the end (not one per figure and piece: each is a device sync on an accelerator).
 
     ``first_logp``: when the micro-batch has no ``old_logp``, the detached log-probs [n, T] of this
     forward (used as the old ones) are appended to it."""
@@ -140,9 +140,9 @@ def micro_backward(ctx: StepContext, model, micro: Rollout, denominator: torch.T
              for name, values in parts.items()}
     if first_logp is not None:  # this forward's own log-probs (the anchor is the engine's in bypass mode)
         first_logp.append(whole["logp"].cpu())
-    ratio = policy_loss_metrics(whole["logp"], whole["old_logp"], whole["advantages"], whole["mask"],
-                                clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                                level=policy_loss.level)
+    # The loss's own figures (PPO's clip figures unless it registered others), from the whole micro-batch.
+    ratio = policy_loss.ratio_figures(LossInputs({"logp": whole["logp"], "mask": whole["mask"]}, whole["advantages"],
+                                                 old_logp=whole["old_logp"]), ctx.loss_settings)
     return on_host({**shares, **{f"actor/{name}": [value] for name, value in ratio.items()}})
 
 
