@@ -20,7 +20,8 @@ import torch
 
 
 #: The loop's own per-sample tensors on ``Rollout`` (each None until its stage writes it).
-LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp", "policy_version", "teacher_logp")
+LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp", "policy_version", "token_version",
+               "teacher_logp")
 
 
 @dataclass
@@ -45,6 +46,11 @@ class Rollout:
     * ``policy_version`` [N] long: the optimizer steps of the weights that sampled each sample
       (``Trainer.optimizer_steps`` at rollout time; with ``source.max_staleness`` those of the older
       weights the producer sampled with, ``unirl.rollout.sources``); ``rollout/staleness_*`` reads it;
+      with ``token_version``, the oldest of the sample's tokens;
+    * ``token_version`` [N, T] long: the optimizer steps of the weights that sampled each token, -1 where
+      nothing was sampled (prompt, observations, padding); set where a sample's tokens may come from
+      several versions (streamed episodes and agent sessions, ``unirl.rollout.stream``), else None:
+      every token then carries its sample's ``policy_version``;
     * ``rewards`` [N]; ``advantages`` [N] (one per sample) or [N, T] (per token);
     * ``values`` [N, T] (the critic's) and ``returns`` [N, T] (its target), with a critic;
     * ``old`` and ``ref``: the old policy's and the reference's ``Environment.score_actions`` outputs,
@@ -69,6 +75,7 @@ class Rollout:
     old_logp: torch.Tensor | None = None  # [N, T]
     engine_logp: torch.Tensor | None = None  # [N, T]
     policy_version: torch.Tensor | None = None  # [N] long
+    token_version: torch.Tensor | None = None  # [N, T] long
     teacher_logp: torch.Tensor | None = None  # [N, T]
     old: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]
     ref: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N, T]

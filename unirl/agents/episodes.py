@@ -5,7 +5,8 @@ What the trainer reads of an episode (N = B*G samples, P prompt tokens, R respon
 
 * ``response_mask`` [N, R], the loss mask: 1 on generated tokens, 0 on observations, and 0 on every
   token of an episode whose environment failed or timed out (its outcome says nothing about the policy);
-* ``engine_logp`` [N, R]: the engine's log-probs of the generated tokens;
+* ``engine_logp`` [N, R]: the engine's log-probs of the generated tokens; ``token_version`` [N, R]: the
+  weight version that sampled each (streamed episodes, whose turns may span versions; else None);
 * ``turn_rewards``, ``turn_ends`` [N, R] and ``turn_discount`` [N]: each turn's reward on its last
   token, for the token-reward estimators (``unirl.core.turns``; the trainer's advantages stage);
 * the column ``episode_return`` [N] (the sum of the per-turn rewards), which the ``episode_return``
@@ -23,6 +24,7 @@ import torch
 from unirl.agents.protocol import load_environment
 from unirl.agents.runner import EpisodeTrace, run_episodes
 from unirl.env import Rollout
+from unirl.rollout.trajectories import padded
 
 
 def episode_rollout(cfg, tokenizer, encode) -> "EpisodeRollout | None":
@@ -43,19 +45,22 @@ class EpisodeRollout:
         self.make = load_environment(env.name, env.kwargs)
         self.wrap = chat_observation(tokenizer) if chat_template and getattr(tokenizer, "chat_template", None) else None
 
-    def play(self, engine, rows: list[dict], *, n: int, greedy: bool = False, max_new_tokens: int | None = None,
-             sampling: dict | None = None) -> list[list[EpisodeTrace]]:
-        """``n`` episodes per row (one when ``greedy``); ``sampling`` replaces the rollout's ``temperature``,
-        ``top_p``, ``top_k`` and gives a ``seed`` (an evaluation protocol's)."""
+    def settings(self, max_new_tokens: int | None = None, sampling: dict | None = None) -> dict:
+        """The runner's settings (``unirl.agents.runner.players``) from the run's config; ``sampling`` replaces
+        the rollout's ``temperature``, ``top_p``, ``top_k`` and gives a ``seed`` (an evaluation protocol's)."""
         r, env = self.cfg, self.env_cfg
         sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, **(sampling or {})}
-        return run_episodes(engine, self.tokenizer, self.make, rows, encode=self.encode, n=n, greedy=greedy,
-                            max_new_tokens=max_new_tokens or r.max_new_tokens, **sampling,
-                            max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                            max_observation_tokens=r.max_observation_tokens,
-                            truncated_text=r.observation_truncated_text, step_timeout_s=env.step_timeout_s,
-                            concurrency=env.concurrency, wrap_observation=self.wrap,
-                            stop=getattr(self.make, "stop", None), name=f"environment {env.name}")
+        return dict(encode=self.encode, max_new_tokens=max_new_tokens or r.max_new_tokens, **sampling,
+                    max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
+                    max_observation_tokens=r.max_observation_tokens, truncated_text=r.observation_truncated_text,
+                    step_timeout_s=env.step_timeout_s, concurrency=env.concurrency, wrap_observation=self.wrap,
+                    stop=getattr(self.make, "stop", None), name=f"environment {env.name}")
+
+    def play(self, engine, rows: list[dict], *, n: int, greedy: bool = False, max_new_tokens: int | None = None,
+             sampling: dict | None = None) -> list[list[EpisodeTrace]]:
+        """``n`` episodes per row (one when ``greedy``), in lock-step; ``sampling``: ``settings``'."""
+        return run_episodes(engine, self.tokenizer, self.make, rows, n=n, greedy=greedy,
+                            **self.settings(max_new_tokens, sampling))
 
     def rollout(self, engine, rows: list[dict], group_size: int) -> Rollout:
         return traces_to_rollout(rows, self.play(engine, rows, n=group_size), self.tokenizer,
@@ -73,24 +78,12 @@ def traces_to_rollout(rows: list[dict], groups: list[list[EpisodeTrace]], tokeni
     holes at observations; the turn rewards on their tokens; per-episode figures [N]; the episode's
     return, turns and outcome as columns the rewards may read."""
     flat = [(i, t) for i, g in enumerate(groups) for t in g]
-    pad, N = tokenizer.pad_token_id, len(flat)
-    P = max(len(t.prompt_ids) for _, t in flat)
-    R = max(1, max(len(t.ids) for _, t in flat))
-    prompt = torch.full((N, P), pad, dtype=torch.long)  # [N, P]
-    prompt_mask = torch.zeros((N, P), dtype=torch.long)
-    response = torch.full((N, R), pad, dtype=torch.long)  # [N, R]
-    tokens, loss, engine_logp = (torch.zeros((N, R), dtype=torch.float32) for _ in range(3))
+    N = len(flat)
+    tok = padded([t for _, t in flat], tokenizer.pad_token_id, trained=[t.error is None for _, t in flat])
+    R = tok["response_ids"].shape[1]
     turn_rewards, turn_ends = torch.zeros((N, R), dtype=torch.float32), torch.zeros((N, R), dtype=torch.float32)
-    for n, (_, t) in enumerate(flat):
-        p, L = t.prompt_ids, len(t.ids)
-        prompt[n, P - len(p):] = torch.tensor(p)
-        prompt_mask[n, P - len(p):] = 1
-        if L:
-            response[n, :L] = torch.tensor(t.ids)
-            tokens[n, :L] = 1
-            loss[n, :L] = 0.0 if t.error is not None else torch.tensor(t.loss_mask, dtype=torch.float32)
-            engine_logp[n, :L] = torch.tensor(t.logprobs)
-        for reward, end in zip(t.turn_rewards, t.turn_ends):
+    for n, (_, trace) in enumerate(flat):
+        for reward, end in zip(trace.turn_rewards, trace.turn_ends):
             if end >= 0:  # a turn that generated nothing leaves its reward to the rest (unirl.core.turns)
                 turn_rewards[n, end] += reward
                 turn_ends[n, end] = 1.0
@@ -99,8 +92,9 @@ def traces_to_rollout(rows: list[dict], groups: list[list[EpisodeTrace]], tokeni
     columns.update(episode_return=[t.episode_return for _, t in flat], turns=[t.turns for _, t in flat],
                    episode_done=[t.done for _, t in flat], episode_info=[t.info for _, t in flat])
     return Rollout(
-        tensors={"prompt_ids": prompt, "prompt_mask": prompt_mask, "response_ids": response, "response_mask": loss,
-                 "response_attention_mask": tokens, "finished": per(lambda t: not t.truncated, torch.bool),
+        tensors={**{k: tok[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
+                                        "response_attention_mask")},
+                 "finished": per(lambda t: not t.truncated, torch.bool),
                  "turn_rewards": turn_rewards, "turn_ends": turn_ends,
                  "turn_discount": torch.full((N,), float(turn_discount)),
                  "turns": per(lambda t: t.turns), "episode_return": per(lambda t: t.episode_return),
@@ -108,7 +102,8 @@ def traces_to_rollout(rows: list[dict], groups: list[list[EpisodeTrace]], tokeni
                  "env_timeouts": per(lambda t: t.timed_out), "env_seconds": per(lambda t: t.env_seconds),
                  "env_steps": per(lambda t: t.steps), "observation_tokens": per(lambda t: t.observation_tokens),
                  "observations_truncated": per(lambda t: t.observations_truncated)},
-        engine_logp=engine_logp,
+        engine_logp=tok["engine_logp"],
+        token_version=tok.get("token_version"),
         group_ids=torch.tensor([i for i, _ in flat]),
         prompts=[t.prompt for _, t in flat],
         samples=[tokenizer.decode(t.ids, skip_special_tokens=True) for _, t in flat],

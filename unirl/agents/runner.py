@@ -14,12 +14,14 @@ as ``unirl/text/multiturn.py`` plays tool calls: the observation is tokenized on
 so the trained tokens are exactly those sampled; ``max_total_tokens`` bounds prompt + response;
 observations longer than ``max_observation_tokens`` are cut (``turn_limits`` gives the four limits).
 
-The turns of the episodes go to the engine together (``TurnBatcher``): an episode asks for its turn and
-waits; once every episode still playing is waiting, their requests are one ``engine.generate`` call.
-While some wait on their environment (an HTTP call, a subprocess), the others' requests wait with
-them, so the batches are those of a lock-step loop and a run is reproducible. The batcher is the one
-place that decides when a batch goes: sending the ready requests early (and the engine in a thread of
-its own) lets generation overlap the environments' I/O, without changing the episodes' code.
+The turns of the episodes go to the engine together (``unirl.rollout.batcher.TurnBatcher``): an episode
+asks for its turn and waits. Here (lock-step) once every episode still playing is waiting, their requests
+are one ``engine.generate`` call; while some wait on their environment (an HTTP call, a subprocess), the
+others' requests wait with them, so the batches are those of a lock-step loop and a run is reproducible.
+Streamed episodes (``source.stream``, ``unirl/agents/stream.py``) play the same ``play`` with an eager
+batcher: the ready turns go as soon as the engine is free, generation overlapping the environments' I/O.
+Each generated token keeps the weight version that sampled it (``EpisodeTrace.versions``) when the engine
+stamps one (``Generation.version``).
 
 An environment's failure ends only its episode (``unirl/agents/calls.py``); the engine's, or a first
 observation too long for ``data.max_prompt_length``, stops the run: every open episode is closed first.
@@ -36,7 +38,7 @@ from typing import Any, Callable
 from unirl.agents.calls import EnvFailure, guarded, run_coroutine
 from unirl.agents.protocol import EpisodeError, checked_step
 from unirl.agents.observations import cap_text, longest_token_chars
-from unirl.rollout.engine import call_seed
+from unirl.rollout.batcher import TurnBatcher
 
 
 @dataclass
@@ -48,6 +50,9 @@ class EpisodeTrace:
     ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # 1: generated (trained), 0: observation
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0.0 at observations
+    #: The optimizer steps of the weights that sampled each token (-1 at observations, and everywhere when
+    #: the engine stamps no version: the batch's version then stands for every token).
+    versions: list[int] = field(default_factory=list)
     #: Per turn: the environment's reward (0.0 where it gave none) and the index in ``ids`` of the turn's
     #: last generated token (the turn's end; -1 for a turn that generated nothing).
     turn_rewards: list[float] = field(default_factory=list)
@@ -78,94 +83,56 @@ class EpisodeTrace:
         return len(self.loss_mask) - sum(self.loss_mask)
 
 
-def run_episodes(engine, tokenizer, make: Callable[[dict], Any], rows: list[dict], *, encode: Callable[[str], list[int]],
-                 n: int, max_turns: int, max_new_tokens: int, max_total_tokens: int | None, temperature: float,
-                 top_p: float = 1.0, top_k: int = -1, greedy: bool = False, max_observation_tokens: int | None = None,
-                 truncated_text: str = " ...(truncated)", step_timeout_s: float = 30.0, concurrency: int = 64,
-                 wrap_observation: Callable[[str, bool], str] | None = None, stop: list[str] | None = None,
-                 name: str = "environment", seed: int | None = None) -> list[list[EpisodeTrace]]:
-    """``n`` episodes per row (1 when ``greedy``), grouped by row like ``engine.generate``'s samples.
+def run_episodes(engine, tokenizer, make: Callable[[dict], Any], rows: list[dict], *, n: int, greedy: bool = False,
+                 **settings) -> list[list[EpisodeTrace]]:
+    """``n`` episodes per row (1 when ``greedy``), grouped by row like ``engine.generate``'s samples, played
+    in lock-step (``settings``: ``players``'s)."""
+    n = 1 if greedy else n
+    play = players(engine, tokenizer, make, greedy=greedy, **settings)
+    traces = run_coroutine(play.all([row for row in rows for _ in range(n)]))
+    return [traces[i * n:(i + 1) * n] for i in range(len(rows))]
+
+
+def players(engine, tokenizer, make: Callable[[dict], Any], *, encode: Callable[[str], list[int]], max_turns: int,
+            max_new_tokens: int, max_total_tokens: int | None, temperature: float, top_p: float = 1.0, top_k: int = -1,
+            greedy: bool = False, max_observation_tokens: int | None = None, truncated_text: str = " ...(truncated)",
+            step_timeout_s: float = 30.0, concurrency: int = 64, wrap_observation: Callable[[str, bool], str] | None = None,
+            stop: list[str] | None = None, name: str = "environment", seed: int | None = None) -> "_Players":
+    """What plays episodes against ``engine``: ``all(rows)`` in lock-step (``run_episodes``), or ``play(index,
+    row)`` one at a time on a batcher of one's own (``unirl/agents/stream.py``).
 
     ``make(row)`` makes an episode (``unirl.agents.load_environment``); ``encode(text)`` turns its first
     observation into prompt ids (the chat template, the prompt-length check); ``wrap_observation(text,
     eos)`` what the policy is shown of a later observation after a turn that ended with EOS or not
     (default: the text as it is); ``stop`` ends a turn besides EOS. At most ``concurrency`` calls into the
     environment run at once, each at most ``step_timeout_s`` seconds. ``seed``: each engine call samples from
-    its own seeds (``call_seed``; None: the engine's random state)."""
-    n = 1 if greedy else n
+    its own seeds (``call_seed``, the batcher's; None: the engine's random state)."""
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, stop=stop)
     if seed is not None:  # TurnBatcher gives each call its own
         sampling["seed"] = seed
     limits = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
                   max_observation_tokens=max_observation_tokens, truncated_text=truncated_text, stop=stop or [],
                   chars_per_token=longest_token_chars(tokenizer) if max_observation_tokens is not None else 0)
-    play = _Players(engine, tokenizer, make, encode, sampling, limits, step_timeout_s, concurrency,
+    return _Players(engine, tokenizer, make, encode, sampling, limits, step_timeout_s, concurrency,
                     wrap_observation or (lambda text, eos: text), name)
-    traces = run_coroutine(play.all([row for row in rows for _ in range(n)]))
-    return [traces[i * n:(i + 1) * n] for i in range(len(rows))]
-
-
-class TurnBatcher:
-    """The turns of many episodes, sent to the engine together (the module doc says when)."""
-
-    def __init__(self, engine, sampling: dict, live: int):
-        self.engine, self.sampling, self.live = engine, sampling, live
-        self.calls = 0  # engine calls made: a seeded run's next call samples from call_seed(seed, calls)
-        self.pending: list[tuple[int, list[int], int, asyncio.Future]] = []  # (episode, context, budget, answer)
-
-    async def generate(self, index: int, context: list[int], budget: int):
-        """The episode's next turn (a ``Generation``, its tokens at most ``max(budgets)``)."""
-        answer = asyncio.get_running_loop().create_future()
-        self.pending.append((index, context, budget, answer))
-        self._send_when_ready()
-        return await answer
-
-    def leave(self) -> None:
-        """An episode is over: the others no longer wait for it."""
-        self.live -= 1
-        self._send_when_ready()
-
-    def _send_when_ready(self) -> None:
-        if not self.pending or len(self.pending) < self.live:
-            return
-        batch, self.pending = sorted(self.pending, key=lambda p: p[0]), []
-        try:
-            gens = self._generate([p[1] for p in batch], max(p[2] for p in batch))
-        except BaseException as err:  # the engine's failure stops the run: every waiting episode gets it
-            for *_, answer in batch:
-                answer.set_exception(err)
-            return
-        for (*_, answer), gen in zip(batch, gens):
-            answer.set_result(gen)
-
-    def _generate(self, contexts: list[list[int]], max_new_tokens: int) -> list:
-        """One engine call; runs of k equal contexts (a group's first turn) as one request with n = k,
-        so vLLM shares the prompt's prefill, when every run has the same k."""
-        runs = [1]
-        for a, b in zip(contexts, contexts[1:]):
-            runs[-1:] = [runs[-1] + 1] if a == b else [runs[-1], 1]
-        k = runs[0]
-        sampling = dict(self.sampling)
-        if "seed" in sampling:
-            sampling["seed"] = call_seed(sampling["seed"], self.calls)
-        self.calls += 1
-        if k > 1 and all(r == k for r in runs):
-            unique = contexts[::k]
-            return [g for gs in self.engine.generate(unique, n=k, max_new_tokens=max_new_tokens, **sampling) for g in gs]
-        return [gs[0] for gs in self.engine.generate(contexts, n=1, max_new_tokens=max_new_tokens, **sampling)]
 
 
 class _Players:
-    """The episodes of one ``run_episodes`` call, each played by ``play``."""
+    """Episodes against one engine, each played by ``play`` (``players`` makes one)."""
 
     def __init__(self, engine, tokenizer, make, encode, sampling, limits, timeout_s, concurrency, wrap, name):
         self.engine, self.tokenizer, self.make, self.encode = engine, tokenizer, make, encode
         self.sampling, self.limits, self.timeout_s, self.wrap, self.name = sampling, limits, timeout_s, wrap, name
         self.concurrency = concurrency
 
-    async def all(self, rows: list[dict]) -> list[EpisodeTrace]:
+    def start(self, batcher: TurnBatcher) -> None:
+        """Play on ``batcher`` (in the running event loop): calls into the environment limited from now."""
         self.calls = asyncio.Semaphore(self.concurrency)
-        self.batcher = TurnBatcher(self.engine, self.sampling, live=len(rows))
+        self.batcher = batcher
+
+    async def all(self, rows: list[dict]) -> list[EpisodeTrace]:
+        """Every row's episode, in lock-step."""
+        self.start(TurnBatcher(self.engine, self.sampling, live=len(rows)))
         tasks = [asyncio.ensure_future(self.play(i, row)) for i, row in enumerate(rows)]
         try:
             return list(await asyncio.gather(*tasks))
@@ -211,6 +178,7 @@ class _Players:
             trace.ids += ids
             trace.loss_mask += [1] * len(ids)
             trace.logprobs += list(gen.logprobs[:budget])
+            trace.versions += [-1 if gen.version is None else gen.version] * len(ids)
             trace.turns += 1
             eos = gen.finished and len(ids) == len(gen.response_ids)
             action = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -247,6 +215,7 @@ class _Players:
         trace.ids += obs
         trace.loss_mask += [0] * len(obs)
         trace.logprobs += [0.0] * len(obs)
+        trace.versions += [-1] * len(obs)
 
     async def call(self, trace: EpisodeTrace, fn, *args, what: str):
         async with self.calls:

@@ -20,7 +20,8 @@ from unirl.core.advantages import (
 from unirl.core.distill import reverse_kl_advantages
 from unirl.core.filtering import nonconstant_groups
 from unirl.core.kl import KL_ESTIMATORS, gaussian_kl, kl_divergence
-from unirl.core.rollout_correction import IS_MODES, rollout_is_weights, rollout_mismatch_metrics
+from unirl.core.rollout_correction import (IS_MODES, rollout_is_weights, rollout_mismatch_metrics,
+                                          token_staleness_metrics, within_staleness)
 from unirl.core.shaping import overlong_penalty
 from unirl.core.losses import (
     AGG_MODES,
@@ -83,7 +84,9 @@ __all__ = [
     "rollout_is_weights",
     "rollout_mismatch_metrics",
     "token_scores",
+    "token_staleness_metrics",
     "truncated_importance_weights",
     "turn_token_rewards",
     "value_loss",
+    "within_staleness",
 ]

@@ -126,3 +126,39 @@ def rollout_mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
         out["is_mean"] = torch.where(mask, weights, 0.0).sum() / count
         out["is_zero_frac"] = (mask & (weights == 0)).sum() / count
     return out
+
+
+def within_staleness(token_version: torch.Tensor, mask: torch.Tensor, oldest: int) -> torch.Tensor:
+    """[N, T] bool: the trained tokens (``mask``) sampled by weights no older than version ``oldest``.
+
+    A sample whose turns were generated over several weight updates (streamed episodes, an agent's
+    session: ``Rollout.token_version``) mixes behaviour policies. The correction modes already take each
+    token's own behaviour log-prob (``rollout_logp`` above is recorded per token by whichever version
+    sampled it), so both the ratio against it (bypass) and the weights ``rho_t`` are per token; what the
+    versions add is the staleness bound per token: a token older than the bound leaves the loss (as
+    AReaL bounds the versions a trajectory may span, ``max_head_offpolicyness``), the rest of its sample
+    still trains.
+
+    Args:
+        token_version: [N, T] long, the version (optimizer steps) that sampled each token, < 0 where none did.
+        mask: [N, T] boolean or 0/1, the trained tokens.
+        oldest: the oldest version allowed (the trainer's version minus the bound).
+    """
+    if token_version.shape != mask.shape:
+        raise ValueError(f"token_version and mask must have one shape, got {tuple(token_version.shape)} "
+                         f"and {tuple(mask.shape)}")
+    return mask.bool() & (token_version >= oldest)
+
+
+def token_staleness_metrics(token_version: torch.Tensor, mask: torch.Tensor, current: int,
+                            kept: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-token staleness over the trained tokens ``mask`` [N, T], in versions behind ``current``, detached
+    0-dim: ``staleness_token_mean``, ``staleness_token_max``; with ``kept`` [N, T] bool (``within_staleness``),
+    ``stale_token_frac``: the share of trained tokens it left out."""
+    mask = mask.bool()
+    count = mask.sum().clamp_min(1)
+    behind = torch.where(mask, current - token_version, 0).float()  # [N, T]
+    out = {"staleness_token_mean": behind.sum() / count, "staleness_token_max": behind.max()}
+    if kept is not None:
+        out["stale_token_frac"] = (mask & ~kept).sum() / count
+    return out

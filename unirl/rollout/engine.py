@@ -29,6 +29,9 @@ class Generation:
     text: str
     #: True when the response ended with EOS (False: cut at max_new_tokens).
     finished: bool
+    #: The optimizer steps of the weights that sampled it, when the caller tracks them (a
+    #: ``unirl.rollout.stream.VersionedEngine`` stamps it); None: the batch's version stands for it.
+    version: int | None = None
 
 
 @runtime_checkable

@@ -21,7 +21,8 @@ push never lands inside a generation, and generations queue.
   that is no torch program; ``X-Unirl-Weights-Version`` names them.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes
   (``model``, ``prompt`` / ``messages``, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``,
-  ``seed``, ``logprobs``: the sampled tokens' log-probs; top alternatives are not returned).
+  ``seed``, ``logprobs``: the sampled tokens' log-probs; top alternatives are not returned; vLLM's
+  ``return_token_ids``: the prompt's and each choice's token ids, ``prompt_token_ids`` / ``token_ids``).
 
 Every error body is ``{"error": {"message": ..., "type": ...}}``, OpenAI's shape.
 """
@@ -48,7 +49,11 @@ TOKEN_ENV = "UNIRL_ROLLOUT_TOKEN"
 
 
 class BadRequest(Exception):
-    """A request the server cannot answer as asked (400), with what was expected."""
+    """A request the server cannot answer as asked (400, or ``status``), with what was expected."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class RolloutService:
@@ -63,6 +68,20 @@ class RolloutService:
     def generate(self, prompt_ids: list[list[int]], **sampling) -> list[list[Any]]:
         with self.lock:
             return self.engine.generate(prompt_ids, **sampling)
+
+    # What the OpenAI endpoints call; the agent endpoint (``unirl.rollout.sessions.AgentService``) records sessions.
+    def default_max_tokens(self, chat: bool) -> int:
+        return 256 if chat else 16
+
+    def admit(self, request: dict, headers, prompts: list[list[int]], sampling: dict) -> Any:
+        """Check a call before it generates; returns what ``record`` needs (here nothing)."""
+        return None
+
+    async def agenerate(self, prompt_ids: list[list[int]], **sampling) -> list[list[Any]]:
+        return await asyncio.to_thread(self.generate, prompt_ids, **sampling)
+
+    def record(self, admitted: Any, prompts: list[list[int]], gens: list[list[Any]]) -> None:
+        """After a call generated (here nothing is kept)."""
 
     def load_weights(self, data: bytes, version: str | None) -> int:
         from safetensors.torch import load
@@ -100,8 +119,10 @@ class RolloutService:
         return {"loaded": len(weights), "weights_version": self.weights_version}
 
 
-def make_app(service: RolloutService, guards: Guards, weight_guards: Guards) -> FastAPI:
-    """The ASGI app over ``service``; ``weight_guards`` carry the larger body limit of ``POST /weights``."""
+def make_app(service: RolloutService, guards: Guards, weight_guards: Guards | None = None, extra_routes=None) -> FastAPI:
+    """The ASGI app over ``service``; ``weight_guards`` carry the larger body limit of ``POST /weights`` (None:
+    no weight routes, the agent endpoint's case); ``extra_routes(app, guarded)`` adds routes behind the same
+    guards (the agent endpoint's sessions)."""
     app = FastAPI(title="serve-rollout", redirect_slashes=False, docs_url=None, redoc_url=None, openapi_url=None)
 
     def answer(request: Request, status: int, body: dict) -> JSONResponse:
@@ -122,7 +143,7 @@ def make_app(service: RolloutService, guards: Guards, weight_guards: Guards) -> 
         try:
             return answer(request, 200, await handler(body, request))
         except BadRequest as err:
-            return error(request, 400, str(err))
+            return error(request, err.status, str(err))
         except Exception as err:  # the engine failed: the server says so and goes on serving
             return error(request, 500, f"the engine failed: {type(err).__name__}: {err}", "server_error")
 
@@ -144,15 +165,18 @@ def make_app(service: RolloutService, guards: Guards, weight_guards: Guards) -> 
     async def generate(request: Request):
         return await guarded(request, lambda body, _: _generate(service, _json(body)))
 
-    _weight_routes(app, service, guarded, weight_guards)
+    if weight_guards is not None:
+        _weight_routes(app, service, guarded, weight_guards)
+    if extra_routes is not None:
+        extra_routes(app, guarded)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await guarded(request, lambda body, _: _openai(service, _json(body), chat=False))
+        return await guarded(request, lambda body, req: _openai(service, _json(body), chat=False, headers=req.headers))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await guarded(request, lambda body, _: _openai(service, _json(body), chat=True))
+        return await guarded(request, lambda body, req: _openai(service, _json(body), chat=True, headers=req.headers))
 
     @app.exception_handler(HTTPException)
     async def no_such_path(request: Request, exc: HTTPException):
@@ -263,37 +287,48 @@ def _prompts(service: RolloutService, request: dict, chat: bool) -> list[list[in
     raise BadRequest("'prompt' must be a non-empty string, a list of strings, token ids or lists of token ids")
 
 
-async def _openai(service: RolloutService, request: dict, chat: bool) -> dict:
+async def _openai(service: RolloutService, request: dict, chat: bool, headers=None) -> dict:
     model = request.get("model")
     if model is not None and model != service.model_name:
         raise BadRequest(f"model {model!r} is not served here; this server serves {service.model_name!r} (GET /v1/models)")
     prompts = _prompts(service, request, chat)
     sampling = _sampling(request, max_tokens_key=("max_completion_tokens", "max_tokens") if chat else "max_tokens",
-                         default_max=256 if chat else 16)
+                         default_max=service.default_max_tokens(chat))
     want_logprobs = bool(request.get("logprobs")) if chat else request.get("logprobs") is not None
-    gens = await asyncio.to_thread(service.generate, prompts, **sampling)
+    token_ids = bool(request.get("return_token_ids"))  # vLLM's extension: the exact ids, token-in / token-out
+    admitted = service.admit(request, headers or {}, prompts, sampling)
+    gens = await service.agenerate(prompts, **sampling)
+    service.record(admitted, prompts, gens)
     choices, completion_tokens = [], 0
     for group in gens:
         for g in group:
-            index = len(choices)
             completion_tokens += len(g.response_ids)
-            reason = "stop" if g.finished or (sampling["stop"] and len(g.response_ids) < sampling["max_new_tokens"]) else "length"
-            tokens = [service.tokenizer.decode([t]) for t in g.response_ids] if want_logprobs else []
-            if chat:
-                logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                        for t, lp in zip(tokens, g.logprobs)]} if want_logprobs else None
-                choices.append({"index": index, "message": {"role": "assistant", "content": g.text},
-                                "logprobs": logprobs, "finish_reason": reason})
-            else:
-                logprobs = {"tokens": tokens, "token_logprobs": list(g.logprobs), "top_logprobs": None,
-                            "text_offset": _offsets(tokens)} if want_logprobs else None
-                choices.append({"index": index, "text": g.text, "logprobs": logprobs, "finish_reason": reason})
+            choices.append(_choice(service, g, len(choices), sampling, chat, want_logprobs, token_ids))
     prompt_tokens = sum(len(p) for p in prompts)
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": service.model_name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+                      "total_tokens": prompt_tokens + completion_tokens},
+            **({"prompt_token_ids": prompts[0] if len(prompts) == 1 else prompts} if token_ids else {})}
+
+
+def _choice(service: RolloutService, g, index: int, sampling: dict, chat: bool, want_logprobs: bool,
+            token_ids: bool) -> dict:
+    reason = "stop" if g.finished or (sampling["stop"] and len(g.response_ids) < sampling["max_new_tokens"]) else "length"
+    tokens = [service.tokenizer.decode([t]) for t in g.response_ids] if want_logprobs else []
+    if chat:
+        logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in zip(tokens, g.logprobs)]} if want_logprobs else None
+        choice = {"index": index, "message": {"role": "assistant", "content": g.text}, "logprobs": logprobs,
+                  "finish_reason": reason}
+    else:
+        logprobs = {"tokens": tokens, "token_logprobs": list(g.logprobs), "top_logprobs": None,
+                    "text_offset": _offsets(tokens)} if want_logprobs else None
+        choice = {"index": index, "text": g.text, "logprobs": logprobs, "finish_reason": reason}
+    if token_ids:
+        choice["token_ids"] = list(g.response_ids)
+    return choice
 
 
 def _offsets(tokens: list[str]) -> list[int]:

@@ -96,7 +96,7 @@ class InlineSource:
         out = self.produce(step, times, self.stop)
         return produced(out, step, optimizer_steps, times), 0.0
 
-    def after_update(self) -> None:
+    def after_update(self, optimizer_steps: int | None = None) -> None:
         self.publish_now()
 
     def step_metrics(self, batch: Batch, optimizer_steps: int, waited: float) -> dict[str, float]:
@@ -205,7 +205,7 @@ class ThreadedSource:
                 self._cond.wait(timeout=1.0)
             self._raise_if_failed()
 
-    def after_update(self) -> None:
+    def after_update(self, optimizer_steps: int | None = None) -> None:
         """The producer loads published versions between its generations: nothing to push now."""
 
     @contextlib.contextmanager
@@ -323,16 +323,24 @@ def resolve_bypass_mode(source_cfg, env) -> bool:
 
 
 def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Callable[[], Any],
-                 total_steps: int, num_processes: int, dynamic_sampling: bool, stop: Callable[[], bool] | None = None):
+                 total_steps: int, num_processes: int, dynamic_sampling: bool, stop: Callable[[], bool] | None = None,
+                 prompts_per_step: int | None = None, group_size: int | None = None):
     """The batch source a run's ``source`` block describes, over ``env``'s engine (``env.engine``; with
     ``source.urls`` a ``RemoteEngine`` over those servers replaces it). Built right after the environment's
     setup, before the trainer shards or wraps the policy: a threaded source whose engine samples from the
     live policy (the transformers engine) gives it a private copy of the policy first, so the producer never
     samples from weights the trainer is changing (the environment's ``sampler`` holds the engine); ``policy()`` (the trained module, unwrapped) is what it
-    publishes, ``rollout.sync_bucket_mb`` at a time when sharded. Refuses what it cannot run, in one line."""
+    publishes, ``rollout.sync_bucket_mb`` at a time when sharded. ``source.stream`` and ``source.agent`` build a
+    ``unirl.rollout.stream.StreamSource`` (``prompts_per_step`` groups of ``group_size`` a step). Refuses what
+    it cannot run, in one line."""
     from unirl.rollout.weights import WeightVersion
 
     k = source_cfg.max_staleness
+    if source_cfg.stream or source_cfg.agent.port is not None:
+        from unirl.rollout.stream import build_stream_source
+
+        return build_stream_source(source_cfg, env, policy=policy, prompts_per_step=prompts_per_step,
+                                   group_size=group_size, num_processes=num_processes, dynamic_sampling=dynamic_sampling)
     if source_cfg.urls:
         from unirl.rollout.remote import RemoteEngine
 
@@ -351,7 +359,17 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
         raise ValueError(f"source.max_staleness={k} with algo.filter_groups.enabled runs on one process only: dynamic "
                          f"sampling counts groups over processes, which the producer thread cannot do beside the "
                          f"trainer's own collectives; set source.max_staleness=0 or use one process")
-    if sampler.engine.shares_policy:  # sample from a copy the trainer's updates do not touch
+    own_engine(sampler, env)
+    bucket_mb = env.cfg.rollout.sync_bucket_mb
+    return ThreadedSource(k, total_steps, produce, lambda version: version.load_into(sampler.engine),
+                          sampler.sync_weights,
+                          snapshot=lambda steps: WeightVersion(policy(), sampler.engine.weights_format, bucket_mb, steps))
+
+
+def own_engine(sampler, env) -> None:
+    """Give ``sampler`` an engine with weights of its own when its engine samples from the trainer's live policy
+    (the transformers engine): a copy the trainer's updates do not touch, loaded by published versions."""
+    if sampler.engine.shares_policy:
         import dataclasses
 
         from unirl.rollout.engines import build_engine
@@ -360,17 +378,18 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
         ctx = sampler.engine_context(env.model_path)
         sampler.engine = build_engine(sampler.engine_name, dataclasses.replace(ctx, own_weights=True))
         live.close()
-    bucket_mb = env.cfg.rollout.sync_bucket_mb
-    return ThreadedSource(k, total_steps, produce, lambda version: version.load_into(sampler.engine),
-                          sampler.sync_weights,
-                          snapshot=lambda steps: WeightVersion(policy(), sampler.engine.weights_format, bucket_mb, steps))
 
 
 def describe_source(source_cfg) -> str:
     """One line saying where a run's batches come from (``unirl train --dry-run``)."""
     where = f"{len(source_cfg.urls)} rollout server(s) ({', '.join(source_cfg.urls)})" if source_cfg.urls else \
         "the run's engine (rollout.engine)"
-    if source_cfg.max_staleness:
-        return (f"threaded: a producer samples ahead with weights up to {source_cfg.max_staleness} step(s) old, "
-                f"from {where}")
+    k = source_cfg.max_staleness
+    if source_cfg.agent.port is not None:
+        return (f"agent: your agent's sessions at the endpoint on {source_cfg.agent.host}:{source_cfg.agent.port} "
+                f"(source.agent), tokens up to {k} step(s) old, from {where}")
+    if source_cfg.stream:
+        return f"stream: rollout.environment's episodes played as a stream, tokens up to {k} step(s) old, from {where}"
+    if k:
+        return f"threaded: a producer samples ahead with weights up to {k} step(s) old, from {where}"
     return f"inline: sampled when the step asks, from {where}"

@@ -81,6 +81,15 @@ class TextSampler:
             columns=columns,
         )
 
+    def episode_feed(self, engine, group_size: int):
+        """``rollout.environment``'s episodes played as a stream on ``engine`` (``source.stream``:
+        ``unirl/agents/stream.py``), ``group_size`` episodes per row of the run's prompts."""
+        if self.env.episodes is None:
+            raise ValueError("source.stream plays rollout.environment's episodes; set rollout.environment.name")
+        from unirl.agents.stream import EpisodeFeed
+
+        return EpisodeFeed(self.env.episodes, engine, self.env.prompts, group_size=group_size)
+
     def release_memory(self) -> None:
         self.engine.sleep()  # vLLM's rollout.sleep_level (0, and the other engines: nothing)
 

@@ -130,7 +130,8 @@ class Trainer:
                                    policy=lambda: self.accelerator.unwrap_model(self.env.model),
                                    total_steps=cfg.total_steps, num_processes=self.accelerator.num_processes,
                                    dynamic_sampling=self.algo.filter_groups.enabled,
-                                   stop=lambda: self.signals.requested(self.accelerator))
+                                   stop=lambda: self.signals.requested(self.accelerator),
+                                   prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size)
         # 3. The policy (and the frozen reference and teacher) laid out before the optimizer sees the parameters.
         self.backend = backend = build_backend(self.accelerator, cfg)
         backend.shard(self.env.model, what="policy")

@@ -11,7 +11,7 @@ advantages read ``old`` and ``ref``) and on-policy distillation (they read ``old
 zero-advantage drop, on the samples that train. ``unirl train ... --dry-run`` prints the plan.
 
 The batch arrives from the run's source (``unirl.rollout.sources``) with ``tensors``, ``engine_logp``,
-``policy_version`` and ``rewards``.
+``policy_version`` (``token_version`` where a sample spans weight versions) and ``rewards``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from unirl.env import Rollout
 from unirl.trainer.context import RunState, StepContext
 
 #: What the batch holds when it arrives from the source.
-FROM_SOURCE = ("tensors", "engine_logp", "policy_version", "rewards")
+FROM_SOURCE = ("tensors", "engine_logp", "policy_version", "token_version", "rewards")
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,9 @@ def _update(ctx, state, rollout):
 
 
 def _publish(ctx, state, rollout):
-    ctx.source.after_update()  # inline: the new weights into the engine; threaded: published at the next step
+    # inline: the new weights into the engine; threaded: published at the next step; streamed: a version
+    # stamped with the optimizer steps it holds (unirl.rollout.stream)
+    ctx.source.after_update(state.optimizer_steps)
 
 
 def build_plan(algo, trainer_cfg, *, critic: bool, distill: bool, reads_logprobs: bool = True,
