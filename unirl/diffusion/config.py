@@ -9,10 +9,10 @@ https://github.com/yifan123/flow_grpo, ``config/grpo.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from unirl.config import PATH
-from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_loss_args, check_range
+from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
@@ -302,10 +302,17 @@ class DiffusionConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
-    #: The diffusion RL algorithm: ``flowgrpo`` (FlowGRPO: SDE rollouts with per-step log-probs, the
-    #: clipped ratio of ``algo``) or ``nft`` (DiffusionNFT: deterministic rollouts with the old policy,
-    #: clean latents only, the flow-matching loss ``nft`` with its ``algo.loss_args``; ``unirl/diffusion/nft.py``).
-    algorithm: Literal["flowgrpo", "nft"] = "flowgrpo"
+    #: The diffusion RL algorithm: a registered rollout mode (``unirl/diffusion/rollout_mode.py``; a wrong
+    #: name is answered with the registered ones): ``flowgrpo`` (FlowGRPO: SDE rollouts with per-step
+    #: log-probs, the clipped ratio of ``algo`` or a guard loss, ``algo.policy_loss: grpo_guard | flow_dppo``),
+    #: ``nft`` (DiffusionNFT: the old policy's ODE rollouts, clean latents only, the loss ``nft``;
+    #: ``unirl/diffusion/nft.py``), ``awm`` (Advantage Weighted Matching on NFT's data path), ``dgpo``
+    #: (group preference on the forward process) or ``tempflow`` (TempFlow-GRPO's per-prompt branch step
+    #: and noise-aware weights). docs/diffusion.md says what each keeps and trains.
+    algorithm: str = "flowgrpo"
+    #: The algorithm's own settings, by the names of the dataclass its mode registered (docs/diffusion.md;
+    #: defaults are its reference's). Checked where the config loads; an unknown key names the valid ones.
+    mode_args: dict[str, Any] = field(default_factory=dict)
     nft: NftConfig = field(default_factory=NftConfig)
     #: KL to the reference per trained step (``unirl.diffusion.sde.step_kl``): ``flowgrpo`` is
     #: FlowGRPO's ``train_sd3.py``, ``(mean - ref_mean)^2 / (2 s^2)`` with the SDE's diffusion
@@ -327,7 +334,6 @@ class DiffusionConfig:
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         check_groups(self.algo, self.trainer)
-        check_loss_args(self.algo, "nft" if self.algorithm == "nft" else None)
         family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
         if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:
             raise ValueError(
@@ -335,23 +341,10 @@ class DiffusionConfig:
                 f"takes no classifier-free guidance here; set sampling.guidance_scale: 1.0 and its embedded guidance "
                 f"with sampling.distilled_guidance"
             )
-        if self.algorithm == "nft":
-            self._check_nft()
-        if self.algo.policy_loss is not None and (self.algo.policy_loss == "nft") != (self.algorithm == "nft"):
-            raise ValueError(f"algo.policy_loss={self.algo.policy_loss} with algorithm={self.algorithm}: the nft loss "
-                             f"reads the velocities of DiffusionNFT's rollouts and only those (algorithm: nft; "
-                             f"FlowGRPO's take a loss over log-probs); leave algo.policy_loss null for the algorithm's own")
+        from unirl.diffusion.rollout_mode import resolve_algorithm
+
+        # The algorithm, its mode_args, the run's loss and its loss_args, and that the mode feeds that loss.
+        resolve_algorithm(self)
         if self.sampling.num_frames != 1 and not family.frames:
             raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
                              f"videos; set sampling.num_frames: 1")
-
-    def _check_nft(self) -> None:
-        """DiffusionNFT has no SDE steps, no log-probs and no CFG in training: settings for those are refused."""
-        if self.sampling.train_cfg:
-            raise ValueError("algorithm=nft trains CFG-free (its rollouts and training forward are unguided): "
-                             "set sampling.train_cfg: false")
-        if self.sampling.sde_window.size:
-            raise ValueError("algorithm=nft samples with the ODE (no SDE steps): set sampling.sde_window.size: 0")
-        if self.algo.kl_coef > 0 or self.algo.use_kl_in_reward:
-            raise ValueError("algorithm=nft: the KL to the reference is algo.loss_args.kl_coef (on velocities); set "
-                             "algo.kl_coef: 0 and algo.use_kl_in_reward: false")

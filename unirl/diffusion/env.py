@@ -1,15 +1,16 @@
 """The diffusion environment for flow-matching diffusers models (SD3, FLUX.1, ...), LoRA or full fine-tuning:
 what FlowGRPO and DiffusionNFT share, with the algorithm's rollout mode behind one seam.
 
-The algorithm (``algorithm:``) is a rollout mode (``rollout_mode.py``), chosen once in ``ROLLOUT_MODES``:
-FlowGRPO's SDE rollouts with per-step log-probs for the ratio loss (``flowgrpo.py``, the default), or
-DiffusionNFT's ODE rollouts of the old policy for the registered ``nft`` loss (``nft.py``). The mode
+The algorithm (``algorithm:``) is a registered rollout mode (``rollout_mode.py``, ``ROLLOUT_MODES``):
+FlowGRPO's SDE rollouts with per-step log-probs for the ratio loss (``flowgrpo.py``, the default),
+DiffusionNFT's ODE rollouts of the old policy for the registered ``nft`` loss (``nft.py``), or one of
+the faster methods on those two data paths (``awm.py``, ``dgpo.py``, ``tempflow.py``). The mode
 samples and re-scores; this file adds what both use to the pure pieces (``sde.py``, ``sampling.py``)
 and the model family's adapter (``families/``: prompt encoding, latent layout, sigma schedule,
 transformer forward, decoding):
 
 * the sampler's log-probs are the policy's own (the trainer samples), so
-  ``recompute_old_logprobs = False`` and ``rollout.old_logp`` is the PPO "old" log-prob;
+  ``recompute_old_logprobs`` is False (the mode's) and ``rollout.old_logp`` is the PPO "old" log-prob;
 * the reference is the same transformer with its LoRA adapter disabled (or a frozen copy);
 * an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
 * chunks of samples are scored in the reward pool while the next chunk samples (the last chunk, with
@@ -42,19 +43,12 @@ from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.prompts import load_prompt_rows
-from unirl.diffusion.flowgrpo import FlowGRPORollout
-from unirl.diffusion.nft import NFTRollout
-from unirl.diffusion.rollout_mode import RolloutMode
+from unirl.diffusion.rollout_mode import shipped_modes
 from unirl.diffusion.sampling import ForwardCounter, to_pil
 from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
 from unirl.reward_set import RewardSet, concat_components
 
-#: ``algorithm:`` -> its rollout mode: the one place the environment chooses by algorithm.
-ROLLOUT_MODES: dict[str, type[RolloutMode]] = {"flowgrpo": FlowGRPORollout, "nft": NFTRollout}
-
-
 class DiffusionEnvironment(Environment):
-    recompute_old_logprobs = False  # the trainer samples: the sampler's log-probs are the policy's
 
     def __init__(self, cfg: DiffusionConfig):
         self.cfg = cfg
@@ -64,11 +58,19 @@ class DiffusionEnvironment(Environment):
         self._step = 0
         # (id of the rollout, its chunks' rewards: futures of the pool, or a call for the last chunk)
         self._pending: tuple[int, list] | None = None
-        self.mode = ROLLOUT_MODES[cfg.algorithm](self)  # the algorithm's rollout and forward (rollout_mode.py)
+        # The algorithm's rollout and forward: the registered mode of ``algorithm:`` (rollout_mode.py).
+        self.mode = shipped_modes().get(cfg.algorithm)(self)
 
     @property
     def policy_loss(self) -> str | None:
         return self.mode.policy_loss
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """The mode's: False where the sampler's log-probs are the policy's own (FlowGRPO samples with the
+        policy itself) or there are none (NFT); True where the old log-probs are a forward of stored
+        samples the sampler did not score (AWM's matching log-probs)."""
+        return self.mode.recompute_old_logprobs
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from unirl.core.policy_losses import build_loss_args
 from unirl.diffusion.ema import ParamEMA
-from unirl.diffusion.rollout_mode import RolloutMode
+from unirl.diffusion.rollout_mode import RolloutMode, register_rollout_mode
 from unirl.diffusion.sampling import guided_velocity, sample_with_logprob
 from unirl.env import Rollout
 
@@ -73,6 +73,7 @@ class OldPolicy(ParamEMA):
         self.seen, self.moved = int(state["seen"]), int(state["moved"])
 
 
+@register_rollout_mode("nft")
 class NFTRollout(RolloutMode):
     """DiffusionNFT's rollout (the old policy's ODE samples, clean latents and noise levels kept), the
     velocities its loss reads, and the old policy (module docstring). The environment's EMA, reference,
@@ -80,6 +81,20 @@ class NFTRollout(RolloutMode):
     (the config refuses ``sampling.train_cfg``)."""
 
     policy_loss = "nft"  # score_actions returns the velocities the registered ``nft`` loss reads
+    offers = frozenset({"velocity", "old_velocity", "ref_velocity", "clean", "noisy", "sigma"})
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """DiffusionNFT has no SDE steps, no log-probs and no CFG in training: settings for those are refused."""
+        name = cfg.algorithm
+        if cfg.sampling.train_cfg:
+            raise ValueError(f"algorithm={name} trains CFG-free (its rollouts and training forward are unguided): "
+                             "set sampling.train_cfg: false")
+        if cfg.sampling.sde_window.size:
+            raise ValueError(f"algorithm={name} samples with the ODE (no SDE steps): set sampling.sde_window.size: 0")
+        if cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
+            raise ValueError(f"algorithm={name}: the KL to the reference is algo.loss_args.kl_coef (on velocities); "
+                             "set algo.kl_coef: 0 and algo.use_kl_in_reward: false")
 
     def setup(self) -> None:
         env, n = self.env, self.env.cfg.nft
