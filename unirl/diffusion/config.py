@@ -247,6 +247,28 @@ class VideoConfig:
 
 
 @dataclass
+class OffTargetConfig:
+    """Figures the run does not optimise, logged under ``offtarget/`` so that reward hacking shows
+    (``unirl/diffusion/offtarget.py``; ``unirl plot`` draws them): image statistics of the training rollouts
+    (brightness, dark and blown-out pixel shares, within-prompt diversity) and, at each evaluation, the
+    held-out reward, the ``rewards`` below and the held-out images' statistics."""
+
+    #: Log them (the cost is measured in docs/diffusion.md: well under 1% of a tiny step).
+    enabled: bool = True
+    #: The training rollouts' image statistics every this many training steps; 0: only at evaluations.
+    every: int = 1
+    #: Registered rewards the run does not optimise, scored on the held-out images at each evaluation
+    #: (``offtarget/eval/reward/<name>``): a second opinion of the images, e.g. ``aesthetic`` beside ``ocr``.
+    rewards: list[RewardConfig] = field(default_factory=list)
+    #: The diversity figures compare images area-averaged to at most this many pixels a side.
+    diversity_size: int = 32
+
+    def __post_init__(self):
+        check_range(self, "every", low=0)
+        check_range(self, "diversity_size", low=1)
+
+
+@dataclass
 class NftConfig:
     """DiffusionNFT's old policy (``algorithm: nft``; https://arxiv.org/abs/2509.16117, code
     github.com/NVlabs/DiffusionNFT). Its loss's settings (beta, adv_clip, kl_coef) are the registered
@@ -314,6 +336,7 @@ class DiffusionConfig:
     #: defaults are its reference's). Checked where the config loads; an unknown key names the valid ones.
     mode_args: dict[str, Any] = field(default_factory=dict)
     nft: NftConfig = field(default_factory=NftConfig)
+    offtarget: OffTargetConfig = field(default_factory=OffTargetConfig)
     #: KL to the reference per trained step (``unirl.diffusion.sde.step_kl``): ``flowgrpo`` is
     #: FlowGRPO's ``train_sd3.py``, ``(mean - ref_mean)^2 / (2 s^2)`` with the SDE's diffusion
     #: coefficient s (for the flow SDE without the step's sqrt(|dt|), so |dt| times the exact KL);

@@ -41,6 +41,7 @@ from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards
+from unirl.diffusion.offtarget import RolloutFigures
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.prompts import load_prompt_rows
 from unirl.diffusion.rollout_mode import shipped_modes
@@ -58,6 +59,7 @@ class DiffusionEnvironment(Environment):
         self._step = 0
         # (id of the rollout, its chunks' rewards: futures of the pool, or a call for the last chunk)
         self._pending: tuple[int, list] | None = None
+        self._offtarget: RolloutFigures | None = None
         # The algorithm's rollout and forward: the registered mode of ``algorithm:`` (rollout_mode.py).
         self.mode = shipped_modes().get(cfg.algorithm)(self)
 
@@ -125,6 +127,14 @@ class DiffusionEnvironment(Environment):
                                  eps=cfg.algo.adv_eps)
         if self.family.frames:  # videos: each reward scores their frames (``frames.FrameRewards``)
             self.rewards = FrameRewards(self.rewards, stride=cfg.video.frame_stride, reduce=cfg.video.frame_reduce)
+        # Rewards not optimised, scored on the held-out images at each evaluation (``offtarget.py``).
+        off = cfg.offtarget
+        self.offtarget_rewards = None
+        if off.enabled and off.rewards:
+            self.offtarget_rewards = RewardSet(off.rewards, aggregation=cfg.algo.reward_aggregation, workers=0)
+            if self.family.frames:
+                self.offtarget_rewards = FrameRewards(self.offtarget_rewards, stride=cfg.video.frame_stride,
+                                                      reduce=cfg.video.frame_reduce)
         # 5. What the algorithm's rollout mode adds (FlowGRPO: the schedule's step constants; NFT: the old policy).
         self.mode.setup()
 
@@ -173,6 +183,9 @@ class DiffusionEnvironment(Environment):
     def rollout(self, rows: list[dict], group_size: int) -> Rollout:
         """The rollout mode's samples (``rollout_mode``); their rewards queued and the figures kept for ``score``."""
         self.forwards.take()  # count this rollout's transformer rows only
+        off = self.cfg.offtarget  # this rollout's off-target image figures, gathered as its chunks decode
+        self._offtarget = RolloutFigures(off.diversity_size) if off.enabled and off.every and (
+            self._step % off.every == 0) else None
         rollout, futures, figures = self.mode.rollout(rows, group_size)
         self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take()), **figures}
         self._pending = (id(rollout), futures)
@@ -183,7 +196,10 @@ class DiffusionEnvironment(Environment):
         """Decode a sampled chunk's clean latents ``final`` (samples ``lo:hi``) and queue its rewards: in the
         pool for every chunk but the last, which ``score`` runs on the calling thread (nothing is left to
         sample while it scores). Returns the chunk's images."""
-        chunk_images = to_pil(self.family.decode(self.pipe, final))
+        decoded = self.family.decode(self.pipe, final)  # [n, ..., 3, H, W] in [0, 1]
+        if self._offtarget is not None:
+            self._offtarget.add(decoded)
+        chunk_images = to_pil(decoded)
         chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
         if last:
             futures.append(functools.partial(self.rewards.components, chunk_images, **chunk))
@@ -192,14 +208,17 @@ class DiffusionEnvironment(Environment):
         return chunk_images
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+        figures = dict(self._rollout_figures)
         if self._pending is not None and self._pending[0] == id(rollout):
             components = concat_components([f.result() if isinstance(f, Future) else f() for f in self._pending[1]])
             self._pending = None
+            if self._offtarget is not None:  # the images this rollout decoded, in sampling order
+                figures.update(self._offtarget.result(rollout.group_ids))
         else:  # a rollout not made by the last ``rollout`` call: score it inline
             components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
         rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
         rewards, metrics = self.rewards.combine(components, rollout.group_ids)
-        return rewards, {**metrics, **self._rollout_figures}
+        return rewards, {**metrics, **figures}
 
     # ------------------------------------- the forward of stored samples: the rollout mode's
     def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
@@ -272,4 +291,6 @@ class DiffusionEnvironment(Environment):
     def close(self) -> None:
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
+        if getattr(self, "offtarget_rewards", None) is not None:
+            self.offtarget_rewards.close()
 
