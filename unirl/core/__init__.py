@@ -3,7 +3,7 @@
 Functions over tensors only: advantages from group rewards, rewards on tokens and PPO's
 critic-based advantages (GAE), KL penalties, on-policy distillation's reverse-KL advantages, the
 registered policy losses (``policy_losses``: clipped ratio, GSPO, DiffusionNFT's; ``flow_guards``: GRPO-Guard,
-Flow-DPPO), the value loss and
+Flow-DPPO; ``flow_methods``: DGPO, TempFlow-GRPO, AWM's matching log-prob), the value loss and
 their aggregation. No config objects, no ``.item()``, no distributed calls, no I/O.
 """
 
@@ -34,6 +34,7 @@ from unirl.core.losses import (
 )
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, PolicyLoss, register_policy_loss
 from unirl.core import flow_guards  # noqa: F401  (registers grpo_guard and flow_dppo)
+from unirl.core import flow_methods  # noqa: F401  (registers dgpo and tempflow)
 from unirl.core.returns import (
     discounted_returns,
     gae_advantages,

@@ -28,7 +28,8 @@ from unirl.env import Rollout
 
 @register_rollout_mode("flowgrpo")
 class FlowGRPORollout(RolloutMode):
-    """SDE rollouts with per-step log-probs, re-scored step by step for the ratio loss (module docstring)."""
+    """FlowGRPO: SDE rollouts with per-step log-probs, re-scored step by step for the ratio loss or a guard
+    (``unirl/diffusion/flowgrpo.py``)."""
 
     policy_loss = None  # the ratio loss of ``algo`` (clipped, or gspo with algo.level: sequence)
     # ``old_mean``: the sampler's step means, kept only when the run's loss reads them (the guards).

@@ -112,8 +112,11 @@ def register_rollout_mode(name: str, *, settings: type | None = None) -> Callabl
 
 def shipped_modes() -> Registry[type[RolloutMode]]:
     """``ROLLOUT_MODES`` with the shipped modes imported (they register on import)."""
+    import unirl.diffusion.awm  # noqa: F401
+    import unirl.diffusion.dgpo  # noqa: F401
     import unirl.diffusion.flowgrpo  # noqa: F401
     import unirl.diffusion.nft  # noqa: F401
+    import unirl.diffusion.tempflow  # noqa: F401
 
     return ROLLOUT_MODES
 
