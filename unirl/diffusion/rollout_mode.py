@@ -147,22 +147,14 @@ def resolve_algorithm(cfg) -> str:
     ``algo.loss_args``, that the mode's forward gives what the loss reads, and the mode's own
     ``check_config``; returns the run's policy loss. Called where a ``DiffusionConfig`` loads."""
     from unirl.config.schema import check_loss_args
-    from unirl.core.policy_losses import POLICY_LOSSES
 
     modes = shipped_modes()
     if cfg.algorithm not in modes:
         raise ValueError(f"algorithm: {modes.unknown_message(cfg.algorithm)}")
     mode = modes.get(cfg.algorithm)
     build_mode_args(cfg.algorithm, cfg.mode_args)
-    name = check_loss_args(cfg.algo, mode.policy_loss)
-    loss = POLICY_LOSSES.get(name)
-    needed = loss.reads | ({"logp"} if loss.reads_logprobs else set())
-    missing = sorted(needed - mode.offers)
-    if missing:
-        own = mode.policy_loss or "the ratio loss of algo (clipped, or gspo)"
-        raise ValueError(f"algo.policy_loss={name} with algorithm={cfg.algorithm}: the loss reads "
-                         f"{', '.join(missing)}, which {cfg.algorithm}'s rollouts do not give (they give "
-                         f"{', '.join(sorted(mode.offers))}); leave algo.policy_loss null for the algorithm's own "
-                         f"({own}) or choose another algorithm")
+    own = mode.policy_loss or "the ratio loss of algo, clipped or gspo"
+    name = check_loss_args(cfg.algo, mode.policy_loss, offers=mode.offers, where=f"algorithm={cfg.algorithm}",
+                           hint=f"; leave algo.policy_loss null for the algorithm's own ({own}) or choose another algorithm")
     mode.check_config(cfg)
     return name
