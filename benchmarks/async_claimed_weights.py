@@ -1,9 +1,9 @@
 """Did the engine sample each asynchronous batch with exactly the weights the batch claims?
 
     python benchmarks/async_claimed_weights.py /tmp/claimed                       # the tiny recipe, staleness 1, 100 steps
-    python benchmarks/async_claimed_weights.py /tmp/claimed algo.bypass_mode=false trainer.seed=0
+    python benchmarks/async_claimed_weights.py /tmp/claimed source.bypass_mode=false trainer.seed=0
 
-Runs the tiny recipe (vLLM) with ``rollout.max_staleness=1`` and, before each step learns, recomputes the
+Runs the tiny recipe (vLLM) with ``source.max_staleness=1`` and, before each step learns, recomputes the
 batch's log-probs with a copy of the trainer's weights at the batch's ``Rollout.policy_version`` and with
 the current weights. Written to ``OUT/claimed_weights.jsonl``, one line a step: the largest and mean
 ``|engine_logp - claimed|`` (float noise if the engine sampled with those weights: torn weights, a stale
@@ -28,7 +28,7 @@ from unirl.trainer.logprobs import score_all
 from unirl.trainer.loop import Trainer
 
 DEFAULTS = ["trainer.total_steps=100", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
-            "rollout.gpu_memory_utilization=0.1", "algo.tis_cap=2.0", "rollout.max_staleness=1"]
+            "rollout.gpu_memory_utilization=0.1", "algo.tis_cap=2.0", "source.max_staleness=1"]
 
 
 class ClaimedWeights(Trainer):

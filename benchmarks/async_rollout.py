@@ -1,4 +1,4 @@
-"""Synchronous steps beside asynchronous ones (``rollout.max_staleness=1``) and beside the rollout server,
+"""Synchronous steps beside asynchronous ones (``source.max_staleness=1``) and beside the rollout server,
 side by side in one run: seconds a step and reward a step.
 
     python benchmarks/async_rollout.py                         # the tiny recipe (it learns), 40 steps each
@@ -63,7 +63,7 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path, model: str = "
     elif mode == "sync1":  # what each stage takes on one core: the bound on any one-core-each overlap
         cmd, env["OMP_NUM_THREADS"] = ["taskset", "-c", "0", *args], "1"
     elif mode == "async":
-        cmd, env["OMP_NUM_THREADS"] = [*args, "rollout.max_staleness=1"], "2"
+        cmd, env["OMP_NUM_THREADS"] = [*args, "source.max_staleness=1"], "2"
     else:
         served = next((a.split("=", 1)[1] for a in extra if a.startswith("model.name_or_path=")),
                       "smollm2-135m-instruct" if model == "smollm2" else "tiny")
@@ -76,7 +76,7 @@ def run_mode(mode: str, steps: int, extra: list[str], root: Path, model: str = "
             server.kill()
             raise SystemExit(f"serve-rollout did not start: {line!r}")
         url = line.split(" at ")[-1].strip()
-        cmd = ["taskset", "-c", "1", *args, "rollout.engine=server", f"rollout.server_url={url}", "rollout.max_staleness=1"]
+        cmd = ["taskset", "-c", "1", *args, "rollout.engine=server", f"rollout.server_url={url}", "source.max_staleness=1"]
         env["OMP_NUM_THREADS"] = "1"
     try:
         start = time.perf_counter()

@@ -143,8 +143,8 @@ def run_unirl(engine: str, model_dir: Path, data: Path, steps: int, micro: int, 
     try:
         rows = [trainer.train_step() for _ in range(steps)]
     finally:
-        if trainer.rollouts is not None:  # rollout.max_staleness >= 1: the producer stops before its engine
-            trainer.rollouts.close(wait=False)
+        if trainer.source is not None:  # source.max_staleness >= 1: the producer stops before its engine
+            trainer.source.close(wait=False)
         trainer.env.close()
     return {"steps": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows]}
 

@@ -89,7 +89,7 @@ def child(resolution: int, steps: int, mode: str) -> dict:
     trainer = Trainer(DiffusionEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
                       run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
     trainer.setup()
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
     trainer.advantages(rollout, torch.linspace(0, 1, len(rollout)))
     trainer.old_and_reference(rollout)
     if mode == "whole":

@@ -36,7 +36,7 @@ def worker(layers: int, out: Path) -> None:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from unirl.trainer.fsdp import shard
+    from unirl.trainer.backends.fsdp2 import shard
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -89,7 +89,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessorList
 
-    from unirl.text.engines import HFEngine, SampledTokenLogprobs
+    from unirl.rollout.hf import HFEngine, SampledTokenLogprobs
     from unirl.text.packing import use_packed_attention
 
     root = Path(args.work or tempfile.mkdtemp(prefix="generate-profile-"))

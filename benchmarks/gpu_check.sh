@@ -80,14 +80,14 @@ part compare-static ${COMPARE_SECONDS:-200} "$OUT/compare_static.log" $PY benchm
 tail -n 3 "$OUT/compare_static.log" >>"$S"
 fi
 
-# 1b. unirl with rollout.max_staleness=1 (issue 34): a producer thread samples the next batch with a copy of the
+# 1b. unirl with source.max_staleness=1 (issue 34): a producer thread samples the next batch with a copy of the
 # weights while the trainer updates, on the one GPU. Its s/step is the trainer's; the rollout column is its wait.
 if [[ $PARTS == *" compare-async "* ]]; then
 # With the static cache too: compiled decoding leaves the host (and the interpreter lock) to the trainer.
 for cache in ${ASYNC_CACHES:-dynamic static}; do
   name=compare-async; [[ $cache == static ]] && name=compare-async-static
   part $name ${COMPARE_SECONDS:-200} "$OUT/${name//-/_}.log" $PY benchmarks/compare_trl.py $SIZE \
-    --steps ${ASYNC_STEPS:-5} --runs unirl-hf --unirl-override=rollout.max_staleness=1 \
+    --steps ${ASYNC_STEPS:-5} --runs unirl-hf --unirl-override=source.max_staleness=1 \
     --unirl-override=rollout.hf_cache=$cache ${ASYNC_OVERRIDES:-} --work "$W" --json "$OUT/${name//-/_}.json"
   tail -n 3 "$OUT/${name//-/_}.log" >>"$S"
 done

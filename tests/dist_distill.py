@@ -44,7 +44,7 @@ def make_trainer(teacher: str, world: int, mode: str, run_dir: Path):
 
 def prepare(teacher: str, batch_path: Path, work: Path) -> None:
     trainer = make_trainer(teacher, 1, "alone", work)
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), GROUP)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), GROUP)
     rewards = torch.rand(len(rollout), generator=torch.Generator().manual_seed(7))
     trainer.env.close()
     torch.save({"rollout": rollout, "rewards": rewards}, batch_path)

@@ -58,7 +58,7 @@ def prepare(batch_path: Path, work: Path) -> None:
     batches = {}
     for env_name in ("text", "diffusion", "diffusion-nft"):
         trainer = make_trainer(env_name, 1, "token-mean", 0.0, work / f"prepare-{env_name}")
-        rollout = trainer.env.rollout(trainer.env.next_prompts(0), GROUP)
+        rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), GROUP)
         rewards = torch.rand(len(rollout), generator=torch.Generator().manual_seed(7))
         rewards[:GROUP] = 0.5  # one group with equal rewards (zero advantage)
         batches[env_name] = {"rollout": rollout, "rewards": rewards}

@@ -35,7 +35,7 @@ VARIANTS = {"ddp": ["trainer.strategy=ddp"], "fsdp2": ["trainer.strategy=fsdp2"]
 
 
 def trained_weights(model) -> torch.Tensor:
-    from unirl.trainer.fsdp import full
+    from unirl.sharding import full
 
     return torch.cat([full(p.detach()).flatten().float().cpu() for p in model.parameters() if p.requires_grad])
 
@@ -44,7 +44,7 @@ def run(batch_path: Path, work: Path, out_path: Path) -> None:
     from accelerate import PartialState
 
     from unirl.trainer.distributed import cpu_processes
-    from unirl.trainer.fsdp import is_sharded
+    from unirl.sharding import is_sharded
 
     state = PartialState(cpu=cpu_processes())
     batches = torch.load(batch_path, weights_only=False)
@@ -80,11 +80,12 @@ def load(checkpoint: Path, strategy: str, work: Path, out_path: Path) -> None:
 
     from unirl.trainer import checkpoints
     from unirl.trainer.distributed import cpu_processes
-    from unirl.trainer.fsdp import full
+    from unirl.sharding import full
 
     state = PartialState(cpu=cpu_processes())
     trainer = make_trainer("text", 1, "token-mean", 0.0, work, ["rollout.engine=hf", "optim.lr=5e-4", f"trainer.strategy={strategy}"])
-    checkpoints.load_trainer_state(trainer.accelerator, checkpoint / "trainer_state", step=int(checkpoint.name[5:]))
+    checkpoints.load_trainer_state(trainer.backend, checkpoint / "trainer_state", trainer.state_objects,
+                                   step=int(checkpoint.name[5:]))
     model = trainer.accelerator.unwrap_model(trainer.env.model)
     weights = {name: full(t.detach()).clone() for name, t in model.state_dict().items()}
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]

@@ -18,13 +18,13 @@ from dist_equivalence import make_trainer
 
 def max_gap(env, rollout) -> float:
     with torch.no_grad():
-        logp = env.score_actions(env.model, rollout)["logp"]
+        logp = env.actions.score_actions(env.model, rollout)["logp"]
     mask = rollout.tensors["response_mask"].bool()
     return (logp - rollout.engine_logp).abs()[mask].max().item()
 
 
 def check(lora: bool, work: Path) -> dict:
-    from unirl.trainer.fsdp import is_sharded
+    from unirl.sharding import is_sharded
 
     overrides = ["rollout.engine=vllm", "trainer.strategy=fsdp2", "rollout.sync_bucket_mb=1", "rollout.max_new_tokens=8"]
     if lora:
@@ -34,7 +34,7 @@ def check(lora: bool, work: Path) -> dict:
     calls = []
     load = env.engine.load_weights
     env.engine.load_weights = lambda weights: (calls.append(len(weights)), load(weights))
-    result = {"sharded": is_sharded(env.model), "before": max_gap(env, env.rollout(env.next_prompts(0), 4))}
+    result = {"sharded": is_sharded(env.model), "before": max_gap(env, env.sampler.rollout(env.prompts.next(0), 4))}
     torch.manual_seed(0)
     env.model.reshard()  # the root's parameters stay gathered after the scoring forward
     with torch.no_grad():  # each process moves its own shard; with LoRA, the adapter (B starts at zero)
@@ -42,9 +42,9 @@ def check(lora: bool, work: Path) -> dict:
             if p.requires_grad and (not lora or "lora_B" in name):
                 local = p.to_local()
                 local.add_(0.05 * torch.randn_like(local))
-    result["stale"] = max_gap(env, env.rollout(env.next_prompts(1), 4))
-    env.sync_weights()
-    result["after"] = max_gap(env, env.rollout(env.next_prompts(2), 4))
+    result["stale"] = max_gap(env, env.sampler.rollout(env.prompts.next(1), 4))
+    env.sampler.sync_weights()
+    result["after"] = max_gap(env, env.sampler.rollout(env.prompts.next(2), 4))
     result["buckets"] = calls
     env.close()
     return result

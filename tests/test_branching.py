@@ -42,9 +42,9 @@ def _rollout(tiny_sd3_dir, k: int, branch: bool, *extra: str):
                    "sampling.chunk_size=3", "sampling.guidance_scale=1.0", *extra)  # chunks of 3: groups split
     perturb_lora(env, seed=k)
     count = RowCount(env.pipe.transformer)
-    rollout = env.rollout(env.next_prompts(0), group_size=G)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=G)
     rows = count.rows
-    _, metrics = env.score(rollout)
+    _, metrics = env.scorer.score(rollout)
     count.handle.remove()
     return env, rollout, rows, metrics
 
@@ -87,9 +87,9 @@ def test_guidance_doubles_the_rows_and_the_first_update_has_ratio_one(tiny_sd3_d
     with torch.no_grad():
         for lo in range(0, n, 3):
             chunk = torch.arange(lo, min(lo + 3, n))
-            cur = env.score_actions(env.model, rollout.select(chunk))
+            cur = env.actions.score_actions(env.model, rollout.select(chunk))
             assert torch.equal(cur["logp"], rollout.old_logp[chunk])
-        whole = env.score_actions(env.model, rollout)
+        whole = env.actions.score_actions(env.model, rollout)
     torch.testing.assert_close(whole["logp"], rollout.old_logp, rtol=0, atol=1e-5)
     env.close()
 

@@ -80,7 +80,7 @@ def test_generated_ocr_prompts_follow_the_test_form():
     assert not set(prompts) & _test_prompts()
     texts = []
     for p in prompts:
-        assert p.count('"') == 2, p  # one quoted text, read by rewards/ocr.py as split('"')[1]
+        assert p.count('"') == 2, p  # one quoted text, read by unirl/rewards/ocr.py as split('"')[1]
         texts.append(p.split('"')[1])
     words = [len(t.split()) for t in texts]
     assert min(words) == 1 and max(words) == 6

@@ -49,11 +49,20 @@ class _Env:
         save_model(self.model, str(directory / "model.safetensors"))
 
 
+class _Run:
+    """What the checkpoint functions take: the backend (``trainer.strategy: ddp`` on one CPU process) and the
+    named objects a trainer saves (``Trainer._state_objects``' names and order)."""
+
+    def __init__(self, backend, objects):
+        self.backend, self.objects = backend, objects
+
+
 def _setup(lr: float = 1e-2, width: int = 4):
     from accelerate import Accelerator
 
+    from unirl.config.schema import OptimConfig, TrainerConfig
+    from unirl.trainer.backends import build_backend
     from unirl.trainer.optim import build_optimizer, build_scheduler
-    from unirl.config.schema import OptimConfig
 
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)
@@ -63,8 +72,19 @@ def _setup(lr: float = 1e-2, width: int = 4):
     scheds = [build_scheduler(o, cfg) for o in opts]
     prepared = acc.prepare(policy, opts[0], scheds[0], critic, opts[1], scheds[1])
     ema = _Shadow(policy)
-    acc.register_for_checkpointing(ema)
-    return acc, prepared, ema
+    objects = {"policy": ("model", prepared[0]), "policy_optimizer": ("optimizer", prepared[1]),
+               "critic": ("model", prepared[3]), "critic_optimizer": ("optimizer", prepared[4]),
+               "ema": ("state", ema), "policy_scheduler": ("scheduler", prepared[2]),
+               "critic_scheduler": ("scheduler", prepared[5])}
+    return _Run(build_backend(acc, TrainerConfig()), objects), prepared, ema
+
+
+def _save(run: _Run, env, path, step, loop_state, **kwargs):
+    return checkpoints.save_checkpoint(run.backend, env, path, step, run.objects, loop_state, **kwargs)
+
+
+def _resume(run: _Run, path, config=None):
+    return checkpoints.resume(run.backend, path, run.objects, config)
 
 
 def _train(prepared, ema, steps: int):
@@ -113,18 +133,18 @@ def test_state_files_round_trip_types_exactly(tmp_path):
 def test_resume_restores_every_model_optimizer_schedule_ema_and_rng_bit_for_bit(tmp_path):
     acc, prepared, ema = _setup()
     _train(prepared, ema, 3)
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 3, {"step": 3, "optimizer_steps": 3}, keep=2)
+    _save(acc, _Env(prepared[0]), tmp_path, 3, {"step": 3, "optimizer_steps": 3}, keep=2)
     saved, after_save = _snapshot(prepared, ema), _draws()
     _train(prepared, ema, 2)  # move everything away, then come back
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
-    state = checkpoints.resume(acc, tmp_path)
+    state = _resume(acc, tmp_path)
     assert state == {"step": 3, "optimizer_steps": 3}
     _same(_snapshot(prepared, ema), saved)
     again = _draws()
     assert again[:2] == after_save[:2] and torch.equal(again[2], after_save[2])
     files = {p.name for p in (tmp_path / "checkpoints" / "step_000003" / "trainer_state").iterdir()}
-    assert {"model_0.safetensors", "model_1.safetensors", "optimizer_1.json", "scheduler_1.safetensors",
-            "custom_0.json", "rng_0.json", "loop.json"} <= files
+    assert {"policy.safetensors", "critic.safetensors", "critic_optimizer.json", "critic_scheduler.safetensors",
+            "ema.json", "rng_0.json", "loop.json"} <= files
     assert not [name for name in files if name.endswith((".pkl", ".bin", ".pt"))]
 
 
@@ -133,7 +153,7 @@ def test_resume_never_unpickles_a_planted_file(tmp_path, monkeypatch):
     unpickled; resume succeeds, the file is never written, and no unpickler runs at all."""
     acc, prepared, ema = _setup()
     _train(prepared, ema, 1)
-    ckpt = checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
+    ckpt = _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -159,16 +179,16 @@ def test_resume_never_unpickles_a_planted_file(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
     for name in ("optimizer.bin", "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin", "sampler.bin"):
         (state_dir / name).unlink()  # the old format's marker files are refused outright (next test)
-    assert checkpoints.resume(acc, tmp_path)["step"] == 1
+    assert _resume(acc, tmp_path)["step"] == 1
     assert not marker.exists()
 
 
 def test_an_old_pickled_checkpoint_is_refused_naming_it(tmp_path):
     acc, prepared, ema = _setup()
-    ckpt = checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
+    ckpt = _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
     (ckpt / "trainer_state" / "optimizer.bin").write_bytes(b"\x80\x04N.")
     with pytest.raises(CheckpointError, match="older unirl with pickled state"):
-        checkpoints.resume(acc, tmp_path)
+        _resume(acc, tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["truncate_model", "truncate_optimizer", "rng_json", "rng_tensor", "loop_json"])
@@ -176,12 +196,12 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, dama
     acc, prepared, ema = _setup()
     env = _Env(prepared[0])
     _train(prepared, ema, 1)
-    checkpoints.save_checkpoint(acc, env, tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=None)
+    _save(acc, env, tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=None)
     first = _snapshot(prepared, ema)
     _train(prepared, ema, 1)
-    ckpt = checkpoints.save_checkpoint(acc, env, tmp_path, 2, {"step": 2, "optimizer_steps": 2}, keep=None)
+    ckpt = _save(acc, env, tmp_path, 2, {"step": 2, "optimizer_steps": 2}, keep=None)
     state = ckpt / "trainer_state"
-    file = {"truncate_model": state / "model_1.safetensors", "truncate_optimizer": state / "optimizer_0.safetensors",
+    file = {"truncate_model": state / "critic.safetensors", "truncate_optimizer": state / "policy_optimizer.safetensors",
             "rng_json": state / "rng_0.json", "rng_tensor": state / "rng_0.safetensors",
             "loop_json": state / "loop.json"}[damage]
     if damage == "rng_json":  # valid JSON, wrong content: a python RNG state of the wrong length
@@ -196,7 +216,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, dama
     else:
         file.write_bytes(file.read_bytes()[: len(file.read_bytes()) // 2])
     _train(prepared, ema, 1)
-    assert checkpoints.resume(acc, tmp_path)["step"] == 1
+    assert _resume(acc, tmp_path)["step"] == 1
     _same(_snapshot(prepared, ema), first)
     out = capsys.readouterr().out
     assert f"skipping {ckpt}" in out and file.stem in out
@@ -204,43 +224,43 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(tmp_path, dama
 
 def test_no_readable_checkpoint_is_one_error_naming_each_file(tmp_path):
     acc, prepared, ema = _setup()
-    ckpt = checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
-    (ckpt / "trainer_state" / "optimizer_0.safetensors").write_bytes(b"\x00" * 5)
-    with pytest.raises(CheckpointError, match=r"no checkpoint .* can be read: .*optimizer_0\.safetensors"):
-        checkpoints.resume(acc, tmp_path)
+    ckpt = _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
+    (ckpt / "trainer_state" / "policy_optimizer.safetensors").write_bytes(b"\x00" * 5)
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* can be read: .*policy_optimizer\.safetensors"):
+        _resume(acc, tmp_path)
 
 
 def test_a_changed_learning_rate_is_refused_naming_the_key(tmp_path):
     acc, prepared, ema = _setup(lr=1e-2)
     config = {"model": {"lora": {"enabled": True}}, "optim": {"lr": 1e-2, "max_grad_norm": 1.0},
               "trainer": {"total_steps": 2}}
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
+    _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
                                 config=config)
     # total_steps and max_grad_norm are the run's to change; the learning rate is the optimizer's.
     ok = {**config, "optim": {"lr": 1e-2, "max_grad_norm": 0.5}, "trainer": {"total_steps": 4}}
-    assert checkpoints.resume(acc, tmp_path, ok)["step"] == 1
+    assert _resume(acc, tmp_path, ok)["step"] == 1
     with pytest.raises(CheckpointError, match=r"optim\.lr: 0\.01 in the checkpoint, 0\.02 now"):
-        checkpoints.resume(acc, tmp_path, {"optim": {"lr": 2e-2}, "trainer": {"total_steps": 4}})
+        _resume(acc, tmp_path, {"optim": {"lr": 2e-2}, "trainer": {"total_steps": 4}})
     with pytest.raises(CheckpointError, match=r"model\.lora\.enabled: True in the checkpoint, False now"):
-        checkpoints.resume(acc, tmp_path, {**config, "model": {"lora": {"enabled": False}}})
+        _resume(acc, tmp_path, {**config, "model": {"lora": {"enabled": False}}})
 
 
 def test_optimizer_settings_from_elsewhere_are_caught_after_loading(tmp_path):
     """A second optimizer configured outside an ``optim`` section: the restored param groups differ
     from the configured ones, and the resume is refused rather than silently keeping the old lr."""
     acc, prepared, ema = _setup(lr=1e-2)
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
+    _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
     acc2, prepared2, ema2 = _setup(lr=3e-2)
-    with pytest.raises(CheckpointError, match=r"optimizer 0 was saved with \{'lr': 0\.01"):
-        checkpoints.resume(acc2, tmp_path)
+    with pytest.raises(CheckpointError, match=r"policy_optimizer was saved with \{'lr': 0\.01"):
+        _resume(acc2, tmp_path)
 
 
 def test_a_model_of_another_shape_is_one_clear_error(tmp_path):
     acc, prepared, ema = _setup(width=4)
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
+    _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
     acc2, prepared2, ema2 = _setup(width=6)
-    with pytest.raises(CheckpointError, match=r"model_0\.safetensors does not fit this run's model 0"):
-        checkpoints.resume(acc2, tmp_path)
+    with pytest.raises(CheckpointError, match=r"policy\.safetensors does not fit this run's policy"):
+        _resume(acc2, tmp_path)
 
 
 def _safetensors_full_disk():
@@ -254,7 +274,7 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmp_path, monkeypa
     import safetensors.torch
 
     acc, prepared, ema = _setup()
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
+    _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2)
     real = safetensors.torch.save_file
 
     def full_disk(tensors, filename, *args, **kwargs):
@@ -265,7 +285,7 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmp_path, monkeypa
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     with pytest.raises(CheckpointError) as info:
-        checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 2, {"step": 2, "optimizer_steps": 2}, keep=2)
+        _save(acc, _Env(prepared[0]), tmp_path, 2, {"step": 2, "optimizer_steps": 2}, keep=2)
     message = str(info.value)
     assert "no space left on device" in message and ".tmp_step_000002" in message
     assert "the last checkpoint is" in message and "step_000001" in message
@@ -275,20 +295,20 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmp_path, monkeypa
 def test_resume_without_a_checkpoint_drops_the_old_rows(tmp_path):
     acc, prepared, ema = _setup()
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n')
-    assert checkpoints.resume(acc, tmp_path) is None
+    assert _resume(acc, tmp_path) is None
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_a_torn_last_metrics_row_is_dropped_and_a_torn_middle_row_named(tmp_path):
     acc, prepared, ema = _setup()
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 2, {"step": 2, "optimizer_steps": 2}, keep=2)
+    _save(acc, _Env(prepared[0]), tmp_path, 2, {"step": 2, "optimizer_steps": 2}, keep=2)
     log = tmp_path / "metrics.jsonl"
     log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')
-    assert checkpoints.resume(acc, tmp_path)["step"] == 2
+    assert _resume(acc, tmp_path)["step"] == 2
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
     log.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
     with pytest.raises(CheckpointError, match=rf"{log}:2: not a JSON row"):
-        checkpoints.resume(acc, tmp_path)
+        _resume(acc, tmp_path)
 
 
 # ---------------------------------------------------------------- links out of the run (issue 37 item 2)
@@ -297,9 +317,9 @@ def test_a_checkpoint_linked_out_of_the_run_is_not_resumed_and_pruning_spares_wh
     env = _Env(prepared[0])
     run, other = tmp_path / "run", tmp_path / "other"
     _train(prepared, ema, 1)
-    checkpoints.save_checkpoint(acc, env, other, 5, {"step": 5, "optimizer_steps": 5}, keep=None)  # another run's
+    _save(acc, env, other, 5, {"step": 5, "optimizer_steps": 5}, keep=None)  # another run's
     _train(prepared, ema, 1)
-    checkpoints.save_checkpoint(acc, env, run, 1, {"step": 1, "optimizer_steps": 1}, keep=None)
+    _save(acc, env, run, 1, {"step": 1, "optimizer_steps": 1}, keep=None)
     ours = _snapshot(prepared, ema)
     link = run / "checkpoints" / "step_000005"
     link.symlink_to(other / "checkpoints" / "step_000005", target_is_directory=True)
@@ -307,12 +327,12 @@ def test_a_checkpoint_linked_out_of_the_run_is_not_resumed_and_pruning_spares_wh
     backup.mkdir()
     (backup / "notes.txt").write_text("keep me")
     _train(prepared, ema, 1)
-    assert checkpoints.resume(acc, run)["step"] == 1  # not the other run's step 5 through the link
+    assert _resume(acc, run)["step"] == 1  # not the other run's step 5 through the link
     _same(_snapshot(prepared, ema), ours)
     out = capsys.readouterr().out
     assert f"skipping {link}: {link} is a link to {(other / 'checkpoints' / 'step_000005').resolve()}, outside" in out
     for step in (2, 3, 4):  # keep 2: prunes step 1 and 2 of this run, nothing else
-        checkpoints.save_checkpoint(acc, env, run, step, {"step": step, "optimizer_steps": step}, keep=2)
+        _save(acc, env, run, step, {"step": step, "optimizer_steps": step}, keep=2)
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["step_000001_backup", "step_000003", "step_000004", "step_000005"]
     assert link.is_symlink() and (other / "checkpoints" / "step_000005" / "trainer_state" / "loop.json").exists()
@@ -324,14 +344,14 @@ def test_a_checkpoints_folder_linked_out_of_the_run_is_refused_and_left_alone(tm
     env = _Env(prepared[0])
     other = tmp_path / "other"
     for step in (1, 2):
-        checkpoints.save_checkpoint(acc, env, other, step, {"step": step, "optimizer_steps": step}, keep=None)
+        _save(acc, env, other, step, {"step": step, "optimizer_steps": step}, keep=None)
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").symlink_to(other / "checkpoints", target_is_directory=True)
     with pytest.raises(CheckpointError, match=r"checkpoints: .*run/checkpoints is a link to .*other/checkpoints, outside"):
-        checkpoints.resume(acc, run)
+        _resume(acc, run)
     with pytest.raises(CheckpointError, match="outside the run directory"):
-        checkpoints.save_checkpoint(acc, env, run, 3, {"step": 3, "optimizer_steps": 3}, keep=1)
+        _save(acc, env, run, 3, {"step": 3, "optimizer_steps": 3}, keep=1)
     assert sorted(p.name for p in (other / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
@@ -355,9 +375,9 @@ TAMPERED = {  # name: (file, its change, what the skip line must say)
     "step_other": ("loop.json", lambda p: {**p, "step": 7}, "loop.json: step is 7, but the checkpoint is step_000002"),
     "optimizer_steps": ("loop.json", lambda p: {**p, "optimizer_steps": 10**30}, "loop.json: optimizer_steps must be"),
     "kl_ctrl": ("loop.json", lambda p: {**p, "kl_ctrl": {"value": "0.1"}}, "loop.json: kl_ctrl.value must be a finite"),
-    "swapped_tensors": ("optimizer_1.json", _swap_moments,
-                        "optimizer_1.json: parameter 0's 'exp_avg' has shape (5,), the parameter (5, 3)"),
-    "scheduler": ("scheduler_0.json", lambda p: {**p, "last_epoch": "1"}, "scheduler_0.json: last_epoch must be a count"),
+    "swapped_tensors": ("critic_optimizer.json", _swap_moments,
+                        "critic_optimizer.json: parameter 0's 'exp_avg' has shape (5,), the parameter (5, 3)"),
+    "scheduler": ("policy_scheduler.json", lambda p: {**p, "last_epoch": "1"}, "policy_scheduler.json: last_epoch must be a count"),
 }
 
 
@@ -366,11 +386,11 @@ def test_tampered_metadata_is_named_and_the_checkpoint_before_is_resumed(tmp_pat
     acc, prepared, ema = _setup()
     env = _Env(prepared[0])
     _train(prepared, ema, 1)
-    checkpoints.save_checkpoint(acc, env, tmp_path, 1, {"step": 1, "optimizer_steps": 1, "kl_ctrl": {"value": 0.1}},
+    _save(acc, env, tmp_path, 1, {"step": 1, "optimizer_steps": 1, "kl_ctrl": {"value": 0.1}},
                                 keep=None, config={"optim": {"lr": 1e-2}})
     first = _snapshot(prepared, ema)
     _train(prepared, ema, 1)
-    ckpt = checkpoints.save_checkpoint(acc, env, tmp_path, 2, {"step": 2, "optimizer_steps": 2, "kl_ctrl": {"value": 0.1}},
+    ckpt = _save(acc, env, tmp_path, 2, {"step": 2, "optimizer_steps": 2, "kl_ctrl": {"value": 0.1}},
                                        keep=None, config={"optim": {"lr": 1e-2}})
     state = ckpt / "trainer_state"
     if case in TAMPERED:
@@ -388,7 +408,7 @@ def test_tampered_metadata_is_named_and_the_checkpoint_before_is_resumed(tmp_pat
         (state / "config.json").write_text('{"a": ' * 200_000 + "1" + "}" * 200_000)
         said = "config.json: cannot be read (nested too deeply"
     _train(prepared, ema, 1)
-    assert checkpoints.resume(acc, tmp_path, {"optim": {"lr": 1e-2}})["step"] == 1
+    assert _resume(acc, tmp_path, {"optim": {"lr": 1e-2}})["step"] == 1
     _same(_snapshot(prepared, ema), first)
     skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: skipping")]
     assert len(skipped) == 1 and skipped[0].startswith(f"resume: skipping {ckpt}: {state}/") and said in skipped[0], skipped
@@ -409,24 +429,47 @@ def _algo_config(estimator: str, **critic) -> dict:
 ])
 def test_a_ppo_checkpoint_refuses_another_critic_setting_naming_old_and_new(tmp_path, now, said):
     acc, prepared, ema = _setup()
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
+    _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
                                 config=_algo_config("gae"))
     with pytest.raises(CheckpointError) as info:
-        checkpoints.resume(acc, tmp_path, now)
+        _resume(acc, tmp_path, now)
     assert str(info.value).startswith(f"resume: {said}; ") and "\n" not in str(info.value)
     # The same number of critic passes spelled out (null: the trainer's ppo_epochs) and the run's length are no change.
-    assert checkpoints.resume(acc, tmp_path, {**_algo_config("gae", ppo_epochs=1), "trainer": {"ppo_epochs": 1,
+    assert _resume(acc, tmp_path, {**_algo_config("gae", ppo_epochs=1), "trainer": {"ppo_epochs": 1,
                                                                                               "total_steps": 8}})["step"] == 1
 
 
 def test_a_grpo_checkpoint_resumed_as_ppo_names_the_estimator_not_a_critic_setting_it_never_had(tmp_path):
     acc, prepared, ema = _setup()
-    checkpoints.save_checkpoint(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
+    _save(acc, _Env(prepared[0]), tmp_path, 1, {"step": 1, "optimizer_steps": 1}, keep=2,
                                 config=_algo_config("grpo"))
     ppo = _algo_config("gae", optim={"lr": 1e-3})  # a PPO config's own critic learning rate
     with pytest.raises(CheckpointError, match=r"^resume: algo\.adv_estimator: 'grpo' in the checkpoint \(no critic\), "
                                               r"'gae' now \(it trains a critic\); ") as info:
-        checkpoints.resume(acc, tmp_path, ppo)
+        _resume(acc, tmp_path, ppo)
     assert "critic.optim.lr" not in str(info.value)
     # Without a critic on either side its unused settings may change.
-    assert checkpoints.resume(acc, tmp_path, _algo_config("grpo", cliprange_value=0.3, optim={"lr": 1e-3}))["step"] == 1
+    assert _resume(acc, tmp_path, _algo_config("grpo", cliprange_value=0.3, optim={"lr": 1e-3}))["step"] == 1
+
+
+def test_a_checkpoint_with_the_numbered_names_of_earlier_versions_still_resumes(tmp_path):
+    """Before the named objects, a checkpoint's files were numbered by Accelerate's preparation and
+    registration order (model_0 the policy, model_1 the critic, optimizer_<i> theirs, custom_<i> the
+    environment's objects then the schedules); such a checkpoint resumes bit for bit, each file read into
+    the object it was written from."""
+    run, prepared, ema = _setup()
+    _train(prepared, ema, 2)
+    ckpt = _save(run, _Env(prepared[0]), tmp_path, 2, {"step": 2, "optimizer_steps": 2}, keep=2)
+    saved = _snapshot(prepared, ema)
+    stems = checkpoints.legacy_stems(run.objects)
+    assert stems == {"policy": "model_0", "policy_optimizer": "optimizer_0", "critic": "model_1",
+                     "critic_optimizer": "optimizer_1", "ema": "custom_0", "policy_scheduler": "custom_1",
+                     "critic_scheduler": "custom_2"}
+    state = ckpt / "trainer_state"
+    for name, old in stems.items():
+        for file in state.glob(f"{name}.*"):
+            file.rename(state / (old + file.suffix))
+    assert not any(state.glob("policy*"))
+    _train(prepared, ema, 2)  # move everything away
+    assert _resume(run, tmp_path)["step"] == 2
+    _same(_snapshot(prepared, ema), saved)

@@ -57,11 +57,11 @@ def perturb_lora(env, seed: int = 0, scale: float = 0.3) -> None:
 def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_dir, overrides):
     env = make_env(tiny_sd3_dir, *overrides)
     perturb_lora(env)  # a non-trivial policy, as after some training
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     old = rollout.old_logp  # [N, T]
     with torch.no_grad():
-        cur = env.score_actions(env.model, rollout)
-    assert cur["logp"].shape == old.shape == env.loss_mask(rollout).shape
+        cur = env.actions.score_actions(env.model, rollout)
+    assert cur["logp"].shape == old.shape == env.actions.loss_mask(rollout).shape
     assert torch.equal(cur["logp"], old)  # ratio exactly 1 for every trained step
     assert torch.equal(torch.exp(cur["logp"] - old), torch.ones_like(old))
     # The steps' constants are gathered from the schedule by step_index; without it they are computed
@@ -70,15 +70,15 @@ def test_rescored_log_probs_equal_the_sampled_ones_before_any_update(tiny_sd3_di
     computed = rollout.select(whole)
     del computed.tensors["step_index"]
     with torch.no_grad():
-        assert torch.equal(env.score_actions(env.model, computed)["logp"], old)
+        assert torch.equal(env.actions.score_actions(env.model, computed)["logp"], old)
     edited = rollout.select(whole)
     edited.tensors["sigma"] = edited.tensors["sigma"] * 0.99
     with pytest.raises(ValueError, match="not the training schedule's sigmas at its step_index"):
-        env.score_actions(env.model, edited)
+        env.actions.score_actions(env.model, edited)
     # A shuffled sub-batch (the loop's micro-batches) re-scores the same steps to float precision.
     idx = torch.tensor([5, 0, 3])
     with torch.no_grad():
-        sub = env.score_actions(env.model, rollout.select(idx))
+        sub = env.actions.score_actions(env.model, rollout.select(idx))
     torch.testing.assert_close(sub["logp"], old[idx], rtol=0, atol=1e-5)
     env.close()
 
@@ -98,13 +98,13 @@ def test_chunks_are_scored_in_the_pool_but_the_last_on_the_calling_thread(tiny_s
         return components(samples, **kwargs)
 
     env.rewards.components = recording
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
-    rewards, _ = env.score(rollout)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
+    rewards, _ = env.scorer.score(rollout)
     assert sorted(n for _, n in scored) == [2, 3, 3]
     assert [name.startswith("unirl-reward") for name, n in scored if n == 3] == [True, True]
     assert [name for name, n in scored if n == 2] == [threading.current_thread().name]
     inline = make_env(tiny_sd3_dir, "sampling.chunk_size=3", "trainer.reward_workers=0")
-    expected, _ = inline.score(inline.rollout(inline.next_prompts(0), group_size=4))
+    expected, _ = inline.scorer.score(inline.sampler.rollout(inline.prompts.next(0), group_size=4))
     assert torch.equal(rewards, expected)
     env.close()
     inline.close()
@@ -113,7 +113,7 @@ def test_chunks_are_scored_in_the_pool_but_the_last_on_the_calling_thread(tiny_s
 def test_rollout_records_the_chosen_steps_and_shares_noise_within_groups(tiny_sd3_dir):
     env = make_env(tiny_sd3_dir, "sampling.sde_window.size=2", "sampling.sde_window.range=[1,5]",
                    "sampling.same_noise_per_group=true")
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     steps = rollout.tensors["step_index"]  # [N, 2]
     assert steps.shape == (8, 2) and bool((steps[:, 1] == steps[:, 0] + 1).all())  # one window for the batch
     assert 1 <= int(steps[0, 0]) and int(steps[0, 1]) < 5
@@ -147,17 +147,17 @@ def test_trained_steps_subset_and_window_bounds():
 
 def test_kl_is_zero_for_the_reference_and_matches_the_closed_form(tiny_sd3_dir):
     env = make_env(tiny_sd3_dir, "algo.kl_coef=0.1")
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     with torch.no_grad():
-        with env.reference_model() as ref:
-            ref_out = env.score_actions(ref, rollout)
-        cur = env.score_actions(env.model, rollout)  # LoRA B starts at 0: the policy is the reference
-        assert torch.equal(env.kl(cur, ref_out), torch.zeros_like(cur["logp"]))
+        with env.models.reference() as ref:
+            ref_out = env.actions.score_actions(ref, rollout)
+        cur = env.actions.score_actions(env.model, rollout)  # LoRA B starts at 0: the policy is the reference
+        assert torch.equal(env.actions.kl(cur, ref_out), torch.zeros_like(cur["logp"]))
         perturb_lora(env)
-        cur = env.score_actions(env.model, rollout)
-        with env.reference_model() as ref:  # the adapter is disabled inside, so ref is unchanged
-            torch.testing.assert_close(env.score_actions(ref, rollout)["mean"], ref_out["mean"], rtol=0, atol=0)
-    kl = env.kl(cur, ref_out)  # [N, T], kl_form flowgrpo (the default)
+        cur = env.actions.score_actions(env.model, rollout)
+        with env.models.reference() as ref:  # the adapter is disabled inside, so ref is unchanged
+            torch.testing.assert_close(env.actions.score_actions(ref, rollout)["mean"], ref_out["mean"], rtol=0, atol=0)
+    kl = env.actions.kl(cur, ref_out)  # [N, T], kl_form flowgrpo (the default)
     # FlowGRPO: ((mean - ref_mean)^2).mean(dims) / (2 std_dev_t^2), std_dev_t = 0.7 sqrt(sigma / (1 - sigma))
     # (the next sigma in the denominator at sigma 1), one step and one sample at a time.
     n, t = 3, 2
@@ -168,7 +168,7 @@ def test_kl_is_zero_for_the_reference_and_matches_the_closed_form(tiny_sd3_dir):
     assert bool((kl > 0).all())
     # The exact KL divides by the step's variance std_dev_t^2 |dt|.
     env.cfg.kl_form = "exact"
-    exact = env.kl(cur, ref_out)
+    exact = env.actions.kl(cur, ref_out)
     assert float(exact[n, t]) == pytest.approx(float(diff.square().mean() / (2 * cur["std"][n, t].double() ** 2)), rel=1e-5)
     torch.testing.assert_close(kl, exact * (rollout.tensors["sigma"] - rollout.tensors["sigma_next"]))
     env.close()
@@ -177,8 +177,8 @@ def test_kl_is_zero_for_the_reference_and_matches_the_closed_form(tiny_sd3_dir):
 def test_gradient_of_the_rescored_log_prob_reaches_only_the_lora_weights(tiny_sd3_dir):
     env = make_env(tiny_sd3_dir)
     perturb_lora(env)
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
-    env.score_actions(env.model, rollout)["logp"].sum().backward()
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
+    env.actions.score_actions(env.model, rollout)["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     # The last block is context_pre_only (SD3): its text-stream output is discarded, so the text
@@ -258,7 +258,7 @@ def test_full_finetune_trains_every_weight_and_keeps_a_frozen_reference(tiny_sd3
 
     env = make_env(tiny_sd3_dir, "model.lora.enabled=false", "algo.kl_coef=0.04", "ema.enabled=false")
     assert all(p.requires_grad for p in env.model.parameters())
-    with env.reference_model() as ref:
+    with env.models.reference() as ref:
         assert ref is not env.model and not any(p.requires_grad for p in ref.parameters())
     env.save_pretrained(tmp_path / "ckpt")
     loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "ckpt" / "transformer")
@@ -268,8 +268,9 @@ def test_full_finetune_trains_every_weight_and_keeps_a_frozen_reference(tiny_sd3
 
 def test_deterministic_evaluation_writes_a_grid_and_is_reproducible(tiny_sd3_dir, tmp_path):
     env = make_env(tiny_sd3_dir, "data.eval_size=4", "data.grid_size=4")
-    first = env.evaluation(0, tmp_path)
-    second = env.evaluation(0, tmp_path)
+    first, media = env.evaluation(0, tmp_path)
+    second = env.evaluation(0, tmp_path)[0]
+    assert set(media) == {"images"} and "eval/grid" in media["images"]
     assert first == second and {k for k in first if k.startswith("eval/")} == {"eval/reward", "eval/reward/brightness"}
     # The off-target figures of the same images, logged by default (unirl/diffusion/offtarget.py).
     assert set(first) - {"eval/reward", "eval/reward/brightness"} == {

@@ -192,10 +192,10 @@ def test_evaluate_column_by_column_equals_the_whole_and_caches_per_batch(env):
     """The loop scores a micro-batch one trained step at a time; ``score_actions`` moves the batch to the
     device and computes its steps' constants once (in ``batch.cache``), and each column equals what
     scoring all columns at once gives. A selection of the batch starts with an empty cache."""
-    env._step = 3
-    rows = env.next_prompts(3)[:2]
-    rollout = env.rollout(rows, 3)
-    env.score(rollout)
+    env.step = 3
+    rows = env.prompts.next(3)[:2]
+    rollout = env.sampler.rollout(rows, 3)
+    env.scorer.score(rollout)
     algo = env.cfg.algo
     try:
         # Without a KL the pieces compute no mean (nothing reads it); with one they give it.
@@ -204,9 +204,9 @@ def test_evaluate_column_by_column_equals_the_whole_and_caches_per_batch(env):
             micro = rollout.select(torch.tensor([4, 0, 2, 5]))
             assert micro.cache == {}
             with torch.no_grad():
-                whole = env.score_actions(env.model, rollout.select(torch.tensor([4, 0, 2, 5])))
+                whole = env.actions.score_actions(env.model, rollout.select(torch.tensor([4, 0, 2, 5])))
                 T = whole["logp"].shape[1]
-                pieces = [env.score_actions(env.model, micro, slice(j, j + 1)) for j in range(T)]
+                pieces = [env.actions.score_actions(env.model, micro, slice(j, j + 1)) for j in range(T)]
             assert set(micro.cache) == {"stored_steps"}
             assert all(("mean" in p) == (kl_coef > 0) for p in pieces)
             for key in keys:

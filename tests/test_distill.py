@@ -119,6 +119,46 @@ def test_reverse_kl_advantages_are_tinkers(seed, discount):
     assert figures["reverse_kl"].item() == pytest.approx(((student - teacher) * mask).sum().item() / sum(lengths), rel=1e-5)
 
 
+def _tinker_masked_loop(student, teacher, mask, coef, discount):
+    """Tinker's ``incorporate_kl_penalty`` over a whole multi-turn datum, re-typed: ``-coef * mask * (sampled
+    - teacher)`` at every position (an observation's mask is 0), then ``discounted_future_sum_vectorized``
+    over all positions, observations included; the masked positions then read 0 (their loss is masked)."""
+    out = []
+    for s_row, t_row, m_row in zip(student.tolist(), teacher.tolist(), mask.tolist()):
+        adv = [-coef * m * (s - t) for s, t, m in zip(s_row, t_row, m_row)]
+        running = 0.0
+        for t in reversed(range(len(adv))):
+            running = adv[t] + discount * running
+            adv[t] = running if m_row[t] else 0.0
+        out.append(adv)
+    return torch.tensor(out)
+
+
+def test_the_discounted_sum_carries_through_observations_by_hand():
+    """A tool run's response: 2 trained tokens, 2 observation tokens, 1 trained token. With coef 1 and
+    rkl = (1, 2, -, -, 4) the advantages are -rkl summed forward with discount 0.5, each observation token one
+    step: A_4 = -4, A_1 = -2 + 0.5^3 * -4 = -2.5, A_0 = -1 + 0.5 * -2.5 = -2.25 (restarting at the observation,
+    as before issue 50, gave -2 and -2)."""
+    student = torch.tensor([[-1.0, -1.0, -7.0, -9.0, -1.0]])  # the observations' -7, -9 count nowhere
+    teacher = torch.tensor([[-2.0, -3.0, -1.0, -1.0, -5.0]])
+    mask = torch.tensor([[1, 1, 0, 0, 1]])
+    adv, _ = reverse_kl_advantages(student, teacher, mask, coef=1.0, discount=0.5)
+    torch.testing.assert_close(adv, torch.tensor([[-2.25, -2.5, 0.0, 0.0, -4.0]]), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_discounted_sum_with_observations_is_tinkers(seed):
+    g = torch.Generator().manual_seed(seed)
+    N, T = 6, 12
+    student, teacher = -torch.rand(N, T, generator=g) * 3, -torch.rand(N, T, generator=g) * 3
+    lengths = torch.randint(4, T + 1, (N,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]  # [N, T]
+    mask &= torch.rand(N, T, generator=g) > 0.3  # observation holes inside the responses
+    mask[:, 0] = True
+    adv, _ = reverse_kl_advantages(student, teacher, mask, coef=0.7, discount=0.9)
+    torch.testing.assert_close(adv, _tinker_masked_loop(student, teacher, mask, 0.7, 0.9), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_policy_gradient_is_the_reverse_kl_score_function(seed):
     """On policy (ratio 1), the clipped loss over the distillation advantages has the gradient
@@ -184,7 +224,7 @@ def test_the_teachers_logprobs_are_its_own_and_added_to_the_outcome_advantages(t
                       distill=cfg.distill)
     trainer.setup()
     try:
-        rollout = env.rollout(env.next_prompts(0), 2)
+        rollout = env.sampler.rollout(env.prompts.next(0), 2)
         trainer.old_and_reference(rollout)
         t = rollout.tensors
         for i in range(len(rollout)):

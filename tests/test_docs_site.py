@@ -73,3 +73,22 @@ def test_every_gpu_set_up_in_the_docs_installs_the_default_extras():
     assert len(found) >= 2, found  # docs/index.md and docs/running.md at least
     wrong = [(name, extras) for name, extras in found if sorted(extras.split(",")) != wanted]
     assert not wrong, f"GPU set-ups whose extras are not {','.join(wanted)}: {wrong}"
+
+
+def test_every_path_the_architecture_page_names_exists():
+    """docs/architecture.md names files and folders (``unirl/...``, ``tests/...``, ``configs/...``); each must be
+    there, so the page cannot drift from the code unnoticed. A ``path:name`` or ``path::test`` names a function
+    or test in that file: it must be defined there."""
+    import re
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"\b((?:unirl|tests|configs|benchmarks)/[\w/.-]+)(?:(?::{1,2})(\w+))?", text))
+    assert len(named) > 40, named
+    missing = []
+    for path, name in sorted(named):
+        target = REPO / path.rstrip(".")
+        if not target.exists():
+            missing.append(path)
+        elif name and target.is_file() and not re.search(rf"\b(def|class)\s+{name}\b|^{name}\s*[:=]", target.read_text(), re.M):
+            missing.append(f"{path}:{name}")
+    assert not missing, f"docs/architecture.md names what does not exist: {missing}"

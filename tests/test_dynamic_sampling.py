@@ -84,6 +84,23 @@ def test_nonconstant_groups_keeps_float64_precision():
     assert nonconstant_groups(torch.tensor([1, 1, 0, 1]), torch.tensor([0, 0, 1, 1])).tolist() == [False, False, True, True]
 
 
+def test_rewards_reach_the_filter_in_float64(tmp_path):
+    """A reward's scores are kept in float64 from the reward function to the filter: 1 and 1 + 1e-9 (one
+    float32) are a varied group, as in verl, whose filter reads the scores as Python floats. The combined
+    reward that feeds the advantages stays float32."""
+    from unirl.config.schema import RewardConfig
+    from unirl.reward_set import RewardSet
+
+    (tmp_path / "near.py").write_text("def near(samples, **kwargs):\n    return [1.0, 1.0 + 1e-9, 1.0, 1.0]\n")
+    rewards = RewardSet([RewardConfig(name=f"{tmp_path / 'near.py'}:near")])
+    ids = torch.tensor([0, 0, 1, 1])
+    components = rewards.components(["a", "b", "c", "d"], prompts=["p", "p", "q", "q"], columns={})
+    assert components["near"].dtype == torch.float64
+    assert nonconstant_groups(components["near"], ids).tolist() == [True, True, False, False]
+    total, _ = rewards.combine(components, ids)
+    assert total.dtype == torch.float32 and total.tolist() == [1.0] * 4
+
+
 def test_concat_rollouts_pads_each_side_and_renumbers_groups():
     a = Rollout(tensors={"prompt_ids": torch.tensor([[0, 5], [0, 5]]), "response_ids": torch.tensor([[7], [8]])},
                 group_ids=torch.tensor([3, 3]), prompts=["p", "p"], samples=["x", "y"], columns={"c": [1, 1]})
@@ -119,7 +136,7 @@ def test_each_step_trains_exactly_prompts_per_step_varied_groups(tmp_path, tiny_
     try:
         seen_batches = 0
         for _ in range(3):
-            filtered = trainer.dynamic_sampling()
+            filtered = trainer.producer.draw_filtered()
             rollout = filtered.rollout
             raw = rollout.tensors["score/scripted"]
             assert len(torch.unique(rollout.group_ids)) == 4 and len(rollout) == 12
@@ -133,7 +150,7 @@ def test_each_step_trains_exactly_prompts_per_step_varied_groups(tmp_path, tiny_
             assert m["filter/kept_groups"] == 4 and m["filter/prompts_seen"] == 4 * m["filter/gen_batches"]
             assert m["filter/varied_groups"] >= 4
             seen_batches += int(m["filter/gen_batches"])
-            assert trainer.prompt_batches == seen_batches  # prompts are drawn in order, none twice
+            assert trainer.producer.prompt_batches == seen_batches  # prompts are drawn in order, none twice
         assert seen_batches > 3, "the data has constant groups: some step needed a second batch"
         metrics = trainer.train_step()  # the whole step on a filtered batch
         assert metrics["filter/kept_groups"] == 4 and metrics["adv/zero_std_frac"] == 0.0
@@ -148,9 +165,9 @@ def test_at_the_limit_it_stops_with_a_clear_error_or_trains_on_what_was_kept(tmp
                        "trainer.mini_batch_size=24", "trainer.micro_batch_size=24")
     try:
         with pytest.raises(SamplingExhausted, match=r"max_num_gen_batches\) kept \d of trainer.prompts_per_step=8"):
-            trainer.dynamic_sampling()
+            trainer.producer.draw_filtered()
         trainer.algo.filter_groups.on_exhausted = "train"
-        filtered = trainer.dynamic_sampling()
+        filtered = trainer.producer.draw_filtered()
         groups = len(torch.unique(filtered.rollout.group_ids))
         assert 0 < groups < 8 and filtered.metrics["filter/kept_groups"] == groups
         assert {_kind(p) for p in filtered.rollout.prompts} == {2}
@@ -197,7 +214,7 @@ def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny
     cfg = load_run_config("text", "tiny", [*CONSTANT_ARGS, _constant_reward(tmp_path), "trainer.total_steps=3",
                                            "algo.filter_groups.max_num_gen_batches=0"], output_dir=str(tmp_path / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
-    real, calls = trainer.env.rollout, []
+    real, calls = trainer.env.sampler.rollout, []
 
     def rollout(rows, group_size):
         calls.append(len(rows))
@@ -206,7 +223,7 @@ def test_the_first_sigterm_stops_dynamic_sampling_without_a_limit(tmp_path, tiny
         assert len(calls) < 30, "the SIGTERM did not stop dynamic sampling"
         return real(rows, group_size)
 
-    trainer.env.rollout = rollout
+    trainer.env.sampler.rollout = rollout
     with pytest.raises(Preempted) as info:
         trainer.train()
     assert info.value.exit_code == 143 and len(calls) == 3

@@ -55,16 +55,16 @@ def test_update_logs_entropy_with_entropy_coef_zero(tmp_path, tiny_lm_dir):
     trainer.setup()
     try:
         env = trainer.env
-        rollout = env.rollout(env.next_prompts(0), 4)
-        rewards, _ = env.score(rollout)
+        rollout = env.sampler.rollout(env.prompts.next(0), 4)
+        rewards, _ = env.scorer.score(rollout)
         trainer.advantages(rollout, rewards)
         trainer.old_and_reference(rollout)  # no-grad pass: no entropy computed there
         with torch.no_grad():
-            assert "entropy" not in env.score_actions(env.model, rollout)  # no-grad passes and entropy_coef 0: not computed
+            assert "entropy" not in env.actions.score_actions(env.model, rollout)  # no-grad passes and entropy_coef 0: not computed
         # The expected value from the full logits, before the update changes the weights.
         env.cfg.model.logprob_chunk_size, env.cfg.algo.entropy_coef = None, 1.0  # only to have the full path's entropy
         with torch.no_grad():
-            full = env.score_actions(env.model, rollout)
+            full = env.actions.score_actions(env.model, rollout)
         env.cfg.model.logprob_chunk_size, env.cfg.algo.entropy_coef = 5, 0.0
         expected = aggregate(full["entropy"], full["mask"], "token-mean")
         metrics = trainer.update(rollout)

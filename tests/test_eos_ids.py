@@ -14,7 +14,9 @@ import shutil
 import pytest
 import torch
 
-from unirl.text.engines import HFEngine, eos_token_ids
+from unirl.rollout.hf import HFEngine
+
+from unirl.rollout.engine import eos_token_ids
 
 PROMPT = "3+4=?"
 
@@ -68,7 +70,7 @@ def test_hf_engine_stops_on_the_second_eos_and_calls_it_finished(two_eos):
 def test_vllm_engine_stops_on_the_second_eos_and_calls_it_finished(two_eos):
     from transformers import AutoTokenizer
 
-    from unirl.text.engines import VLLMEngine
+    from unirl.rollout.vllm import VLLMEngine
 
     path, eos, second = two_eos
     tokenizer = AutoTokenizer.from_pretrained(path)

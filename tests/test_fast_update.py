@@ -34,21 +34,21 @@ def _trainer(tmp_path, name: str, *overrides: str) -> Trainer:
 def _update_with_grads(trainer: Trainer, rollout: Rollout) -> tuple[dict, list[torch.Tensor]]:
     """``update``, keeping a copy of the accumulated gradient at its (single) optimizer step."""
     grads: list[list[torch.Tensor]] = []
-    step = trainer.optimizer_step
+    step = trainer.backend.clip_and_step  # the optimizer step every update takes
 
-    def recording_step():
+    def recording_step(*args, **kwargs):
         grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
-        return step()
+        return step(*args, **kwargs)
 
-    trainer.optimizer_step = recording_step
+    trainer.backend.clip_and_step = recording_step
     metrics = trainer.update(rollout)
     assert len(grads) == 1
     return metrics, grads[0]
 
 
 def _scored_rollout(trainer: Trainer) -> Rollout:
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-    rewards, _ = trainer.env.score(rollout)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+    rewards, _ = trainer.env.scorer.score(rollout)
     if rewards.std() == 0:  # the group advantages must not all be zero: spread the rewards by hand
         rewards = torch.linspace(0, 1, len(rollout))
     trainer.advantages(rollout, rewards)
@@ -81,11 +81,11 @@ def test_on_policy_update_takes_old_logprobs_from_its_first_forward(tmp_path, ti
 
         # The separate pass, by hand, on the same weights and batch.
         with torch.no_grad():
-            by_hand.old_logp = score_all(separate, separate.env.model, by_hand)["logp"]
+            by_hand.old_logp = score_all(separate.ctx, separate.env.model, by_hand)["logp"]
         m_rollout = rollout_metrics(separate, by_hand)
         if kl > 0:
-            with separate.env.reference_model() as ref, torch.no_grad():
-                by_hand.ref["logp"] = score_all(separate, ref, by_hand)["logp"]
+            with separate.env.models.reference() as ref, torch.no_grad():
+                by_hand.ref["logp"] = score_all(separate.ctx, ref, by_hand)["logp"]
         m_sep, g_sep = _update_with_grads(separate, by_hand)
 
         mask = rollout.tensors["response_mask"].bool()
@@ -112,7 +112,7 @@ def test_off_policy_update_keeps_the_separate_pass(tmp_path, tiny_lm_dir):
         metrics = trainer.old_and_reference(rollout)
         assert rollout.old_logp is not None and "rollout/logprob_diff_max" in metrics
         old, rollout.old_logp = rollout.old_logp, None
-        with pytest.raises(RuntimeError, match="old_and_reference"):
+        with pytest.raises(RuntimeError, match="run the old_logprobs stage first"):
             trainer.update(rollout)  # two epochs: the first forward of the second is not on-policy
         rollout.old_logp = old
         assert "rollout/logprob_diff_max" not in trainer.update(rollout)
@@ -131,9 +131,9 @@ def test_token_budget_micro_batches_give_the_padded_update(tmp_path, tiny_lm_dir
         lengths = rollout.tensors["response_mask"].sum(-1)
         assert lengths.min() < lengths.max(), "need responses of different lengths"
         chunks = packed.micro_batches(rollout)
-        widths = {int(packed.env.trim_padding(rollout.select(c)).tensors["response_ids"].shape[1]) for c in chunks}
+        widths = {int(packed.env.actions.trim_padding(rollout.select(c)).tensors["response_ids"].shape[1]) for c in chunks}
         assert len(chunks) > 1 and len(widths) > 1  # several micro-batches, padded to different widths
-        tokens = packed.env.sample_tokens(rollout)
+        tokens = packed.env.actions.sample_tokens(rollout)
         for c in chunks:  # each within the budget unless a single sample is longer
             assert len(c) == 1 or len(c) * int(tokens[c].max()) <= 40
         assert sorted(torch.cat(chunks).tolist()) == list(range(len(rollout)))

@@ -216,14 +216,13 @@ TINY = ["model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_seque
 
 
 def make_trainer(tmp_path, *overrides: str):
-    from unirl.config import config_to_dict, load_config
+    from unirl.config import load_config
     from unirl.diffusion import build_environment
     from unirl.diffusion.config import DiffusionConfig
     from unirl.trainer.loop import Trainer
 
     cfg = load_config(DiffusionConfig, None, [*TINY, f"output_dir={tmp_path}", *overrides])
-    trainer = Trainer(build_environment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=tmp_path,
-                      config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(build_environment(cfg), cfg)
     trainer.setup()
     return trainer
 
@@ -232,10 +231,10 @@ def make_trainer(tmp_path, *overrides: str):
 def test_guards_on_the_toy_start_at_ratio_one_and_train(tmp_path, loss):
     trainer = make_trainer(tmp_path, f"algo.policy_loss={loss}")
     env = trainer.env
-    rollout = env.rollout(env.next_prompts(0), 4)
+    rollout = env.sampler.rollout(env.prompts.next(0), 4)
     assert rollout.tensors["old_mean"].shape == rollout.tensors["latents"].shape  # [N, T, *latent]: kept for the loss
     before = [p.detach().clone() for p in env.model.parameters() if p.requires_grad]
-    metrics = trainer.learn(rollout, env.score(rollout)[0])[1]
+    metrics = trainer.learn(rollout, env.scorer.score(rollout)[0])[1]
     # The first update re-scores the stored steps with the sampling weights: the same means, bit for bit.
     if loss == "grpo_guard":
         assert metrics["loss/guard_ratio"] == 1.0 and metrics["loss/guard_clip_frac"] == 0.0
@@ -248,6 +247,6 @@ def test_guards_on_the_toy_start_at_ratio_one_and_train(tmp_path, loss):
 
 def test_the_clipped_loss_keeps_no_step_means(tmp_path):
     trainer = make_trainer(tmp_path)
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
     assert "old_mean" not in rollout.tensors  # no latent-sized copy where nothing reads it
     trainer.env.close()

@@ -159,14 +159,13 @@ TINY = ["model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_seque
 
 
 def make_trainer(tmp_path, *overrides: str):
-    from unirl.config import config_to_dict, load_config
+    from unirl.config import load_config
     from unirl.diffusion import build_environment
     from unirl.diffusion.config import DiffusionConfig
     from unirl.trainer.loop import Trainer
 
     cfg = load_config(DiffusionConfig, None, [*TINY, f"output_dir={tmp_path}", *overrides])
-    trainer = Trainer(build_environment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=tmp_path,
-                      config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(build_environment(cfg), cfg)
     trainer.setup()
     return trainer
 
@@ -174,7 +173,7 @@ def make_trainer(tmp_path, *overrides: str):
 def test_tempflow_branches_each_prompt_at_one_step_and_rescores_its_log_probs(tmp_path):
     trainer = make_trainer(tmp_path, "algorithm=tempflow", "trainer.seed=3")
     env = trainer.env
-    rollout = env.rollout(env.next_prompts(0), 4)
+    rollout = env.sampler.rollout(env.prompts.next(0), 4)
     steps, latents, nxt = rollout.tensors["step_index"], rollout.tensors["latents"], rollout.tensors["next_latents"]
     assert steps.shape == (12, 1) and rollout.old_logp.shape == (12, 1)
     assert len(set(steps.flatten().tolist())) > 1  # the prompts branch at different steps (this seed)
@@ -185,8 +184,8 @@ def test_tempflow_branches_each_prompt_at_one_step_and_rescores_its_log_probs(tm
         assert not torch.equal(nxt[members[0]], nxt[members[1]])
     assert rollout.prompts[::4] == [rollout.prompts[4 * g] for g in range(3)]
     with torch.no_grad():  # the stored steps re-scored under the sampling weights: the sampler's log-probs
-        torch.testing.assert_close(env.score_actions(env.model, rollout)["logp"], rollout.old_logp, rtol=0, atol=1e-5)
-    metrics = trainer.learn(rollout, env.score(rollout)[0])[1]
+        torch.testing.assert_close(env.actions.score_actions(env.model, rollout)["logp"], rollout.old_logp, rtol=0, atol=1e-5)
+    metrics = trainer.learn(rollout, env.scorer.score(rollout)[0])[1]
     assert metrics["loss/tempflow_weight"] > 0 and metrics["actor/grad_norm"] > 0
     env.close()
 
@@ -195,14 +194,14 @@ def test_tempflow_branches_each_prompt_at_one_step_and_rescores_its_log_probs(tm
 def test_forward_process_methods_train_a_step_on_the_toy(tmp_path, algorithm):
     trainer = make_trainer(tmp_path, f"algorithm={algorithm}", "sampling.timestep_fraction=0.34")
     env = trainer.env
-    rollout = env.rollout(env.next_prompts(0), 4)
+    rollout = env.sampler.rollout(env.prompts.next(0), 4)
     assert rollout.tensors["clean"].shape[0] == 12 and rollout.tensors["sigma"].shape == (12, 2)
     if algorithm == "dgpo":  # levels shared by the batch, noise by the group (and by its levels)
         assert (rollout.tensors["sigma"] == rollout.tensors["sigma"][:1]).all()
         noise = rollout.tensors["noise"]
         assert torch.equal(noise[0, 0], noise[3, 1]) and not torch.equal(noise[0, 0], noise[4, 0])
     before = [p.detach().clone() for p in env.model.parameters() if p.requires_grad]
-    metrics = trainer.learn(rollout, env.score(rollout)[0])[1]
+    metrics = trainer.learn(rollout, env.scorer.score(rollout)[0])[1]
     assert metrics["actor/grad_norm"] > 0
     if algorithm == "awm":  # the old log-probs are the update's first forward: ratio 1
         assert metrics["actor/clip_frac"] == 0.0
@@ -224,7 +223,7 @@ def _per_colour():
 def test_tiny_colour_config_learns_each_colour(tmp_path, method):
     """The shipped config for 30 steps: the held-out reward of the "red" prompts and of the "blue" ones
     both rise (one colour for every prompt would lower the other)."""
-    from unirl.config import config_to_dict, load_config
+    from unirl.config import load_config
     from unirl.diffusion import build_environment
     from unirl.diffusion.config import DiffusionConfig
     from unirl.trainer.loop import Trainer
@@ -232,8 +231,7 @@ def test_tiny_colour_config_learns_each_colour(tmp_path, method):
     per_colour = _per_colour()
     cfg = load_config(DiffusionConfig, REPO / f"configs/diffusion/tiny_colour_{method}.yaml",
                       ["trainer.eval_every=0", "trainer.progress=false", f"output_dir={tmp_path}"])
-    trainer = Trainer(build_environment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer, run_dir=tmp_path,
-                      config_dict=config_to_dict(cfg))
+    trainer = Trainer.from_config(build_environment(cfg), cfg)
     trainer.setup()
     before = per_colour(trainer.env)
     for _ in range(30):

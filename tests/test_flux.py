@@ -131,18 +131,18 @@ def test_noise_level_zero_is_the_pipelines_euler_sampler(pipe, guidance):
 def test_first_update_is_exactly_on_policy(tiny_flux_dir, overrides):
     env = make_env(*overrides)
     perturb_lora(env)
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     old = rollout.old_logp  # [N, T]
     assert rollout.tensors["latents"].shape[2:] == (64, 16)  # packed tokens
     with torch.no_grad():
-        cur = env.score_actions(env.model, rollout)
+        cur = env.actions.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
     # One trained step at a time (the loop's column slices) gives the same log-probs.
     with torch.no_grad():
-        pieces = [env.score_actions(env.model, rollout, cols)["logp"] for cols in env.column_slices(rollout)]
+        pieces = [env.actions.score_actions(env.model, rollout, cols)["logp"] for cols in env.actions.column_slices(rollout)]
     torch.testing.assert_close(torch.cat(pieces, 1), old, rtol=0, atol=1e-6)
     # The gradient reaches only the LoRA weights, and some of them.
-    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.actions.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0
@@ -151,13 +151,13 @@ def test_first_update_is_exactly_on_policy(tiny_flux_dir, overrides):
 
 def test_reference_is_the_adapter_disabled_and_kl_is_zero_before_training(tiny_flux_dir):
     env = make_env("algo.kl_coef=0.04")
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     with torch.no_grad():
-        with env.reference_model() as ref:
-            ref_out = env.score_actions(ref, rollout)
-        assert torch.equal(env.kl(env.score_actions(env.model, rollout), ref_out), torch.zeros_like(ref_out["logp"]))
+        with env.models.reference() as ref:
+            ref_out = env.actions.score_actions(ref, rollout)
+        assert torch.equal(env.actions.kl(env.actions.score_actions(env.model, rollout), ref_out), torch.zeros_like(ref_out["logp"]))
         perturb_lora(env)
-        assert bool((env.kl(env.score_actions(env.model, rollout), ref_out) > 0).all())
+        assert bool((env.actions.kl(env.actions.score_actions(env.model, rollout), ref_out) > 0).all())
     env.close()
 
 
@@ -186,7 +186,7 @@ def test_saved_lora_loads_into_a_stock_flux_pipeline(tiny_flux_dir, tmp_path):
 
 def test_evaluation_with_the_ema_is_reproducible(tiny_flux_dir, tmp_path):
     env = make_env("data.eval_size=4", "data.grid_size=4")
-    first, second = env.evaluation(0, tmp_path), env.evaluation(0, tmp_path)
+    first, second = env.evaluation(0, tmp_path)[0], env.evaluation(0, tmp_path)[0]
     assert first == second and 0 < first["eval/reward"] < 1
     assert (tmp_path / "eval" / "step_000000.png").exists()
     env.close()

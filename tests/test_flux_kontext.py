@@ -127,16 +127,16 @@ def test_noise_level_zero_is_the_pipelines_euler_sampler(pipe, inputs, guidance)
 def test_first_update_is_exactly_on_policy(tiny_dir, overrides):
     env = make_env(*overrides)
     perturb_lora(env)
-    rows = env.next_prompts(0)
-    rollout = env.rollout(rows, group_size=4)
+    rows = env.prompts.next(0)
+    rollout = env.sampler.rollout(rows, group_size=4)
     assert rollout.tensors["image_latents"].shape == (8, 64, 16)  # each row's input, repeated for its group
     assert rollout.columns["image"] == [row["image"] for row in rows for _ in range(4)]  # the reward's input paths
     assert all(Path(p).is_absolute() and Path(p).is_file() for p in rollout.columns["image"])
     old = rollout.old_logp
     with torch.no_grad():
-        cur = env.score_actions(env.model, rollout)
+        cur = env.actions.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
-    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.actions.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0
@@ -144,7 +144,7 @@ def test_first_update_is_exactly_on_policy(tiny_dir, overrides):
     import numpy as np
     from PIL import Image
 
-    scores, _ = env.score(rollout)
+    scores, _ = env.scorer.score(rollout)
     by_hand = [1 - np.abs(np.asarray(x, dtype=np.float64) - np.asarray(Image.open(p).convert("RGB"), dtype=np.float64)).mean() / 255
                for x, p in zip(rollout.samples, rollout.columns["image"])]  # the inputs are 32 px already
     torch.testing.assert_close(rollout.tensors["score/input_similarity"].double(), torch.tensor(by_hand), rtol=0, atol=1e-6)
@@ -176,8 +176,8 @@ def test_saved_lora_loads_into_a_stock_kontext_pipeline(tiny_dir, inputs, tmp_pa
 
 def test_evaluation_samples_each_rows_input(tiny_dir, tmp_path):
     env = make_env("data.eval_size=4", "data.grid_size=4")
-    first = env.evaluation(0, tmp_path)
-    assert first == env.evaluation(0, tmp_path) and 0 < first["eval/reward"] < 1
+    first = env.evaluation(0, tmp_path)[0]
+    assert first == env.evaluation(0, tmp_path)[0] and 0 < first["eval/reward"] < 1
     assert (tmp_path / "eval" / "step_000000.png").exists()
     env.close()
 

@@ -96,7 +96,7 @@ def _saved_moments(state_dir) -> dict[int, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     moments: dict[int, dict[str, torch.Tensor]] = {}
-    for meta in sorted(state_dir.glob("optimizer_0.rank*of*.json")):
+    for meta in sorted(state_dir.glob("policy_optimizer.rank*of*.json")):
         tensors = load_file(str(meta).removesuffix(".json") + ".safetensors")
         for index, entry in json.loads(meta.read_text())["state"]["__items__"]:
             for key, ref in entry.items():
@@ -156,7 +156,7 @@ def test_fsdp2_resume_is_exact_on_one_process(fsdp_runs):
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, a[name if name in a else "model.embed_tokens.weight"], rtol=0, atol=0)
     state = fsdp_runs / "two" / "checkpoints" / "step_000002" / "trainer_state"
-    assert {p.name for p in state.glob("model_0.rank*")} == {f"model_0.rank{r}of2.{e}" for r in (0, 1)
+    assert {p.name for p in state.glob("policy.rank*")} == {f"policy.rank{r}of2.{e}" for r in (0, 1)
                                                              for e in ("json", "safetensors")}
     assert not list(state.rglob("*.bin")) and not list(state.rglob("*.pt")) and not list(state.rglob("*.pkl"))
 

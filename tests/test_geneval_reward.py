@@ -1,7 +1,7 @@
 """GenEval's rules, case by case, on a stand-in detector built here (no detection model is loaded).
 
 Each case follows a rule of GenEval's ``evaluation/evaluate_images.py`` (restated in
-``rewards/geneval.py``): confidence thresholds (0.3; 0.9 for counting), the ``count`` most confident
+``unirl/rewards/geneval.py``): confidence thresholds (0.3; 0.9 for counting), the ``count`` most confident
 objects, colours of those only, positions against the earlier clause's objects, exclusions. The
 relative-position rule is also checked against the formula re-typed here with numpy over random boxes.
 """

@@ -10,7 +10,9 @@ import json
 import pytest
 import torch
 
-from unirl.text.engines import HFEngine, eos_token_ids
+from unirl.rollout.hf import HFEngine
+
+from unirl.rollout.engine import eos_token_ids
 
 
 def _full_vocabulary(model, tokenizer, prompts, *, n, max_new_tokens, temperature, top_p, top_k, greedy, seed):
@@ -158,7 +160,7 @@ def test_a_static_cache_samples_what_the_dynamic_one_does(tiny_lm_dir, greedy):
 
 def test_the_static_cache_is_sized_for_the_runs_longest_call():
     from unirl.api import load_config
-    from unirl.text.sizing import longest_call
+    from unirl.rollout.sizing import longest_call
 
     assert longest_call(load_config("text", "tiny", ["data.max_prompt_length=100", "rollout.max_new_tokens=30"])) == 130
     assert longest_call(load_config("text", "tiny", ["data.max_prompt_length=100", "rollout.max_new_tokens=30",

@@ -180,7 +180,7 @@ def test_text_env_evaluate_matches_the_full_logits_path(tmp_path, tiny_lm_dir, l
                         p.normal_(0, 0.1)
         t = _padded_batch(len(env.tokenizer), seed=11)
         batch = Rollout(tensors=t, group_ids=torch.arange(5), prompts=[""] * 5, samples=[""] * 5)
-        out = env.score_actions(model, batch)
+        out = env.actions.score_actions(model, batch)
         logp, entropy = _old_evaluate(model, t, temperature=0.8)
         mask = t["response_mask"]
         torch.testing.assert_close(out["logp"], logp, **TOL)
@@ -213,9 +213,9 @@ def test_lora_on_the_output_head_needs_the_full_path(tmp_path, tiny_lm_dir):
         t = _padded_batch(len(env.tokenizer), seed=1)
         batch = Rollout(tensors=t, group_ids=torch.arange(5), prompts=[""] * 5, samples=[""] * 5)
         with pytest.raises(ValueError, match="plain torch.nn.Linear, got Linear .*model.logprob_chunk_size=null"):
-            env.score_actions(env.model, batch)
+            env.actions.score_actions(env.model, batch)
         env.cfg.model.logprob_chunk_size = None  # the full logits: LoRA's head delta included
-        torch.testing.assert_close(env.score_actions(env.model, batch)["logp"], _old_evaluate(env.model, t, 0.8)[0], **TOL)
+        torch.testing.assert_close(env.actions.score_actions(env.model, batch)["logp"], _old_evaluate(env.model, t, 0.8)[0], **TOL)
     finally:
         env.close()
 

@@ -7,6 +7,7 @@ same parameters as the whole mini-batch at once, for every loss aggregation mode
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -20,13 +21,13 @@ def _record_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
     """Keep a copy of the accumulated gradients at every optimizer step (Adam's update would hide
     a wrong overall scale, the gradient does not)."""
     grads: list[list[torch.Tensor]] = []
-    step = trainer.optimizer_step
+    step = trainer.backend.clip_and_step  # the optimizer step every update takes
 
-    def recording_step():
+    def recording_step(*args, **kwargs):
         grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
-        return step()
+        return step(*args, **kwargs)
 
-    trainer.optimizer_step = recording_step
+    trainer.backend.clip_and_step = recording_step
     return grads
 
 
@@ -48,8 +49,8 @@ def test_micro_batches_give_the_same_update(tmp_path, tiny_lm_dir, agg, share_pr
     kl = 0.1 if agg == "token-mean" else 0.0
     whole, split = _trainer(tmp_path, 16, agg, kl, share_prompt), _trainer(tmp_path, 4, agg, kl, share_prompt)
     try:
-        rollout = whole.env.rollout(whole.env.next_prompts(0), 4)
-        rewards, _ = whole.env.score(rollout)
+        rollout = whole.env.sampler.rollout(whole.env.prompts.next(0), 4)
+        rewards, _ = whole.env.scorer.score(rollout)
         assert rewards.std() > 0, "need a non-zero advantage somewhere"
         whole.advantages(rollout, rewards)
         whole.old_and_reference(rollout)
@@ -85,8 +86,8 @@ def test_micro_batches_give_the_same_update(tmp_path, tiny_lm_dir, agg, share_pr
 def test_on_policy_first_mini_batch_has_ratio_one(tmp_path, tiny_lm_dir):
     trainer = _trainer(tmp_path, 16, "token-mean", 0.0)
     try:
-        rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-        rewards, _ = trainer.env.score(rollout)
+        rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+        rewards, _ = trainer.env.scorer.score(rollout)
         trainer.advantages(rollout, rewards)
         trainer.old_and_reference(rollout)
         metrics = trainer.update(rollout)  # one mini-batch: the whole step is on-policy
@@ -109,8 +110,8 @@ def test_update_trains_in_training_mode_and_sampling_restores_it(tmp_path, tiny_
     try:
         model.eval()
         for _ in range(2):
-            rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-            rewards, _ = trainer.env.score(rollout)
+            rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+            rewards, _ = trainer.env.scorer.score(rollout)
             trainer.advantages(rollout, rewards)
             trainer.old_and_reference(rollout)
             trainer.update(rollout)
@@ -133,14 +134,14 @@ def test_old_logprobs_keep_the_rollout_width_when_the_widest_response_ends_maske
     if not on_policy:
         trainer.cfg.mini_batch_size = 8  # two mini-batches: old log-probs recomputed before the update
     try:
-        rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+        rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
         t = rollout.tensors
         width = t["response_mask"].shape[1]
         for name, value in list(t.items()):  # two masked columns past every response: R grows, nothing real does
             if value.ndim == 2 and value.shape[1] == width:
                 t[name] = torch.nn.functional.pad(value, (0, 2))
         rollout.engine_logp = torch.nn.functional.pad(rollout.engine_logp, (0, 2))  # the sampler's, a typed field
-        rewards, _ = trainer.env.score(rollout)
+        rewards, _ = trainer.env.scorer.score(rollout)
         metrics = {}
         trainer.advantages(rollout, rewards)
         metrics.update(trainer.old_and_reference(rollout))
@@ -177,13 +178,15 @@ def test_each_sample_carries_the_optimizer_steps_of_the_weights_that_sampled_it(
     ], output_dir=str(tmp_path / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
-    seen, update = [], trainer.update
+    seen = []
+    i = trainer.plan.names.index("update")  # the plan's update stage, wrapped to see what it is given
+    update = trainer.plan.stages[i]
 
-    def recording_update(rollout):
-        seen.append((rollout.policy_version.clone(), trainer.optimizer_steps))
-        return update(rollout)
+    def recording_update(ctx, state, rollout):
+        seen.append((rollout.policy_version.clone(), state.optimizer_steps))
+        return update.run(ctx, state, rollout)
 
-    trainer.update = recording_update
+    trainer.plan.stages[i] = dataclasses.replace(update, run=recording_update)
     for _ in range(2):
         trainer.train_step()
     trainer.env.close()

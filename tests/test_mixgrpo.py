@@ -78,8 +78,8 @@ def test_rollouts_use_the_window_of_their_step(tiny_sd3_dir):
                    "sampling.sde_window.schedule=progressive", "sampling.sde_window.shift_interval=1",
                    "sampling.sde_window.stride=2", "sampling.guidance_scale=1.0")
     for step, (start, stop) in enumerate([(0, 2), (2, 4), (4, 5), (0, 2)]):
-        rollout = env.rollout(env.next_prompts(step), group_size=4)
-        _, metrics = env.score(rollout)
+        rollout = env.sampler.rollout(env.prompts.next(step), group_size=4)
+        _, metrics = env.scorer.score(rollout)
         assert rollout.tensors["step_index"][0].tolist() == list(range(start, stop))
         assert metrics["rollout/window_start"] == start and metrics["rollout/window_size"] == stop - start
     env.close()
@@ -228,12 +228,12 @@ def test_a_compressed_rollout_runs_fewer_steps_and_stays_on_policy(tiny_sd3_dir)
                    "sampling.sde_window.range=[1,3]", "sampling.same_noise_per_group=true", "sampling.branch_prefix=true",
                    "sampling.ode_solver=dpm2m", "sampling.tail_step_ratio=0.5")
     perturb_lora(env)
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
-    _, metrics = env.score(rollout)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
+    _, metrics = env.scorer.score(rollout)
     # 6 steps, window [1, 3): the 3 steps after it become int(4 * 0.5) - 1 = 1; the prefix step runs per prompt.
     assert kept_steps(6, 3, 0.5) == [0, 1, 2, 3, 6]
     assert metrics["rollout/transformer_calls"] == 2 * 1 + 8 * (2 + 1)
     with torch.no_grad():
-        cur = env.score_actions(env.model, rollout)
+        cur = env.actions.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], rollout.old_logp)
     env.close()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from unirl.text.engines import Generation
+from unirl.rollout.engine import Generation
 from unirl.text.multiturn import multi_turn_generate
 from unirl.text.multiturn_rollout import multi_turn_metrics, trajectories_to_rollout
 from unirl.tools.calling import ToolRunner

@@ -44,7 +44,9 @@ def _trajectories(engine, tokenizer, prompts):
 def test_greedy_vllm_and_hf_give_the_same_multi_turn_trajectories(tiny_lm_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.text.engines import HFEngine, VLLMEngine
+    from unirl.rollout.hf import HFEngine
+
+    from unirl.rollout.vllm import VLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
     rows = [json.loads(line) for line in (tiny_lm_dir / "test.jsonl").read_text().splitlines()[:6]]

@@ -187,7 +187,7 @@ def make_trainer(tmp_path, *overrides: str):
 def test_rollout_keeps_clean_latents_and_the_first_update_starts_at_the_old_policy(tmp_path):
     trainer = make_trainer(tmp_path, "sampling.timestep_fraction=0.5", "algo.loss_args.kl_coef=0.01")
     env = trainer.env
-    rollout = env.rollout(env.next_prompts(0), 4)
+    rollout = env.sampler.rollout(env.prompts.next(0), 4)
     N, T = 8, 2  # int(4 * 0.5) noise levels per sample, drawn from the 4-step schedule
     assert rollout.tensors["clean"].shape == (N, *env.latent_shape)
     assert rollout.tensors["noise"].shape == (N, T, *env.latent_shape)
@@ -197,13 +197,13 @@ def test_rollout_keeps_clean_latents_and_the_first_update_starts_at_the_old_poli
     assert all(float(s) in sigmas.tolist() for s in rollout.tensors["sigma"].flatten())
     assert all(len(set(row.tolist())) == T for row in rollout.tensors["sigma"])  # distinct levels per sample
     # The rollout is the ODE sample of the old policy: the evaluation sampler's at the training steps.
-    metrics = trainer.learn(rollout, env.score(rollout)[0])[1]
+    metrics = trainer.learn(rollout, env.scorer.score(rollout)[0])[1]
     assert metrics["loss/old_deviation"] == 0.0  # first update: the current policy is the old one
     assert metrics["loss/kl"] < 1e-12 and metrics["actor/grad_norm"] > 0
     assert not any(k.startswith("actor/ratio") for k in metrics)  # no ratio: NFT has no log-probs
     # The old policy moves only at the next rollout, with decay 0 on the first step (decay_type 1).
     moved = [p.detach().clone() for p in env.mode.old.params]
-    env.rollout(env.next_prompts(1), 4)
+    env.sampler.rollout(env.prompts.next(1), 4)
     assert all(torch.allclose(s, p) for s, p in zip(env.mode.old.shadow, moved))
     env.close()
 

@@ -96,17 +96,17 @@ def test_packed_and_padded_agree_on_rows_with_holes_and_holes_are_attended(tmp_p
                    "trainer.micro_batch_size=16", "rollout.max_new_tokens=10", "algo.entropy_coef=0.01")
     try:
         model = env.model.train()
-        rollout = _with_holes(env.rollout(env.next_prompts(0), 4), seed=0)
+        rollout = _with_holes(env.sampler.rollout(env.prompts.next(0), 4), seed=0)
         mask = rollout.tensors["response_mask"]
         assert (mask != rollout.tensors["response_attention_mask"]).any()
         # trim_padding keeps the tokens after a hole (the longest row's tokens, not its trained count)
-        trimmed = env.trim_padding(rollout)
+        trimmed = env.actions.trim_padding(rollout)
         assert trimmed.tensors["response_ids"].shape[1] == int(rollout.tensors["response_attention_mask"].sum(-1).max())
         w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
         results = []
         for share in (True, False):
             env.cfg.model.share_prompt = share
-            out = env.score_actions(model, rollout)
+            out = env.actions.score_actions(model, rollout)
             ((w * out["logp"] - out["entropy"]) * mask).sum().backward()
             results.append((out, _grads(model)))
         (packed, g_packed), (padded, g_padded) = results
@@ -126,8 +126,8 @@ def test_packed_and_padded_agree_on_rows_with_holes_and_holes_are_attended(tmp_p
         for share in (True, False):
             env.cfg.model.share_prompt = share
             with torch.no_grad():
-                before = env.score_actions(model, rollout)["logp"][row, hole + 1]
-                after = env.score_actions(model, dataclasses.replace(rollout, tensors=changed))["logp"][row, hole + 1]
+                before = env.actions.score_actions(model, rollout)["logp"][row, hole + 1]
+                after = env.actions.score_actions(model, dataclasses.replace(rollout, tensors=changed))["logp"][row, hole + 1]
             assert not torch.equal(before, after)
     finally:
         env.close()

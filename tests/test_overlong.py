@@ -51,7 +51,7 @@ def _trainer(tmp_path, *overrides) -> Trainer:
 
 def _loss_and_grads(trainer: Trainer, batch):
     model = trainer.env.model
-    loss, _, _ = micro_loss(trainer, model, trainer.env.trim_padding(batch), mini_denominator(trainer, batch))
+    loss, _, _ = micro_loss(trainer.ctx, model, trainer.env.actions.trim_padding(batch), mini_denominator(trainer.ctx, batch))
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
@@ -64,18 +64,18 @@ def test_truncated_completions_add_nothing_to_the_loss_or_gradient(tmp_path, tin
     try:
         env = trainer.env
         torch.manual_seed(0)
-        rollout = env.rollout(env.next_prompts(0), 4)
-        rewards, metrics = env.score(rollout)
+        rollout = env.sampler.rollout(env.prompts.next(0), 4)
+        rewards, metrics = env.scorer.score(rollout)
         finished = rollout.tensors["finished"]
         assert 0 < int(finished.sum()) < len(finished), "need finished and truncated samples"
         # The overlong penalty is on the combined reward only: max 6, buffer 3.
         lengths = rollout.tensors["response_mask"].sum(-1)
-        torch.testing.assert_close(rewards - rollout.tensors["score/gsm8k"],
+        torch.testing.assert_close(rewards - rollout.tensors["score/gsm8k"].float(),  # scores stay float64
                                    (-(lengths - 3) / 3).clamp(max=0))
         assert metrics["reward/overlong_penalty"] < 0
         trainer.advantages(rollout, rewards)
         trainer.old_and_reference(rollout)
-        assert (env.loss_mask(rollout)[~finished] == 0).all()
+        assert (env.actions.loss_mask(rollout)[~finished] == 0).all()
         full_loss, full_grads = _loss_and_grads(trainer, rollout)
         kept_loss, kept_grads = _loss_and_grads(trainer, rollout.select(finished.nonzero().squeeze(-1)))
         torch.testing.assert_close(full_loss, kept_loss)
@@ -94,7 +94,8 @@ def test_multi_turn_overlong_penalty_is_verls_whole_response_against_its_maximum
     """Three turns of 16 generated tokens and two 10-token observations, max_new_tokens 16, buffer 4:
     all turns' 48 generated tokens against one turn's 16 gave -(48 - 12) / 4 = -9 for a factor of 1.
     As verl: the whole response (68 tokens with the observations) against the most it may hold
-    (max_total_tokens less its prompt), and never below -factor."""
+    (max_total_tokens less its prompt), and never below -factor. Without max_total_tokens: the generated
+    tokens against max_turns * max_new_tokens (``test_without_max_total_tokens_observations_count_nowhere``)."""
     from types import SimpleNamespace
 
     from unirl.text.multiturn_rollout import overlong_lengths
@@ -112,14 +113,39 @@ def test_multi_turn_overlong_penalty_is_verls_whole_response_against_its_maximum
         cfg = SimpleNamespace(max_total_tokens=max_total, max_turns=3, max_new_tokens=16)
         lengths, max_length = overlong_lengths(cfg, tensors)
         got = overlong_penalty(lengths, max_length=max_length, buffer=buffer, factor=factor)
-        # the reference, sample by sample: verl's formula on (response length, the response's maximum)
+        # the reference, sample by sample: verl's formula on (response length, the response's maximum); without
+        # max_total_tokens on (generated tokens, the generated budget)
         limit = [max_total - int(p) if max_total is not None else 3 * 16 for p in prompt_len]
-        ref = [max(-factor, _verl_dapo(int(n), m, buffer, factor)) for n, m in zip(response_len, limit)]
+        counted = response_len if max_total is not None else generated.sum(-1).long()
+        ref = [max(-factor, _verl_dapo(int(n), m, buffer, factor)) for n, m in zip(counted, limit)]
         torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float32))
         assert got.min() >= -factor
         # where the response is within its maximum (all verl can see), exactly verl's unbounded formula
-        within = [i for i in range(N) if int(response_len[i]) <= limit[i]]
-        assert torch.equal(got[within], torch.tensor([_verl_dapo(int(response_len[i]), limit[i], buffer, factor)
+        within = [i for i in range(N) if int(counted[i]) <= limit[i]]
+        assert torch.equal(got[within], torch.tensor([_verl_dapo(int(counted[i]), limit[i], buffer, factor)
                                                       for i in within], dtype=torch.float32))
     # the case of the issue: 48 generated tokens, one turn's max_new_tokens, buffer 4: bounded at -1
     assert overlong_penalty(torch.tensor([48]), max_length=torch.tensor([16]), buffer=4).item() == -1.0
+
+
+def test_without_max_total_tokens_observations_count_nowhere():
+    """Two turns of 16 generated tokens around a 10-token observation, max_turns 3, max_new_tokens 16, no
+    max_total_tokens, buffer 8: the 32 generated tokens are under the budget's last 8 (48 - 8 = 40), no
+    penalty. Counting the observation in the length but not in the maximum gave 42 against 48: -0.25."""
+    from types import SimpleNamespace
+
+    from unirl.text.multiturn_rollout import overlong_lengths
+
+    attention = torch.zeros(1, 50)
+    attention[0, :42] = 1
+    generated = attention.clone()
+    generated[0, 16:26] = 0  # the observation
+    tensors = {"prompt_mask": torch.ones(1, 5, dtype=torch.long), "response_attention_mask": attention,
+               "response_mask": generated}
+    cfg = SimpleNamespace(max_total_tokens=None, max_turns=3, max_new_tokens=16)
+    lengths, max_length = overlong_lengths(cfg, tensors)
+    assert lengths.tolist() == [32.0] and max_length == 48
+    assert overlong_penalty(lengths, max_length=max_length, buffer=8).item() == 0.0
+    # With max_total_tokens both count the observation (verl): 42 of 70 - 5 = 65, no penalty either.
+    lengths, max_length = overlong_lengths(SimpleNamespace(max_total_tokens=70, max_turns=3, max_new_tokens=16), tensors)
+    assert lengths.tolist() == [42.0] and max_length.tolist() == [65]

@@ -185,7 +185,7 @@ def test_text_env_packs_its_own_rollout_as_the_padded_rows(tmp_path, tiny_lm_dir
                 for name, p in model.named_parameters():
                     if "lora_B" in name:
                         p.normal_(0, 0.1)
-        rollout = env.rollout(env.next_prompts(0), 4)
+        rollout = env.sampler.rollout(env.prompts.next(0), 4)
         lengths = rollout.tensors["response_mask"].sum(-1)
         assert lengths.min() < lengths.max()
         # The layouts compared in float64: in float32 the two summation orders differ by rounding that
@@ -196,7 +196,7 @@ def test_text_env_packs_its_own_rollout_as_the_padded_rows(tmp_path, tiny_lm_dir
         results = []
         for share in (True, False):
             env.cfg.model.share_prompt = share
-            out = env.score_actions(model, rollout)
+            out = env.actions.score_actions(model, rollout)
             ((w * out["logp"] - out["entropy"]) * mask).sum().backward()
             results.append((out, _grads(model)))
         (packed, g_packed), (padded, g_padded) = results
@@ -230,7 +230,7 @@ def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
         trainers.append(trainer)
     packed, padded = trainers
     try:
-        rollout = packed.env.rollout(packed.env.next_prompts(0), 4)
+        rollout = packed.env.sampler.rollout(packed.env.prompts.next(0), 4)
         rewards = torch.linspace(0, 1, len(rollout))
         packed.advantages(rollout, rewards)
         other = copy.deepcopy(rollout)
@@ -238,13 +238,13 @@ def test_one_update_is_the_same_packed_or_padded(tmp_path, tiny_lm_dir):
         metrics, grads = [], []
         for trainer, batch in ((packed, rollout), (padded, other)):
             trainer.old_and_reference(batch)
-            step = trainer.optimizer_step
+            step = trainer.backend.clip_and_step  # the optimizer step every update takes
 
-            def recording_step(trainer=trainer, step=step):  # the summed gradient at the optimizer step
+            def recording_step(*args, trainer=trainer, step=step, **kwargs):  # the summed gradient at the optimizer step
                 grads.append([p.grad.detach().clone() for p in trainer.env.model.parameters() if p.requires_grad])
-                return step()
+                return step(*args, **kwargs)
 
-            trainer.optimizer_step = recording_step
+            trainer.backend.clip_and_step = recording_step
             metrics.append(trainer.update(batch))
         for key in ("loss/policy", "loss/kl", "loss/total", "actor/grad_norm"):
             assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-6), key

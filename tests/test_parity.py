@@ -30,8 +30,11 @@ from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.sampling import trained_steps
 from unirl.diffusion.sde import sde_step_with_logprob, step_kl
 from unirl.trainer.loop import Trainer
+from unirl.trainer.context import RunState
+from unirl.trainer.zero_advantage import drop_zero_advantage
 from unirl.config.schema import AlgoConfig, TrainerConfig
 from unirl.text.config import TextConfig
+from stage_helpers import stage_context  # tests/stage_helpers.py
 from unirl.text.env import TextEnvironment
 
 SEEDS = [0, 1, 2, 3, 4]
@@ -126,8 +129,8 @@ def text_trainer(tmp_path_factory, tiny_lm_dir):
     ], output_dir=str(tmp_path_factory.mktemp("parity") / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
-    rewards, _ = trainer.env.score(rollout)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
+    rewards, _ = trainer.env.scorer.score(rollout)
     yield trainer, rollout, rewards
     trainer.env.close()
 
@@ -139,7 +142,7 @@ def test_dr_grpo_normaliser_is_sequences_times_max_new_tokens(text_trainer):
     assert mask.sum(-1).max() < 24 or mask.shape[1] <= 24
     trainer.algo.loss_agg = "seq-mean-token-sum-norm"
     try:
-        denominator = mini_denominator(trainer, rollout)
+        denominator = mini_denominator(trainer.ctx, rollout)
     finally:
         trainer.algo.loss_agg = "token-mean"
     assert int(denominator) == len(rollout) * 24
@@ -273,16 +276,13 @@ def test_drop_zero_adv_keeps_what_flowgrpo_keeps(tmp_path, seed):
     # FlowGRPO: mask = adv.abs().sum(1) != 0, topped up with random zero rows to a multiple of num_batches.
     flow_mask = adv.abs().sum(dim=1) != 0
     flow_count = int(flow_mask.sum()) + (-int(flow_mask.sum())) % num_batches
-    trainer = Trainer(None, algo=AlgoConfig(drop_zero_adv=True), optim=None, run_dir=tmp_path,
-                      trainer=TrainerConfig(prompts_per_step=8, group_size=4, mini_batch_size=8, micro_batch_size=8))
-    from accelerate import Accelerator
-
-    trainer.accelerator = Accelerator(cpu=True)  # one process; setup() is not needed for this stage
+    ctx = stage_context(AlgoConfig(drop_zero_adv=True),
+                        TrainerConfig(prompts_per_step=8, group_size=4, mini_batch_size=8, micro_batch_size=8))
     from unirl.env import Rollout
 
     rollout = Rollout(tensors={"row": torch.arange(n)}, advantages=adv, group_ids=torch.arange(n) // 4,
                       prompts=[str(i) for i in range(n)], samples=list(range(n)))
-    kept, metrics = trainer.drop_zero_advantage(rollout)
+    kept, metrics = drop_zero_advantage(ctx, RunState(), rollout)
     assert len(kept) == flow_count and len(kept) % num_batches == 0
     assert set(torch.nonzero(flow_mask).flatten().tolist()) <= set(kept.tensors["row"].tolist())
     assert metrics["adv/dropped_frac"] == pytest.approx(1 - flow_count / n)
@@ -303,8 +303,8 @@ def test_text_kl_clamps_k3_like_verls_low_var_kl_by_default(seed):
     d = (ref_logp - logp).clamp(-20, 20)
     expected = (torch.exp(d) - d - 1).clamp(-10, 10)
     env = TextEnvironment(load_config(TextConfig, {"algo": {"kl_estimator": "k3"}}))
-    torch.testing.assert_close(env.kl({"logp": logp}, {"logp": ref_logp}), expected)
-    unclamped = TextEnvironment(load_config(TextConfig, {"algo": {"kl_clamp": None}})).kl({"logp": logp}, {"logp": ref_logp})
+    torch.testing.assert_close(env.actions.kl({"logp": logp}, {"logp": ref_logp}), expected)
+    unclamped = TextEnvironment(load_config(TextConfig, {"algo": {"kl_clamp": None}})).actions.kl({"logp": logp}, {"logp": ref_logp})
     assert unclamped.max() > 1e3  # the exact value (3.3e6 at a log-ratio of -15) stays an option
 
 

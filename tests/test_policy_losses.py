@@ -158,7 +158,8 @@ def test_algo_policy_loss_is_checked_where_the_config_loads():
     # An unknown name: one line with the registered ones (the shipped ones at least).
     from unirl.core import POLICY_LOSSES
 
-    assert {"clipped", "gspo", "nft", "grpo_guard", "flow_dppo"} <= set(POLICY_LOSSES)
+    assert {"cispo", "clip_cov", "clipped", "dppo_kl", "dppo_tv", "geo_mean", "gspo", "kl_cov", "nft", "sapo", "grpo_guard",
+            "flow_dppo", "dgpo", "tempflow"} <= set(POLICY_LOSSES)
     with pytest.raises(ValueError, match=r"policy_loss: unknown policy loss 'clippd'\. Did you mean 'clipped'\?"
                                          r" Available: " + re.escape(", ".join(POLICY_LOSSES))) as caught:
         load_config(TextConfig, None, ["algo.policy_loss=clippd"])
@@ -171,7 +172,11 @@ def test_algo_policy_loss_is_checked_where_the_config_loads():
     with pytest.raises(ValueError, match="algo.policy_loss=clipped with algorithm=nft"):
         load_config(DiffusionConfig, None, ["algorithm=nft", "sampling.train_cfg=false", "sampling.sde_window.size=0",
                                             "algo.policy_loss=clipped"])
-    assert load_config(DiffusionConfig, None, ["algo.policy_loss=gspo"]).algo.policy_loss == "gspo"
+    assert load_config(DiffusionConfig, None, ["algo.policy_loss=gspo", "algo.loss_agg=seq-mean-token-mean"]
+                       ).algo.policy_loss == "gspo"
+    # GSPO is defined with seq-mean-token-mean (verl hard-codes it): another is refused here, not at the first step.
+    with pytest.raises(ValueError, match="algo.policy_loss=gspo aggregates with loss_agg=seq-mean-token-mean"):
+        load_config(DiffusionConfig, None, ["algo.policy_loss=gspo"])
 
 
 def test_the_run_policy_loss_is_the_configured_one_first():
@@ -180,7 +185,8 @@ def test_the_run_policy_loss_is_the_configured_one_first():
     from unirl.config.schema import AlgoConfig
     from unirl.trainer.update import run_policy_loss
 
-    flowgrpo, nft = SimpleNamespace(policy_loss=None), SimpleNamespace(policy_loss="nft")
+    flowgrpo = SimpleNamespace(actions=SimpleNamespace(policy_loss=None))
+    nft = SimpleNamespace(actions=SimpleNamespace(policy_loss="nft"))
     assert run_policy_loss(flowgrpo, AlgoConfig()) == "clipped"
     assert run_policy_loss(flowgrpo, AlgoConfig(level="sequence", loss_agg="seq-mean-token-mean")) == "gspo"
     assert run_policy_loss(nft, AlgoConfig()) == "nft"

@@ -101,16 +101,16 @@ def test_values_sit_where_the_logprobs_are_packed_or_padded(tmp_path, tiny_lm_di
     env = text_env(tmp_path, "trainer.prompts_per_step=3", "trainer.group_size=2", "trainer.mini_batch_size=6",
                    "trainer.micro_batch_size=6", "rollout.max_new_tokens=6",
                    f"critic.lora.enabled={str(lora).lower()}")
-    model = env.value_model(env.cfg.critic)
+    model = env.models.value_model(env.cfg.critic)
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert any("score" in name for name in trainable)
     if lora:
         assert all("lora_" in name or "score" in name for name in trainable)
-    rollout = env.rollout(env.next_prompts(0), 2)
+    rollout = env.sampler.rollout(env.prompts.next(0), 2)
     with torch.no_grad():
-        packed = env.values(model, rollout)  # [N, R]
+        packed = env.actions.values(model, rollout)  # [N, R]
         env.cfg.model.share_prompt = False
-        padded = env.values(model, rollout)
+        padded = env.actions.values(model, rollout)
         # By hand for sample 0: its own row [prompt | response], the head at positions P-1 .. P+R-2.
         t = rollout.tensors
         P = int(t["prompt_mask"][0].sum())
@@ -155,14 +155,14 @@ def test_a_critic_of_another_vocabulary_is_refused_at_load_in_one_line(tmp_path,
         needed = len(env.tokenizer)
         small = _critic_dir(tiny_lm_dir, tmp_path / "small", vocab_size=needed - 5)
         with pytest.raises(ValueError) as info:
-            env.value_model(CriticConfig(name_or_path=str(small)))
+            env.models.value_model(CriticConfig(name_or_path=str(small)))
         message = str(info.value)
         assert message.startswith(f"critic.name_or_path={small}: the critic embeds {needed - 5} tokens, the policy's "
                                   f"tokenizer has {needed}") and "\n" not in message
         other = _critic_dir(tiny_lm_dir, tmp_path / "other", swap=("1", "2"))
         with pytest.raises(ValueError, match=r"another tokenizer than the policy's \(token '1' is \d+ in the policy's, "
                                              r"the critic's has it as \d+\)"):
-            env.value_model(CriticConfig(name_or_path=str(other)))
-        assert env.value_model(CriticConfig(name_or_path=str(tiny_lm_dir))) is not None  # the same vocabulary loads
+            env.models.value_model(CriticConfig(name_or_path=str(other)))
+        assert env.models.value_model(CriticConfig(name_or_path=str(tiny_lm_dir))) is not None  # the same vocabulary loads
     finally:
         env.close()

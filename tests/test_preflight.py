@@ -18,7 +18,7 @@ from unirl.config.environments import ENVIRONMENTS
 from unirl.config.environments import import_object as _import
 from unirl.config import CONFIGS_ROOT, load_config
 from unirl.preflight import preflight
-from unirl.text.engines import vllm_available
+from unirl.rollout.vllm import vllm_available
 
 from machine import config_param
 

@@ -143,17 +143,17 @@ def test_noise_level_zero_is_the_pipelines_euler_sampler(pipe, guidance):
 def test_first_update_is_exactly_on_policy(tiny_dir, overrides):
     env = make_env(*overrides)
     perturb_lora(env)
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     old = rollout.old_logp  # [N, T]
     assert rollout.tensors["latents"].shape[2:] == (64, 16)  # packed tokens
     assert rollout.tensors["prompt_mask"].dtype == torch.bool
     with torch.no_grad():
-        cur = env.score_actions(env.model, rollout)
+        cur = env.actions.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
     with torch.no_grad():
-        pieces = [env.score_actions(env.model, rollout, cols)["logp"] for cols in env.column_slices(rollout)]
+        pieces = [env.actions.score_actions(env.model, rollout, cols)["logp"] for cols in env.actions.column_slices(rollout)]
     torch.testing.assert_close(torch.cat(pieces, 1), old, rtol=0, atol=1e-6)
-    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.actions.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0

@@ -80,7 +80,7 @@ def test_vllm_matches_the_trainer_before_and_after_a_sync(run):
     for m in history:
         assert m["rollout/logprob_diff_max"] <= 1e-4, m["rollout/logprob_diff_max"]
         assert m["rollout/response_length_mean"] > 1
-    prompt = env.tokenizer.decode(env.encode_prompt(env.next_prompts(0)[0]))
+    prompt = env.tokenizer.decode(env.encode_prompt(env.prompts.next(0)[0]))
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
     assert "####" in prompt  # verl's instruction
 
@@ -126,7 +126,7 @@ def test_lora_on_the_tied_model_merges_under_the_checkpoints_names(model_dir, tm
     from safetensors.torch import load_file
 
     from unirl.cli import load_run_config
-    from unirl.text.policy_weights import hf_checkpoint_weights
+    from unirl.rollout.weights import hf_checkpoint_weights
     from unirl.text.env import TextEnvironment
 
     overrides = ["rollout.engine=hf", "model.lora.enabled=true", "data.test=null"]
@@ -147,8 +147,8 @@ def test_lora_on_the_tied_model_merges_under_the_checkpoints_names(model_dir, tm
         targeted = name.split(".")[-2] in cfg.model.lora.target_modules
         assert torch.equal(tensor, initial.get(name, initial["model.embed_tokens.weight"])) != targeted, name
     # The adapter is unmerged after the copy: the reference (adapter off) is the imported model again.
-    with env.reference_model() as ref, torch.no_grad():
-        ids = torch.tensor([env.encode_prompt(env.next_prompts(0)[0])])
+    with env.models.reference() as ref, torch.no_grad():
+        ids = torch.tensor([env.encode_prompt(env.prompts.next(0)[0])])
         plain = type(ref.base_model.model).from_pretrained(model_dir)(input_ids=ids).logits
         assert (ref(input_ids=ids).logits - plain).abs().max() < 1e-4
     env.close()

@@ -16,10 +16,12 @@ import torch
 
 from unirl.config import CONFIGS_ROOT, load_config
 from unirl.core import clipped_policy_loss, compute_advantages
-from unirl.trainer.loop import Trainer
+from unirl.trainer.context import RunState
+from unirl.trainer.zero_advantage import drop_zero_advantage
 from unirl.config.schema import AlgoConfig, RewardConfig, TrainerConfig
 from unirl.reward_set import RewardSet
 from unirl.text.config import TextConfig
+from stage_helpers import stage_context  # tests/stage_helpers.py
 
 SEEDS = [0, 1, 2, 3, 4]
 
@@ -146,7 +148,6 @@ def _flowgrpo_kept(nonzero: int, samples: int, micro_batch: int) -> int:
 
 @pytest.mark.parametrize("nonzero", [76, 1, 64, 127, 128])
 def test_zero_adv_filter_tops_up_like_flowgrpo_at_sd3_ocr_shape(tmp_path, nonzero):
-    from accelerate import Accelerator
 
     from unirl.env import Rollout
 
@@ -154,13 +155,12 @@ def test_zero_adv_filter_tops_up_like_flowgrpo_at_sd3_ocr_shape(tmp_path, nonzer
     n = cfg.prompts_per_step * cfg.group_size  # 8 x 16 = 128, micro-batches of 8: 16 of them
     adv = torch.zeros(n, 9)
     adv[torch.randperm(n, generator=torch.Generator().manual_seed(nonzero))[:nonzero]] = 1.0
-    trainer = Trainer(None, algo=AlgoConfig(drop_zero_adv=True), optim=None, run_dir=tmp_path,
-                      trainer=TrainerConfig(prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
-                                            mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size))
-    trainer.accelerator = Accelerator(cpu=True)
+    ctx = stage_context(AlgoConfig(drop_zero_adv=True),
+                        TrainerConfig(prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+                                      mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size))
     rollout = Rollout(tensors={}, advantages=adv, group_ids=torch.arange(n) // cfg.group_size,
                       prompts=[""] * n, samples=list(range(n)))
-    kept, _ = trainer.drop_zero_advantage(rollout)
+    kept, _ = drop_zero_advantage(ctx, RunState(), rollout)
     assert len(kept) == _flowgrpo_kept(nonzero, n, cfg.micro_batch_size)
     if nonzero == 76:
         assert len(kept) == 80  # the audit's figure (a multiple of the 2 mini-batches would keep 76)

@@ -25,15 +25,17 @@ BELOW = {
 
 _PROBE = """
 import importlib, json, sys, types
+import unirl
 out = {}
 for name in sys.argv[1:]:
-    for key in [k for k in sys.modules if k == "rewards" or k.startswith("rewards.")]:
+    for key in [k for k in sys.modules if k == "unirl.rewards" or k.startswith("unirl.rewards.")]:
         del sys.modules[key]
-    package = types.ModuleType("rewards")  # the package without its __init__
-    package.__path__ = ["rewards"]
-    sys.modules["rewards"] = package
-    importlib.import_module("rewards." + name)
-    out[name] = sorted(k.split(".", 1)[1] for k in sys.modules if k.startswith("rewards.") and k != "rewards." + name)
+    package = types.ModuleType("unirl.rewards")  # the package without its __init__
+    package.__path__ = ["unirl/rewards"]
+    sys.modules["unirl.rewards"] = package
+    importlib.import_module("unirl.rewards." + name)
+    out[name] = sorted(k.split(".", 2)[2] for k in sys.modules
+                       if k.startswith("unirl.rewards.") and k != "unirl.rewards." + name)
 print(json.dumps(out))
 """
 
@@ -43,7 +45,7 @@ def test_each_module_imports_only_the_ones_below_it():
     assert done.returncode == 0, done.stderr
     imported = json.loads(done.stdout)
     for name, allowed in BELOW.items():
-        assert set(imported[name]) <= allowed, f"rewards.{name} imports {sorted(set(imported[name]) - allowed)}, not below it"
+        assert set(imported[name]) <= allowed, f"unirl.rewards.{name} imports {sorted(set(imported[name]) - allowed)}, not below it"
     assert imported["registry"] == []
 
 

@@ -62,6 +62,32 @@ def test_sequence_truncate_is_verls_seq_tis(seed):
     torch.testing.assert_close(ours * m, expected)
 
 
+def _verl_seq_sum_k1_keeps(old, rollout, mask, spec):
+    """verl ``compute_rollout_rejection_mask(rollout_rs="seq_sum_k1", rollout_rs_threshold=spec)``, re-typed
+    (``verl/trainer/ppo/rollout_corr_helper.py`` at verl-project/verl 1dda039b): ``log_ratio = old - rollout``
+    clamped to +-20, ``token_k1 = -log_ratio``, the sequence's masked sum kept within ``[log a, log b]`` for
+    ``spec = "a_b"``. [N] bool."""
+    lower, upper = (float(x) for x in spec.split("_"))
+    token_k1 = -torch.clamp(old - rollout, min=-20.0, max=20.0)
+    seq = (token_k1 * mask).sum(-1)
+    return (seq >= math.log(lower)) & (seq <= math.log(upper))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sequence_mask_bounds_the_ratio_where_verls_seq_sum_k1_bounds_its_inverse(seed):
+    """The convention, pinned: ``sequence_mask`` keeps a sequence when ``low <= prod rho <= high`` (TRL's,
+    and verl's sequence IcePop); verl's ``seq_sum_k1`` rejection with ``"a_b"`` keeps ``a <= 1/prod rho <= b``,
+    so it is ``low = 1/b, high = 1/a`` here; with asymmetric bounds the same numbers keep other sequences."""
+    old, rollout, mask = _inputs(seed, n=40, spread=0.15)
+    kept = rollout_is_weights(old, rollout, mask, mode="sequence_mask", high=2.0, low=0.8)[:, 0] > 0  # [N]
+    assert torch.equal(kept, _verl_seq_sum_k1_keeps(old, rollout, mask.double(), "0.5_1.25"))  # 1/2, 1/0.8
+    assert not torch.equal(kept, _verl_seq_sum_k1_keeps(old, rollout, mask.double(), "0.8_2.0"))
+    # verl's symmetric default "0.5_2.0" is the same set either way.
+    sym = rollout_is_weights(old, rollout, mask, mode="sequence_mask", high=2.0, low=0.5)[:, 0] > 0
+    assert torch.equal(sym, _verl_seq_sum_k1_keeps(old, rollout, mask.double(), "0.5_2.0"))
+    assert kept.any() and not kept.all()
+
+
 def test_by_hand():
     # log-ratios [ln 1.5, ln 3, -ln 2]; bounds [0.6, 2].
     old = torch.tensor([[math.log(1.5), math.log(3.0), -math.log(2.0)]], dtype=F64)
@@ -145,15 +171,18 @@ def _async_grpo_loss(logp, engine_logp, advantages, mask, clip_low, clip_high):
 
 
 def test_bypass_mode_resolves_from_the_staleness():
+    from unirl.config import load_config
+    from unirl.config.schema import SourceConfig
+    from unirl.diffusion.config import DiffusionConfig
     from unirl.diffusion.env import DiffusionEnvironment
-    from unirl.trainer.update import resolve_bypass_mode
+    from unirl.rollout.sources import resolve_bypass_mode
 
-    assert resolve_bypass_mode(AlgoConfig(), None, 0) is False  # the synchronous loop: verl's decoupled default
-    assert resolve_bypass_mode(AlgoConfig(), None, 1) is True  # batches sampled ahead: TRL's AsyncGRPO anchor
-    assert resolve_bypass_mode(AlgoConfig(bypass_mode=False), None, 2) is False
-    assert resolve_bypass_mode(AlgoConfig(bypass_mode=True), None, 0) is True
-    with pytest.raises(ValueError, match="algo.bypass_mode=true: DiffusionEnvironment samples with the policy itself"):
-        resolve_bypass_mode(AlgoConfig(bypass_mode=True), DiffusionEnvironment.__new__(DiffusionEnvironment), 0)
+    assert resolve_bypass_mode(SourceConfig(), None) is False  # the synchronous loop: verl's decoupled default
+    assert resolve_bypass_mode(SourceConfig(max_staleness=1), None) is True  # sampled ahead: TRL's AsyncGRPO anchor
+    assert resolve_bypass_mode(SourceConfig(max_staleness=2, bypass_mode=False), None) is False
+    assert resolve_bypass_mode(SourceConfig(bypass_mode=True), None) is True
+    with pytest.raises(ValueError, match="source.bypass_mode=true: DiffusionEnvironment samples with the policy itself"):
+        resolve_bypass_mode(SourceConfig(bypass_mode=True), DiffusionEnvironment(load_config(DiffusionConfig, None, [])))
 
 
 def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir):
@@ -168,19 +197,19 @@ def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir
     cfg = load_run_config("text", "tiny", [
         "rollout.engine=hf", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
         "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.progress=false", "algo.loss_agg=token-mean",
-        "algo.bypass_mode=true", "algo.tis_cap=2.0", "algo.clip_high=0.28", "model.share_prompt=false",
+        "source.bypass_mode=true", "algo.tis_cap=2.0", "algo.clip_high=0.28", "model.share_prompt=false",
     ], output_dir=str(tmp_path / "run"))
     trainer = Trainer.from_config(TextEnvironment(cfg), cfg)
     trainer.setup()
     try:
         env, model = trainer.env, trainer.env.model
-        rollout = env.rollout(env.next_prompts(0), 4)  # engine_logp: the weights before the move below
-        rewards, _ = env.score(rollout)
+        rollout = env.sampler.rollout(env.prompts.next(0), 4)  # engine_logp: the weights before the move below
+        rewards, _ = env.scorer.score(rollout)
         trainer.advantages(rollout, rewards + torch.linspace(0, 1, len(rollout)))  # groups that vary
         with torch.no_grad():  # the trainer's weights move on, as one update would: the batch is now stale
             for p in model.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.device))
-        micro = env.trim_padding(rollout)
+        micro = env.actions.trim_padding(rollout)
         assert micro.old_logp is None  # on-policy layout: the trainer's own log-probs come from this forward
 
         def loss_and_grads(bypass: bool):
@@ -192,7 +221,7 @@ def test_bypass_mode_loss_and_gradient_are_trls_async_grpo(tmp_path, tiny_lm_dir
             return loss.detach(), grads, figures
 
         loss, grads, figures = loss_and_grads(True)
-        out = env.score_actions(model, micro)
+        out = env.actions.score_actions(model, micro)
         device = out["logp"].device
         mask = out["mask"].to(out["logp"].dtype)
         engine_logp = micro.engine_logp.to(device)

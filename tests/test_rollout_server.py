@@ -1,4 +1,4 @@
-"""The rollout server (``unirl serve-rollout``, ``unirl.text.rollout_server``) and the trainer's client
+"""The rollout server (``unirl serve-rollout``, ``unirl.rollout.server``) and the trainer's client
 (``rollout.engine: server``): a real vLLM in its own process on the tiny model. Its samples equal a
 colocated engine's for the same seed and weights; weights pushed to it give the trainer's log-probs;
 its OpenAI-compatible endpoints answer in OpenAI's shapes; the guards of ``serve-reward`` apply; a run
@@ -84,9 +84,9 @@ PROMPTS = ["3+4=?", "12+9=?"]
 def test_samples_equal_the_colocated_engines_and_pushed_weights_give_the_trainers_logprobs(server, chat_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.text.engines import VLLMEngine
-    from unirl.text.policy_weights import hf_checkpoint_weights
-    from unirl.text.rollout_client import ServerEngine
+    from unirl.rollout.vllm import VLLMEngine
+    from unirl.rollout.weights import hf_checkpoint_weights
+    from unirl.rollout.server_client import ServerEngine
 
     tok = AutoTokenizer.from_pretrained(chat_model_dir)
     ids = [tok(p).input_ids for p in PROMPTS]
@@ -152,9 +152,9 @@ def test_the_guards_of_serve_reward_apply(tiny_lm_dir):
     from fastapi.testclient import TestClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unirl.rewards.http_guards import Guards
-    from unirl.text.engines import HFEngine
-    from unirl.text.rollout_server import RolloutService, make_app, make_server
+    from unirl.serving.guards import Guards
+    from unirl.rollout.hf import HFEngine
+    from unirl.rollout.server import RolloutService, make_app, make_server
 
     tok = AutoTokenizer.from_pretrained(tiny_lm_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32)
@@ -186,7 +186,7 @@ def test_a_run_whose_server_dies_says_so_in_one_line_and_resumes(tmp_path, chat_
     args = [sys.executable, "-m", "unirl.cli", "train", "text", "--config", "tiny", "--output-dir", str(run),
             "rollout.engine=server", f"rollout.server_url={url}", "trainer.prompts_per_step=4", "trainer.group_size=4",
             "trainer.mini_batch_size=16", "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.save_every=1",
-            "trainer.progress=false", "rollout.max_staleness=1"]
+            "trainer.progress=false", "source.max_staleness=1"]
     # Steps as many as it never finishes by itself (a tiny step here can take 0.02 s: 200 steps ended before
     # this loop saw a checkpoint, once), and any saved checkpoint will do: only the last two are kept.
     train = subprocess.Popen([*args, "trainer.total_steps=100000"], cwd=REPO, stdout=subprocess.PIPE,

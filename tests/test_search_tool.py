@@ -214,11 +214,11 @@ def test_search_over_the_tiny_search_corpus_finds_each_name():
 
 @pytest.mark.slow  # builds the tiny search model once a session (test_tiny_search_e2e shares it)
 def test_multi_turn_tool_rollouts_run_ahead(tmp_path):
-    """rollout.max_staleness with multi-turn search rollouts (docs/async.md); here because the tool's index
+    """source.max_staleness with multi-turn search rollouts (docs/async.md); here because the tool's index
     imports numba in this process (the asynchronous loop's other tests: tests/test_async_rollout.py)."""
     from test_async_rollout import _run, _versions_follow_the_schedule
 
-    extra = ["trainer.total_steps=3", "rollout.max_staleness=1", "trainer.prompts_per_step=4", "trainer.group_size=4"]
+    extra = ["trainer.total_steps=3", "source.max_staleness=1", "trainer.prompts_per_step=4", "trainer.group_size=4"]
     trainer, rows = _run(tmp_path, "tools", *extra, config="tiny_search")
     _versions_follow_the_schedule(rows, 1)
     assert all("rollout/tool_calls_mean" in r for r in rows)

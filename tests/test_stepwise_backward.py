@@ -29,7 +29,7 @@ def trainer_and_batch(tmp_path_factory):
     trainer = Trainer(DiffusionEnvironment(cfg), algo=cfg.algo, optim=cfg.optim, trainer=cfg.trainer,
                       run_dir=cfg.output_dir, config_dict=config_to_dict(cfg))
     trainer.setup()
-    rollout = trainer.env.rollout(trainer.env.next_prompts(0), 4)
+    rollout = trainer.env.sampler.rollout(trainer.env.prompts.next(0), 4)
     rewards = torch.linspace(0, 1, len(rollout))
     trainer.advantages(rollout, rewards)
     trainer.old_and_reference(rollout)
@@ -57,7 +57,7 @@ def _grads(trainer, rollout, agg: str, whole: bool):
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_stepwise_backward_gives_the_whole_gradient(trainer_and_batch, agg):
     trainer, rollout = trainer_and_batch
-    assert len(trainer.env.column_slices(rollout)) == rollout.old_logp.shape[1] == 8
+    assert len(trainer.env.actions.column_slices(rollout)) == rollout.old_logp.shape[1] == 8
     stepwise, m_steps = _grads(trainer, rollout, agg, whole=False)
     whole, m_whole = _grads(trainer, rollout, agg, whole=True)
     assert m_whole["loss/kl"] > 0 and abs(m_whole["actor/ratio_max"] - 1) > 1e-6  # off-policy, off-reference

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import shared_data
 from unirl.rewards.gsm8k import gsm8k
-from unirl.text.data import GSM8K_INSTRUCTION, PromptSampler, load_rows, to_prompt_rows
+from unirl.prompts import Prompts as PromptSampler
+from unirl.text.data import GSM8K_INSTRUCTION, load_rows, to_prompt_rows
 
 
 def test_gsm8k_adapter_on_the_real_split():
@@ -52,11 +53,11 @@ def test_sampler_epochs_resume_and_process_slices():
     rows = [{"i": i} for i in range(10)]
     one = PromptSampler(rows, 4, seed=3)
     # Step k always gives the same rows (resume), and an epoch visits every row once.
-    seen = [r["i"] for step in range(5) for r in one.batch(step)]
-    assert [r["i"] for r in PromptSampler(rows, 4, seed=3).batch(2)] == seen[8:12]
+    seen = [r["i"] for step in range(5) for r in one.next(step)]
+    assert [r["i"] for r in PromptSampler(rows, 4, seed=3).next(2)] == seen[8:12]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
     # Two processes with B=2 each split the single process's B=4 batches between them.
     ranks = [PromptSampler(rows, 2, seed=3, rank=r, world_size=2) for r in range(2)]
     for step in range(5):
-        assert [r["i"] for s in ranks for r in s.batch(step)] == seen[4 * step: 4 * step + 4]
-    assert [r["i"] for r in PromptSampler(rows, 4, seed=3, shuffle=False).batch(2)] == [8, 9, 0, 1]
+        assert [r["i"] for s in ranks for r in s.next(step)] == seen[4 * step: 4 * step + 4]
+    assert [r["i"] for r in PromptSampler(rows, 4, seed=3, shuffle=False).next(2)] == [8, 9, 0, 1]

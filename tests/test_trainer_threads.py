@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.text.engines import VLLMEngine, vllm_available
+from unirl.rollout.vllm import VLLMEngine, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 

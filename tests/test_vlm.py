@@ -176,14 +176,14 @@ def test_vlm_environment_rollout_logprobs_equal_the_trainers_and_image_tokens_ar
     assert not any(p.requires_grad for p in env.model.model.visual.parameters())
     assert any(p.requires_grad for p in env.model.model.language_model.parameters())
     torch.manual_seed(0)
-    batch = env.rollout(env.train_rows[:2], group_size=2)
+    batch = env.sampler.rollout(env.train_rows[:2], group_size=2)
     assert [len(v) for v in batch.columns["images"]] == [1, 1, 1, 1]
     assert isinstance(batch.columns["images"][0][0], Image.Image)
     with torch.no_grad():
-        scored = env.score_actions(env.model, batch)
+        scored = env.actions.score_actions(env.model, batch)
         t = batch.tensors  # the model's own full distribution, to check the engine's renormalisation
         ids = torch.cat([t["prompt_ids"], t["response_ids"]], 1)
-        _, vision = env._model_inputs(batch, ids, None, None)
+        _, vision = env.actions._model_inputs(batch, ids, None, None)
         attn = torch.cat([t["prompt_mask"], t["response_mask"].long()], 1)
         logits = env.model(input_ids=ids, attention_mask=attn, **vision).logits[:, -t["response_ids"].shape[1] - 1:-1]
     p_vision = torch.softmax(logits.float(), -1)[..., env.processor.vision_token_ids].sum(-1)  # [n, R]
@@ -249,8 +249,8 @@ def test_lora_on_the_language_model_of_a_vlm_trains_only_the_adapters(tmp_path):
     env = text_env(tmp_path, "model.name_or_path=tiny_vlm", "model.share_prompt=false", f"data.train={rows}",
                    f"data.test={rows}", "rollout.max_new_tokens=4", "data.max_prompt_length=64",
                    "model.lora.enabled=true", "model.lora.target_modules=[q_proj,v_proj]")
-    batch = env.rollout(env.train_rows[:2], group_size=2)
-    scored = env.score_actions(env.model, batch)
+    batch = env.sampler.rollout(env.train_rows[:2], group_size=2)
+    scored = env.actions.score_actions(env.model, batch)
     (scored["logp"] * scored["mask"]).sum().backward()
     trained = {name for name, p in env.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert trained and all("lora_" in name and "language_model" in name for name in trained), sorted(trained)[:4]

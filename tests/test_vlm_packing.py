@@ -46,7 +46,7 @@ def packed_env(tmp_path_factory):
                    f"data.test={rows}", "rollout.max_new_tokens=6", "data.max_prompt_length=64",
                    "model.logprob_chunk_size=null", "model.freeze_vision_tower=false")
     torch.manual_seed(0)
-    batch = env.rollout(env.train_rows, group_size=2)
+    batch = env.sampler.rollout(env.train_rows, group_size=2)
     t = batch.tensors
     lengths = torch.tensor([6, 3, 1, 5, 4, 2, 0, 6])  # [n]
     keep = torch.arange(t["response_ids"].shape[1])[None] < lengths[:, None]
@@ -85,10 +85,10 @@ def test_packed_vlm_logprobs_equal_each_sample_alone_and_the_unpacked_rows(packe
         kwargs["grid_thw"].tolist()), with_kwargs=True)
     try:
         with torch.no_grad():
-            packed = env.score_actions(env.model, batch)["logp"]
+            packed = env.actions.score_actions(env.model, batch)["logp"]
             env.cfg.model.share_prompt = False
             try:
-                unpacked = env.score_actions(env.model, batch)["logp"]
+                unpacked = env.actions.score_actions(env.model, batch)["logp"]
             finally:
                 env.cfg.model.share_prompt = True
             alone = [_alone(env, batch, i) for i in range(len(ROWS) * 2)]
@@ -107,18 +107,18 @@ def test_packed_vlm_rows_place_prompts_by_the_models_own_rope_index(packed_env):
     env, batch = packed_env
     t = batch.tensors
     captured = {}
-    original = env._packed_row
+    original = env.actions._packed_row
 
     def spy(*args):
         captured["packed"], captured["extra"] = out = original(*args)
         return out
 
-    env._packed_row = spy
+    env.actions._packed_row = spy
     try:
         with torch.no_grad():
-            env.score_actions(env.model, batch)
+            env.actions.score_actions(env.model, batch)
     finally:
-        del env._packed_row
+        del env.actions._packed_row
     packed = captured["packed"]
     assert packed.position_ids.shape == (3, 1, packed.input_ids.shape[1])
     assert packed.prompt_samples == [0, 2, 4, 6]  # four distinct prompts (rows 0 and 1 kept apart)
@@ -153,7 +153,7 @@ def test_packed_vlm_gradients_equal_the_unpacked_rows(packed_env):
         env.cfg.model.share_prompt = share
         try:
             env.model.zero_grad()
-            scored = env.score_actions(env.model, batch)
+            scored = env.actions.score_actions(env.model, batch)
             (scored["logp"] * scored["mask"]).sum().backward()
             grads.append([p.grad.clone() for p in params])
         finally:
@@ -262,7 +262,7 @@ def test_a_batch_without_pictures_scores_as_each_sample_alone_unpacked_too(packe
         for share in (True, False):
             env.cfg.model.share_prompt = share
             try:
-                logp = env.score_actions(env.model, pair)["logp"]
+                logp = env.actions.score_actions(env.model, pair)["logp"]
             finally:
                 env.cfg.model.share_prompt = True
             torch.testing.assert_close(logp[1, :len(alone)], alone, atol=1e-5, rtol=0)

@@ -138,14 +138,14 @@ def test_noise_level_zero_is_the_pipelines_euler_sampler(pipe, guidance):
 def test_first_update_is_exactly_on_policy(tiny_wan_dir, overrides):
     env = make_env(*overrides)
     perturb_lora(env)
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
     old = rollout.old_logp  # [N, T]
     assert rollout.tensors["latents"].shape[2:] == (16, 2, 4, 4)  # a frame axis in the latent
     assert len(rollout.samples[0]) == 5 and rollout.samples[0][0].size == (32, 32)  # 5 frames per video
     with torch.no_grad():
-        cur = env.score_actions(env.model, rollout)
+        cur = env.actions.score_actions(env.model, rollout)
     assert torch.equal(cur["logp"], old)  # ratio exactly 1
-    env.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
+    env.actions.score_actions(env.model, rollout, slice(0, 1))["logp"].sum().backward()
     grads = {n: p.grad for n, p in env.model.named_parameters() if p.requires_grad}
     assert grads and all("lora_" in n for n in grads)
     assert sum(float(g.abs().sum()) for g in grads.values() if g is not None) > 0
@@ -155,10 +155,10 @@ def test_first_update_is_exactly_on_policy(tiny_wan_dir, overrides):
 def test_rewards_score_a_video_as_its_frames(tiny_wan_dir):
     """``brightness`` of each video is the mean of its frames' brightness, computed here from the frames."""
     env = make_env()
-    rollout = env.rollout(env.next_prompts(0), group_size=4)
-    scores, _ = env.score(rollout)
+    rollout = env.sampler.rollout(env.prompts.next(0), group_size=4)
+    scores, _ = env.scorer.score(rollout)
     by_hand = torch.tensor([np.mean([np.asarray(f, dtype=np.float64).mean() / 255 for f in video])
-                            for video in rollout.samples], dtype=torch.float32)
+                            for video in rollout.samples], dtype=torch.float64)
     torch.testing.assert_close(rollout.tensors["score/brightness"], by_hand, rtol=0, atol=1e-6)
     assert scores.shape == (8,)
     env.close()
@@ -179,7 +179,7 @@ def test_frame_rewards_stride_reduce_and_none():
                                      (1, "min", [0.0, 0.4]), (3, "max", [1.0, 0.4])]:
         rewards = FrameRewards(RewardSet([RewardConfig(name="brightness")]), stride=stride, reduce=reduce)
         got = rewards.components(videos, prompts=["a", "b"], columns={})["brightness"]
-        torch.testing.assert_close(got, torch.tensor(expected), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-6)
         # The pool route gives the same scores.
         torch.testing.assert_close(rewards.submit(videos, prompts=["a", "b"], columns={}).result()["brightness"], got)
     # colour_share applies to no frame of a video whose prompt names no colour: NaN (does not apply).
@@ -217,7 +217,7 @@ def test_evaluation_writes_a_grid_and_a_gif(tiny_wan_dir, tmp_path):
     from PIL import Image
 
     env = make_env("data.eval_size=4", "data.grid_size=4")
-    first, second = env.evaluation(0, tmp_path), env.evaluation(0, tmp_path)
+    first, second = env.evaluation(0, tmp_path)[0], env.evaluation(0, tmp_path)[0]
     assert first == second and 0 < first["eval/reward"] < 1
     assert (tmp_path / "eval" / "step_000000.png").exists()
     with Image.open(tmp_path / "eval" / "step_000000.gif") as gif:

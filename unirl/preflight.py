@@ -377,7 +377,7 @@ def _trains_a_critic(adv_estimator: str) -> bool:
 def _check_model(name: str, report: Report, what: str = "model.name_or_path") -> None:
     if Path(name).expanduser().is_dir():
         report.passed.append(f"{what}: {name} is a local directory")
-    elif name in ("tiny", "tiny_search", "tiny_teacher", "tiny_vlm") or name.startswith("tiny-"):
+    elif name in ("tiny", "tiny_search", "tiny_game", "tiny_teacher", "tiny_vlm") or name.startswith("tiny-"):
         report.passed.append(f"{what}: {name} (a toy model built locally at start-up, cached under $UNIRL_CACHE)")
     elif name in MODELS:
         _check_named_model(what, name, report)

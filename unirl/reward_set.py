@@ -64,7 +64,7 @@ class RewardSet:
 
     def components(self, samples: list[Any], *, prompts: list[str], columns: dict[str, list],
                    texts: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
-        """Each reward's scores [n] by metric name; NaN where a reward returned None (does not apply).
+        """Each reward's scores [n] (float64) by metric name; NaN where a reward returned None (does not apply).
         ``texts``, when given, receives the per-sample texts of the rewards that return some (a
         judge's answers, ``ScoresWithText``) by metric name, for an evaluation to keep.
 
@@ -80,8 +80,10 @@ class RewardSet:
             scores = _within(cfg, lambda: score_batch(fn, samples, name=cfg.name, prompts=prompts, **columns))
             if texts is not None and hasattr(scores, "texts"):
                 texts[name] = scores.texts
-            out[name] = torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float32)  # [n]
-            if getattr(scores, "failed", None) is not None:  # a judge's unparsable answers, counted (rewards/judge.py)
+            # float64, as the rewards came (Python floats): DAPO's filter compares them in their own precision,
+            # so 1 and 1 + 1e-9 differ as in verl (float32 made them one); the combined reward is float32.
+            out[name] = torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float64)  # [n]
+            if getattr(scores, "failed", None) is not None:  # a judge's unparsable answers, counted (unirl/rewards/judge.py)
                 out[f"{name}/parse_failed"] = torch.tensor(scores.failed, dtype=torch.float32)  # [n]
         return out
 

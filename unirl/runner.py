@@ -68,6 +68,11 @@ def train_config(env_name: str, cfg: Any, *, config_file: str | Path | None = No
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         print(report.format(), end="")
+        from unirl.rollout.sources import describe_source
+
+        print(f"# batch source (unirl/rollout/sources.py): {describe_source(cfg.source)}\n"
+              "# step plan (unirl/trainer/plan.py), after the batch source:\n"
+              + "\n".join("#" + line for line in step_plan(cfg).describe().splitlines()))
     if report.problems:
         raise PreflightError(report.problems)
     if dry_run:
@@ -78,6 +83,18 @@ def train_config(env_name: str, cfg: Any, *, config_file: str | Path | None = No
     if Path(cfg.model.name_or_path).expanduser().is_dir():  # a local model directory, not a hub name or a toy
         cfg.model.name_or_path = str(Path(cfg.model.name_or_path).expanduser().absolute())
     return _train(env_name, cfg, label or (str(config_file) if config_file else "(in code)"), verbose)
+
+
+def step_plan(cfg: Any):
+    """The step plan a run of ``cfg`` takes (``unirl.trainer.plan.build_plan``), from the config alone."""
+    from unirl.core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    from unirl.trainer.plan import build_plan
+
+    distill = getattr(cfg, "distill", None)
+    return build_plan(cfg.algo, cfg.trainer,
+                      critic=bool(getattr(ADVANTAGE_ESTIMATORS.get(cfg.algo.adv_estimator), "reads_values", False)),
+                      distill=bool(distill is not None and distill.teacher),
+                      reads_logprobs=POLICY_LOSSES.get(cfg.policy_loss_name()).reads_logprobs)
 
 
 def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
@@ -98,13 +115,7 @@ def _train(env_name: str, cfg: Any, label: str, verbose: bool) -> TrainResult:
         env.setup = output.quiet(env.setup)
         trainer = Trainer.from_config(env, cfg)
         history = trainer.train()
-        # Several processes leave together: one tearing the process group down while another is still
-        # busy (the main process writing logs) can abort gloo ("terminate called without an active exception").
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():  # vLLM's shutdown may have torn it down already
-            trainer.accelerator.wait_for_everyone()
-            trainer.accelerator.state.destroy_process_group()
+        trainer.leave()
     result = collect_result(run_dir, history, cfg)
     if main:
         print(end_line(result, time.perf_counter() - start, output.path if not verbose else None), flush=True)

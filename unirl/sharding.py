@@ -2,7 +2,7 @@
 
 What the environments and the rollout engines need of a sharded model (is it sharded, its parameters
 back in their shards, a tensor or the state dict gathered whole, in buckets) without depending on the
-trainer, which applies the sharding (``unirl.trainer.fsdp``). Every gather is a collective: all
+trainer, which applies the sharding (``unirl.trainer.backends.fsdp2``). Every gather is a collective: all
 processes call these in the same order.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 def fsdp_unit(model: torch.nn.Module):
     """The FSDP2 unit that holds ``model``'s top-level parameters: the model itself, or the model a PEFT
-    wrapper wraps (``unirl.trainer.fsdp.shard`` shards that one, since ``generate`` calls it past the
+    wrapper wraps (``unirl.trainer.backends.fsdp2.shard`` shards that one, since ``generate`` calls it past the
     wrapper); None when the model is not sharded."""
     from torch.distributed.fsdp import FSDPModule
 

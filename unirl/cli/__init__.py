@@ -23,7 +23,7 @@ from unirl.cli.train import load_run_config
 __all__ = ["COMMANDS", "load_run_config", "main"]
 
 #: The command groups, in the order ``unirl --help`` lists them (module ``unirl.cli.<name>``).
-COMMANDS = ["train", "eval", "plot", "config", "rewards", "tools", "data", "models", "serve_rollout"]
+COMMANDS = ["train", "eval", "plot", "config", "rewards", "tools", "data", "models", "serve_rollout", "sandbox"]
 
 EXAMPLES = """examples:
   unirl train text --config tiny                       # GRPO on the embedded tiny model, a few minutes on CPU

@@ -1,5 +1,5 @@
 """``unirl serve-rollout``: the rollout engine (vLLM) in its own process, for trainers with
-``rollout.engine: server`` and for OpenAI-compatible clients (``unirl.text.rollout_server``)."""
+``rollout.engine: server`` and for OpenAI-compatible clients (``unirl.rollout.server``)."""
 
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Load vLLM, print the URL (a line a script can wait for), serve until interrupted."""
-    from unirl.text.rollout_server import make_server
+    from unirl.rollout.server import make_server
+    from unirl.text.model_loading import resolve_model_path
 
     try:
         server = make_server(args.model, args.host, args.port, served_name=args.served_model_name, dtype=args.dtype,
+                             resolve=resolve_model_path,
                              seed=args.seed, max_model_len=args.max_model_len,
                              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
                              tensor_parallel_size=args.tensor_parallel_size, max_body_mb=args.max_body_mb,

@@ -28,8 +28,12 @@ _FIELD = re.compile(r"^\s+(\w+)\s*:")
 
 @functools.lru_cache(maxsize=None)
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> the ``#:`` comment lines right above its definition in ``cls``'s source, joined."""
+    """Field name -> the ``#:`` comment lines right above its definition in ``cls``'s source, joined (a field
+    defined in a base dataclass, e.g. ``RunConfig``'s, by the base's comment unless ``cls`` comments it anew)."""
     comments: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            comments.update(field_comments(base))
     pending: list[str] = []
     for line in inspect.getsource(cls).splitlines()[1:]:
         stripped = line.strip()

@@ -66,7 +66,8 @@ def check_loss_args(algo: "AlgoConfig", default: str | None = None, *, offers: f
                     where: str = "the environment", hint: str = "") -> str:
     """The run's policy loss (``algo.policy_loss``, else the rollout mode's ``default``, else the ratio loss
     at ``algo.level``: ``clipped`` per token, ``gspo`` per sequence), after checking ``algo.loss_args``
-    against its registered settings (``ValueError`` naming the bad key); environment configs call it.
+    against its registered settings (``ValueError`` naming the bad key) and ``algo.loss_agg`` against the
+    one aggregation the loss may be defined with (``PolicyLoss.loss_agg``); environment configs call it.
     ``offers``: what the environment's forward gives (``score_actions``' keys besides ``mask``); a loss
     that reads more (``PolicyLoss.reads``, and ``logp`` for a ratio loss) is refused, naming what it lacks,
     ``where`` (whose rollouts lack it) and ``hint`` (what to do instead)."""
@@ -74,8 +75,11 @@ def check_loss_args(algo: "AlgoConfig", default: str | None = None, *, offers: f
 
     name = algo.policy_loss or default or ("gspo" if algo.level == "sequence" else "clipped")
     build_loss_args(name, algo.loss_args)
+    loss = POLICY_LOSSES.get(name)
+    if loss.loss_agg is not None and algo.loss_agg != loss.loss_agg:
+        raise ValueError(f"algo.policy_loss={name} aggregates with loss_agg={loss.loss_agg}, as verl does; got "
+                         f"loss_agg={algo.loss_agg} (set algo.loss_agg={loss.loss_agg})")
     if offers is not None:
-        loss = POLICY_LOSSES.get(name)
         missing = sorted((loss.reads | ({"logp"} if loss.reads_logprobs else set())) - offers)
         if missing:
             raise ValueError(f"algo.policy_loss={name} with {where}: the loss reads {', '.join(missing)}, which "
@@ -137,6 +141,8 @@ class KLControlConfig:
 @dataclass
 class AlgoConfig:
     """Policy-gradient settings (the functions live in ``unirl/core``)."""
+
+    config_moved = {"bypass_mode": "source.bypass_mode"}
 
     #: Advantage estimator: ``grpo``, ``rloo`` or ``reinforce++-baseline`` (one reward a sample, groups
     #: as the baseline); ``gae`` (PPO: a critic is trained as the baseline, ``critic:``) or
@@ -203,19 +209,14 @@ class AlgoConfig:
     #: (TIS, ``min(rho_t, C)``; what unirl did before the modes), token_mask (tokens outside the
     #: bounds get weight 0), sequence_truncate / sequence_mask (the same on the product of a
     #: sequence's ratios: verl's Seq-TIS / Seq-MIS). TRL's default is sequence_mask with C_max 3.
+    #: The bounds act on rho = pi_trainer / pi_engine, as TRL's; verl's rejection ``seq_sum_k1`` /
+    #: ``token_k1`` bounds 1/rho, so its ``rollout_rs_threshold: "a_b"`` is ``rollout_is_min: 1/b``,
+    #: ``tis_cap: 1/a`` here (the same for its symmetric "0.5_2.0").
     #: ``unirl.core.rollout_correction``; the mismatch figures are logged whatever the mode.
     rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
     #: Lower bound C_min (TRL's ``vllm_importance_sampling_clip_min``): truncate modes clamp below it,
     #: mask modes reject below it; null: none.
     rollout_is_min: Optional[float] = None
-    #: verl's ``rollout_correction.bypass_mode``: the PPO ratio is taken against the rollout engine's
-    #: log-probs (the behaviour policy) instead of the trainer's recomputed ones, so the clip bounds the
-    #: policy's move from the weights that sampled the batch; ``tis_cap`` then weights nothing (the ratio
-    #: carries the correction; its figures are still logged). null: true exactly when
-    #: ``rollout.max_staleness >= 1`` (TRL's AsyncGRPO anchors its ratio at the sampler's log-probs;
-    #: without it a one-step-stale batch let the tiny recipe collapse, docs/async.md), false otherwise
-    #: (verl's default, the decoupled proximal policy). Text only (diffusion samples with the policy).
-    bypass_mode: Optional[bool] = None
     #: DAPO's dynamic sampling.
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     #: Subtract ``beta * KL(old policy || reference)`` from the reward on every token (verl's
@@ -379,8 +380,8 @@ class TrainerConfig:
     #: process holds 1/N of the parameters, gradients and optimizer state (the same code on CPU/gloo and
     #: GPU/NCCL; with ``mixed_precision: bf16`` on a GPU, bf16 parameters and float32 gradient reduction).
     #: Checkpoints are then written as each process's shards and resume on any number of processes
-    #: (docs/scaling.md).
-    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    #: (docs/scaling.md). A registered training backend (``unirl.trainer.backends``; one you register counts).
+    strategy: str = "ddp"
     #: FSDP2's memory settings (read with ``strategy: fsdp2``).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     #: Extra trackers besides metrics.jsonl: wandb, tensorboard. They write under the run directory
@@ -424,8 +425,6 @@ class TrainerConfig:
             raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup must be >= 0, got {self.critic_warmup}")
-        if self.strategy == "fsdp2" and self.mixed_precision == "fp16":  # its loss scaler does not unscale DTensor shards
-            raise ValueError("mixed_precision=fp16 with strategy=fsdp2: use bf16 (FSDP2's mixed-precision policy) or no")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or null, got {self.keep_checkpoints}")
         for name in ("eval_every", "save_every", "max_nonfinite_steps"):
@@ -437,3 +436,70 @@ class TrainerConfig:
             module, package = TRACKERS[tracker]
             if importlib.util.find_spec(module) is None:
                 raise ValueError(f"log_with: {tracker} is not installed; run `pip install {package}` (or drop it from log_with)")
+
+
+@dataclass
+class SourceConfig:
+    """Where each step's batch comes from (``unirl/rollout/sources.py``, docs/async.md): sampled when the step
+    asks (the default), ahead of it in a producer thread (``max_staleness``), or by rollout servers on other
+    processes or machines (``urls``). Text only: diffusion samples with the policy itself."""
+
+    #: Asynchronous rollouts: 0 is the synchronous loop (each step samples with the weights it trains);
+    #: k >= 1 generates step s's batch with the weights after step s-k in a producer thread while the trainer
+    #: updates (verl's one-step-off at 1, TRL's ``max_staleness``); the PPO ratio is then taken against the
+    #: engine's log-probs unless ``bypass_mode: false``.
+    max_staleness: int = 0
+    #: verl's ``rollout_correction.bypass_mode``: the PPO ratio is taken against the rollout engine's
+    #: log-probs (the behaviour policy) instead of the trainer's recomputed ones, so the clip bounds the
+    #: policy's move from the weights that sampled the batch; ``algo.tis_cap`` then weights nothing (the ratio
+    #: carries the correction; its figures are still logged). null: true exactly when ``max_staleness >= 1``
+    #: (TRL's AsyncGRPO anchors its ratio at the sampler's log-probs; without it a one-step-stale batch let
+    #: the tiny recipe collapse, docs/async.md), false otherwise (verl's default, the decoupled proximal
+    #: policy). Text only (diffusion samples with the policy).
+    bypass_mode: Optional[bool] = None
+    #: Rollout servers (``unirl serve-rollout``, ``http://host:port``) that generate the batches, a share of
+    #: each batch's prompts per server, the weights published to all of them; empty: the run's own engine
+    #: (``rollout.engine``). The servers' token: ``$UNIRL_ROLLOUT_TOKEN``.
+    urls: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        check_range(self, "max_staleness", low=0)
+        for i, url in enumerate(self.urls):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"urls[{i}] must start with http:// or https://, got {url!r}")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"urls: a server is listed twice ({self.urls}); each would get a share of the prompts")
+
+
+@dataclass
+class RunConfig:
+    """The blocks every environment's config shares: the rewards, the algorithm, the optimizer, the loop,
+    where batches come from and where the run goes. ``TextConfig`` and ``DiffusionConfig`` add their own."""
+
+    #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    source: SourceConfig = field(default_factory=SourceConfig)
+    #: Where the run directory goes (``--output-dir`` overrides).
+    output_dir: str = "runs/run"
+
+    def __post_init__(self):
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")
+        check_groups(self.algo, self.trainer)
+        check_loss_args(self.algo, self.mode_policy_loss())
+
+    def mode_policy_loss(self) -> str | None:
+        """The registered policy loss the environment's rollout mode trains with when ``algo.policy_loss`` is
+        null (DiffusionNFT: ``nft``); None: the ratio loss of ``algo``."""
+        return None
+
+    def trainer_blocks(self) -> dict:
+        """The environment's blocks the trainer takes (text: ``critic``, ``distill``): ``Trainer.from_config``."""
+        return {}
+
+    def policy_loss_name(self) -> str:
+        """The run's policy loss (``check_loss_args``)."""
+        return check_loss_args(self.algo, self.mode_policy_loss())

@@ -2,8 +2,9 @@
 
 Functions over tensors only: advantages from group rewards, rewards on tokens and PPO's
 critic-based advantages (GAE), KL penalties, on-policy distillation's reverse-KL advantages, the
-registered policy losses (``policy_losses``: clipped ratio, GSPO, DiffusionNFT's; ``flow_guards``: GRPO-Guard,
-Flow-DPPO; ``flow_methods``: DGPO, TempFlow-GRPO, AWM's matching log-prob), the value loss and
+registered policy losses (``policy_losses``: clipped ratio, GSPO, DiffusionNFT's; ``is_weighted_losses``:
+CISPO, DPPO; ``smooth_ratio_losses``: SAPO, GMPO; ``covariance_losses``: Clip-Cov, KL-Cov; ``flow_guards``:
+GRPO-Guard, Flow-DPPO; ``flow_methods``: DGPO, TempFlow-GRPO, AWM's matching log-prob), the value loss and
 their aggregation. No config objects, no ``.item()``, no distributed calls, no I/O.
 """
 
@@ -33,15 +34,19 @@ from unirl.core.losses import (
     truncated_importance_weights,
 )
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, PolicyLoss, register_policy_loss
-from unirl.core import flow_guards  # noqa: F401  (registers grpo_guard and flow_dppo)
-from unirl.core import flow_methods  # noqa: F401  (registers dgpo and tempflow)
+# The 2026 losses register themselves on import (cispo, dppo_tv, dppo_kl; sapo, geo_mean; clip_cov, kl_cov;
+# grpo_guard, flow_dppo; dgpo, tempflow).
+from unirl.core import covariance_losses, is_weighted_losses, smooth_ratio_losses  # noqa: F401
+from unirl.core import flow_guards, flow_methods  # noqa: F401
 from unirl.core.returns import (
+    discounted_future_sum,
     discounted_returns,
     gae_advantages,
     kl_penalized_rewards,
     reinforce_pp_advantages,
     token_scores,
 )
+from unirl.core.turns import turn_token_rewards
 from unirl.core.value import explained_variance, value_loss
 
 __all__ = [
@@ -57,6 +62,7 @@ __all__ = [
     "aggregate_denominator",
     "clipped_policy_loss",
     "compute_advantages",
+    "discounted_future_sum",
     "discounted_returns",
     "estimate_advantages",
     "explained_variance",
@@ -81,5 +87,6 @@ __all__ = [
     "rollout_mismatch_metrics",
     "token_scores",
     "truncated_importance_weights",
+    "turn_token_rewards",
     "value_loss",
 ]

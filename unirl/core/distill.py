@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core.returns import discounted_returns
+from unirl.core.returns import discounted_future_sum
 
 
 def reverse_kl_advantages(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor, *,
@@ -35,7 +35,9 @@ def reverse_kl_advantages(student_logp: torch.Tensor, teacher_logp: torch.Tensor
     ``student_logp``, ``teacher_logp`` [N, T]: the log-probs of the sampled tokens under the student
     (the policy that sampled them) and under the teacher; ``mask`` [N, T]: the trained tokens.
     ``A_t = -coef * (student_logp - teacher_logp)`` on trained tokens, 0 elsewhere; with ``discount``
-    > 0, ``A_t`` is the discounted sum of those from t to the sample's end (``discounted_returns``).
+    > 0, ``A_t`` is the discounted sum of those from t to the sample's end (``discounted_future_sum``:
+    carried through a multi-turn sample's observation tokens, which add nothing and count one discount
+    step each, as Tinker's ``discounted_future_sum_vectorized`` over the whole datum).
     Figures (detached): ``reverse_kl``, the token mean of rkl_t over the trained tokens (Tinker's
     ``teacher_kl``), and ``reverse_kl_seq``, the mean over samples of their summed rkl_t (the
     one-sample estimate of the sequence-level KL)."""
@@ -43,7 +45,7 @@ def reverse_kl_advantages(student_logp: torch.Tensor, teacher_logp: torch.Tensor
     rkl = torch.where(mask, student_logp.float() - teacher_logp.float(), 0.0)  # [N, T]
     adv = -coef * rkl  # [N, T]
     if discount > 0:
-        adv = discounted_returns(adv, mask, gamma=discount)
+        adv = discounted_future_sum(adv, mask, gamma=discount)
     figures = {"reverse_kl": (rkl.sum() / mask.sum().clamp_min(1)).detach(),
                "reverse_kl_seq": rkl.sum(-1).mean().detach() if len(rkl) else rkl.new_zeros(())}
     return adv, figures

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from unirl.core.losses import aggregate, clipped_policy_loss
+from unirl.core.losses import AGG_MODES, aggregate, clipped_policy_loss
 from unirl.core.nft import nft_loss, velocity_kl
 from unirl.registry import Registry
 
@@ -94,23 +94,33 @@ class PolicyLoss:
     #: give them refuses the loss where the config loads, and one that gives them only on demand
     #: (FlowGRPO's old step means) gives them exactly when the run's loss reads them.
     reads: frozenset[str] = frozenset()
+    #: The one aggregation the loss is defined with (GSPO, SAPO, GMPO: ``seq-mean-token-mean``, which verl
+    #: hard-codes for them), or None: any ``algo.loss_agg``. A config with another is refused where it loads.
+    loss_agg: str | None = None
+    #: Whether the loss reads ``exp(logp)`` as a probability in [0, 1] (DPPO's trust regions): true of
+    #: tokens only; an environment whose log-probs are densities (diffusion) refuses it where its config loads.
+    discrete: bool = False
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def register_policy_loss(name: str, *, settings: type | None = None, reads_logprobs: bool = True,
-                         whole_sequences: bool = False, level: str = "token",
-                         reads: tuple[str, ...] = ()) -> Callable[[LossFn], LossFn]:
+                         whole_sequences: bool = False, level: str = "token", loss_agg: str | None = None,
+                         discrete: bool = False, reads: tuple[str, ...] = ()) -> Callable[[LossFn], LossFn]:
     """Register ``fn`` as the policy loss ``name`` (a duplicate name is an error), with ``settings`` the
     dataclass of its own knobs (filled from ``algo.loss_args``) and ``reads`` the forward outputs it
-    reads besides ``logp`` and ``mask`` (``PolicyLoss.reads``)."""
+    reads besides ``logp`` and ``mask``; the other arguments are ``PolicyLoss``'s."""
     if settings is not None and not dataclasses.is_dataclass(settings):
         raise TypeError(f"register_policy_loss({name!r}): settings must be a dataclass type, got {settings!r}")
+    if loss_agg is not None and loss_agg not in AGG_MODES:
+        raise ValueError(f"register_policy_loss({name!r}): loss_agg must be one of {', '.join(AGG_MODES)} or None, "
+                         f"got {loss_agg!r}")
 
     def decorator(fn: LossFn) -> LossFn:
         POLICY_LOSSES.add(name, PolicyLoss(fn, reads_logprobs=reads_logprobs, whole_sequences=whole_sequences,
-                                           level=level, settings=settings, reads=frozenset(reads)))
+                                           level=level, settings=settings, loss_agg=loss_agg, discrete=discrete,
+                                           reads=frozenset(reads)))
         return fn
 
     return decorator
@@ -160,7 +170,7 @@ def clipped_ratio_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torc
     return _clipped(inputs, settings, "token")
 
 
-@register_policy_loss("gspo", whole_sequences=True, level="sequence")
+@register_policy_loss("gspo", whole_sequences=True, level="sequence", loss_agg="seq-mean-token-mean")
 def gspo_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO's sequence-level ratio (https://arxiv.org/abs/2507.18071; ``clipped_policy_loss``'s
     ``level="sequence"``): needs whole sequences, so the trainer does not cut it into column pieces."""

@@ -122,6 +122,23 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma
     return torch.where(mask, out, 0.0)
 
 
+def discounted_future_sum(values: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
+    """``S_t = x_t + gamma * S_{t+1}`` over every column to the row's end, with ``x_t`` = ``values`` at
+    masked-in positions and 0 elsewhere: Tinker's ``discounted_future_sum_vectorized``
+    (``tinker_cookbook/rl/metrics.py``), which on-policy distillation runs over a whole multi-turn sample.
+    Unlike ``discounted_returns`` the sum is carried *through* a masked-out position (an observation inside
+    a multi-turn response adds nothing but still counts one discount step), so a turn's advantage sees the
+    later turns'. [N, T], 0 at masked-out positions."""
+    mask = check_mask(mask, values.shape[0])
+    x = torch.where(mask, values, 0.0)  # [N, T]
+    running = values.new_zeros(values.shape[0])  # [N]
+    out = torch.zeros_like(values)  # [N, T]
+    for t in reversed(range(values.shape[1])):
+        running = x[:, t] + gamma * running
+        out[:, t] = running
+    return torch.where(mask, out, 0.0)
+
+
 def _token_inputs(rewards: torch.Tensor, mask: torch.Tensor | None, token_rewards: torch.Tensor | None,
                   values: torch.Tensor | None):
     """The token estimators' inputs with their defaults: without ``mask`` each sample is one position;
@@ -182,3 +199,8 @@ def reinforce_pp_advantages(
     mask, token_rewards, _, squeeze = _token_inputs(rewards, mask, token_rewards, None)
     advantages = masked_whiten(discounted_returns(token_rewards, mask, gamma=gamma), mask)
     return (advantages.squeeze(-1) if squeeze else advantages), None
+
+
+# Its running sum restarts after every masked-out position (an observation): per-turn rewards are
+# placed for it as returns, not as differences (``unirl.core.turns.turn_token_rewards``).
+reinforce_pp_advantages.restarts_at_observations = True

@@ -17,7 +17,15 @@ sequence, ``rollout_rs`` masks), with bounds ``[low, high]`` (TRL's ``vllm_impor
 * ``sequence_truncate``: ``w_i = clamp(prod_t rho_t, low, high)`` at every token of sequence i
   (verl's Seq-TIS, ``rollout_is="sequence"``).
 * ``sequence_mask``: ``w_i = prod_t rho_t`` where within the bounds, else 0: the whole sequence is
-  rejected (verl's Seq-MIS).
+  rejected (Seq-MIS).
+
+The bounds act on the ratio ``rho = pi_old / pi_rollout`` itself in every mode, as TRL's modes and verl's
+IcePop (``rollout_is`` token/sequence with a ``"lower_upper"`` ``rollout_is_threshold``) do. verl's
+rejection options ``token_k1`` / ``seq_sum_k1`` (``rollout_rs``; its Seq-MIS preset ``decoupled_seq_is_rs``
+uses ``seq_sum_k1``) bound ``-log rho``, i.e. the *inverse* ratio: its ``rollout_rs_threshold: "a_b"``
+keeps ``a <= 1/prod rho <= b``, which is ``low = 1/b``, ``high = 1/a`` here. For its symmetric default
+(``"0.5_2.0"``, or one number b: ``1/b_b``) the two are the same set; ``tests/test_rollout_correction.py``
+pins the convention against verl's ``seq_sum_k1`` re-typed.
 
 The product is taken as ``exp(sum_t log rho_t)`` over the masked-in tokens, and bounds are compared in
 log space, so nothing overflows. The weights multiply the per-token policy loss (detached), as both

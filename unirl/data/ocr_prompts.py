@@ -8,7 +8,7 @@ in double quotes, e.g.
     A close-up photograph of a chalkboard menu propped outside a cafe reading "Quiet Harbor",
     on a cobbled street after the rain, with soft morning light.
 
-The quoted text (what the OCR reward compares with the image; ``rewards/ocr.py`` reads the text
+The quoted text (what the OCR reward compares with the image; ``unirl/rewards/ocr.py`` reads the text
 between the first two double quotes) has 1 to 6 words, mostly 2 to 4 as in the test set. Scenes,
 surfaces, settings, details and texts are drawn from the word lists below with a seeded
 ``random.Random``, so ``generate(n, seed)`` is the same list on every machine; prompts are distinct

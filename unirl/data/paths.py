@@ -36,7 +36,8 @@ DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 #: Modules whose import registers the built-in generated sources (``register_source``): the tasks own
 #: their data and register it here, so this module imports none of them until a source is looked up.
 #: Each must import cheaply (no torch): ``unirl data list`` imports them all.
-SOURCE_MODULES = ["unirl.data.ocr_prompts", "unirl.text.arithmetic", "unirl.text.tiny_search_task"]
+SOURCE_MODULES = ["unirl.data.ocr_prompts", "unirl.text.arithmetic", "unirl.text.tiny_search_task",
+                  "unirl.agents.tiny_game_task"]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from unirl.config import PATH
-from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_range
+from unirl.config.schema import RewardConfig, RunConfig, check_range
+from unirl.trainer.backends import check_backend
 
 #: FlowGRPO's LoRA targets for SD3: the joint attention's image-stream and text-stream projections.
 #: The same names match FLUX.1's double-stream blocks and the q/k/v of its single-stream blocks.
@@ -318,7 +319,10 @@ class DataConfig:
 
 
 @dataclass
-class DiffusionConfig:
+class DiffusionConfig(RunConfig):
+    """``unirl train diffusion``: the run-level blocks (``RunConfig``: rewards, algo, optim, trainer, source,
+    output_dir) and the diffusion environment's own."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -345,18 +349,27 @@ class DiffusionConfig:
     kl_form: Literal["flowgrpo", "exact"] = "flowgrpo"
     #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="brightness")])
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/diffusion"
 
     def __post_init__(self):
         from unirl.diffusion.families import FAMILIES
 
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward is needed")
-        check_groups(self.algo, self.trainer)
+        super().__post_init__()
+        check_backend(self.trainer.strategy, self.trainer.mixed_precision)
+        if self.source.max_staleness or self.source.urls:
+            raise ValueError("source: diffusion samples with the policy itself (no rollout engine), so its batches "
+                             "are sampled when the step asks; leave source.max_staleness at 0 and source.urls empty")
+        if self.source.bypass_mode:
+            raise ValueError("source.bypass_mode=true: diffusion samples with the policy itself, so there is no "
+                             "rollout engine whose log-probs the ratio could be taken against; set source.bypass_mode "
+                             "to false or null")
+        from unirl.core.policy_losses import POLICY_LOSSES
+
+        policy_loss = self.policy_loss_name()
+        if POLICY_LOSSES.get(policy_loss).discrete:
+            raise ValueError(f"algo.policy_loss={policy_loss} reads exp(logp) as a token's probability; a diffusion "
+                             f"step's log-prob is a density, so it is a text loss only")
         family = FAMILIES.get(self.model.family)  # ModelConfig checked the name
         if family.guidance_mode == "distilled" and self.sampling.guidance_scale != 1:
             raise ValueError(
@@ -371,3 +384,14 @@ class DiffusionConfig:
         if self.sampling.num_frames != 1 and not family.frames:
             raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
                              f"videos; set sampling.num_frames: 1")
+
+    def mode_policy_loss(self) -> str | None:
+        """The registered policy loss of ``algorithm``'s rollout mode (DiffusionNFT's, AWM's, DGPO's,
+        TempFlow's own; None for FlowGRPO's ratio loss); an unregistered algorithm is refused here, naming
+        the registered ones."""
+        from unirl.diffusion.rollout_mode import shipped_modes
+
+        modes = shipped_modes()
+        if self.algorithm not in modes:
+            raise ValueError(f"algorithm: {modes.unknown_message(self.algorithm)}")
+        return modes.get(self.algorithm).policy_loss

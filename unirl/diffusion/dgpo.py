@@ -80,15 +80,15 @@ class DGPORollout(ForwardProcessRollout):
     def setup(self) -> None:
         env = self.env
         if not env.cfg.model.lora.enabled and env.ref is None:  # the DSM baseline: the untrained weights
-            env.ref = copy.deepcopy(env._model).requires_grad_(False).eval()
-        self.old = OldPolicy([p for p in env._model.parameters() if p.requires_grad], flat=0,
+            env.ref = copy.deepcopy(env.model).requires_grad_(False).eval()
+        self.old = OldPolicy([p for p in env.model.parameters() if p.requires_grad], flat=0,
                              rate=self.args.old_decay_rate, ceiling=self.args.old_decay_max)
 
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         self.old.saw(optimizer_steps)
 
-    def checkpoint_objects(self) -> list:
-        return [self.old]
+    def checkpoint_objects(self) -> dict:
+        return {"old_policy": self.old}
 
     def sampling_weights(self):
         self.old.catch_up()  # Flow-Factory moves its ema_ref after every optimizer step; one a training step here
@@ -120,7 +120,7 @@ class DGPORollout(ForwardProcessRollout):
                 with self.old.swapped():
                     out["old_velocity"].append(guided_velocity(env.family, env.accelerator.unwrap_model(model), noisy,
                                                                timestep, cond, 1.0))
-                with env.reference_model() as ref:
+                with env.models.reference() as ref:
                     out["ref_velocity"].append(guided_velocity(env.family, ref, noisy, timestep, cond, 1.0))
             out["velocity"].append(guided_velocity(env.family, model, noisy, timestep, cond, 1.0))
             out["target"].append(batch.tensors["noise"][:, j].to(device).float() - clean)

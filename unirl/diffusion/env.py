@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -41,38 +39,40 @@ from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards
-from unirl.diffusion.offtarget import RolloutFigures
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.prompts import load_prompt_rows
 from unirl.diffusion.rollout_mode import shipped_modes
-from unirl.diffusion.sampling import ForwardCounter, to_pil
-from unirl.env import Environment, Rollout, lora_or_frozen_reference, sharded_state_dict
-from unirl.reward_set import RewardSet, concat_components
+from unirl.diffusion.sampling import ForwardCounter
+from unirl.diffusion.batches import DiffusionSampler
+from unirl.env import Environment, Models, lora_or_frozen_reference, sharded_state_dict
+from unirl.prompts import Prompts
+from unirl.reward_set import RewardSet
+
+
+class StepPrompts(Prompts):
+    """``Prompts`` that tell the environment which step they were drawn for (``env.step``: the rollout modes
+    seed their noise and place their SDE window by it)."""
+
+    def __init__(self, env, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.env = env
+
+    def next(self, step: int) -> list[dict]:
+        self.env.step = step
+        return super().next(step)
+
 
 class DiffusionEnvironment(Environment):
-
     def __init__(self, cfg: DiffusionConfig):
         self.cfg = cfg
         self._model = None
         self.ref = None
         self.ema = None
-        self._step = 0
-        # (id of the rollout, its chunks' rewards: futures of the pool, or a call for the last chunk)
-        self._pending: tuple[int, list] | None = None
-        self._offtarget: RolloutFigures | None = None
-        # The algorithm's rollout and forward: the registered mode of ``algorithm:`` (rollout_mode.py).
-        self.mode = shipped_modes().get(cfg.algorithm)(self)
-
-    @property
-    def policy_loss(self) -> str | None:
-        return self.mode.policy_loss
-
-    @property
-    def recompute_old_logprobs(self) -> bool:
-        """The mode's: False where the sampler's log-probs are the policy's own (FlowGRPO samples with the
-        policy itself) or there are none (NFT); True where the old log-probs are a forward of stored
-        samples the sampler did not score (AWM's matching log-probs)."""
-        return self.mode.recompute_old_logprobs
+        self.step = 0  # the training step of the last prompts drawn
+        # The algorithm's rollout and forward: the registered mode of ``algorithm:`` (rollout_mode.py); the
+        # forward of stored samples is the mode's.
+        self.mode = self.actions = shipped_modes().get(cfg.algorithm)(self)
+        self.sampler = self.scorer = DiffusionSampler(self)  # samples, their rewards queued, then collected
 
     # ------------------------------------------------------------------ setup
     def setup(self, accelerator) -> None:
@@ -102,7 +102,6 @@ class DiffusionEnvironment(Environment):
             transformer.requires_grad_(True)
         self._model = transformer
         self.forwards = ForwardCounter(pipe.transformer)  # the rows each rollout runs (rollout/transformer_calls)
-        self._rollout_figures: dict[str, float] = {}
         if cfg.ema.enabled:
             self.ema = ParamEMA([p for p in transformer.parameters() if p.requires_grad], cfg.ema.decay,
                                 cfg.ema.update_every)
@@ -113,16 +112,14 @@ class DiffusionEnvironment(Environment):
         self.train_sigmas, self.train_timesteps = self.family.schedule(self.scheduler, s.num_steps, self.latent_shape)
         self.eval_sigmas, self.eval_timesteps = self.family.schedule(self.scheduler, s.eval_num_steps, self.latent_shape)
         # 4. Data and rewards.
-        from unirl.text.data import PromptSampler
-
         image = self.family.conditioning_image
         self.train_rows = load_prompt_rows(cfg.data.train, "train", image)
         self.test_rows = load_prompt_rows(cfg.data.test, "test", image) if cfg.data.test else []
         if cfg.data.eval_size is not None:
             self.test_rows = self.test_rows[: cfg.data.eval_size]
-        self.sampler = PromptSampler(self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
-                                     shuffle=cfg.data.shuffle, rank=accelerator.process_index,
-                                     world_size=accelerator.num_processes)
+        self.prompts = StepPrompts(self, self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
+                                   shuffle=cfg.data.shuffle, rank=accelerator.process_index,
+                                   world_size=accelerator.num_processes, test_rows=self.test_rows)
         self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
                                  eps=cfg.algo.adv_eps)
         if self.family.frames:  # videos: each reward scores their frames (``frames.FrameRewards``)
@@ -137,6 +134,9 @@ class DiffusionEnvironment(Environment):
                                                       reduce=cfg.video.frame_reduce)
         # 5. What the algorithm's rollout mode adds (FlowGRPO: the schedule's step constants; NFT: the old policy).
         self.mode.setup()
+        # After the mode's setup: NFT's and DGPO's frozen reference copy (full fine-tuning) is made there, and the
+        # backend lays out every frozen copy it is given here.
+        self.models = Models(reference=self._reference, frozen={"reference": self.ref} if self.ref is not None else {})
 
     @property
     def model(self):
@@ -151,14 +151,14 @@ class DiffusionEnvironment(Environment):
         """Guidance of the rollouts and the training forward (1 unless ``sampling.train_cfg``)."""
         return self.cfg.sampling.guidance_scale if self.cfg.sampling.train_cfg else 1.0
 
-    def _cond(self, cond: dict[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:
+    def cond(self, cond: dict[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:
         """The family's conditioning ``{key: [n, ...]}``, plus the negative prompt's ``neg_<key>`` for CFG."""
         if guidance > 1:
             n = next(iter(cond.values())).shape[0]
             cond = {**cond, **{k: v.expand(n, *v.shape[1:]) for k, v in self.negative.items()}}  # [n, ...]
         return cond
 
-    def _encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+    def encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """The family's conditioning of ``rows`` ``{key: [len(rows), ...]}``: their prompts' and, for a family
         with a conditioning image, their images' (``row["image"]``, a path checked at loading)."""
         s, device = self.cfg.sampling, self.accelerator.device
@@ -169,76 +169,17 @@ class DiffusionEnvironment(Environment):
                                                   device=device))
         return cond
 
-    # ---------------------------------------------------------------- rollout
-    def next_prompts(self, step: int) -> list[dict]:
-        self._step = step
-        return self.sampler.batch(step)
-
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         if self.ema is not None:
             self.ema.step(optimizer_steps)
         self.mode.after_optimizer_step(optimizer_steps)
 
-    @torch.no_grad()
-    def rollout(self, rows: list[dict], group_size: int) -> Rollout:
-        """The rollout mode's samples (``rollout_mode``); their rewards queued and the figures kept for ``score``."""
-        self.forwards.take()  # count this rollout's transformer rows only
-        off = self.cfg.offtarget  # this rollout's off-target image figures, gathered as its chunks decode
-        self._offtarget = RolloutFigures(off.diversity_size) if off.enabled and off.every and (
-            self._step % off.every == 0) else None
-        rollout, futures, figures = self.mode.rollout(rows, group_size)
-        self._rollout_figures = {"rollout/transformer_calls": float(self.forwards.take()), **figures}
-        self._pending = (id(rollout), futures)
-        return rollout
-
-    def _decode_and_queue(self, final: torch.Tensor, prompts: list[str], columns: dict[str, list], lo: int, hi: int,
-                          *, last: bool, futures: list) -> list:
-        """Decode a sampled chunk's clean latents ``final`` (samples ``lo:hi``) and queue its rewards: in the
-        pool for every chunk but the last, which ``score`` runs on the calling thread (nothing is left to
-        sample while it scores). Returns the chunk's images."""
-        decoded = self.family.decode(self.pipe, final)  # [n, ..., 3, H, W] in [0, 1]
-        if self._offtarget is not None:
-            self._offtarget.add(decoded)
-        chunk_images = to_pil(decoded)
-        chunk = dict(prompts=prompts[lo:hi], columns={k: v[lo:hi] for k, v in columns.items()})
-        if last:
-            futures.append(functools.partial(self.rewards.components, chunk_images, **chunk))
-        else:
-            futures.append(self.rewards.submit(chunk_images, **chunk))
-        return chunk_images
-
-    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-        figures = dict(self._rollout_figures)
-        if self._pending is not None and self._pending[0] == id(rollout):
-            components = concat_components([f.result() if isinstance(f, Future) else f() for f in self._pending[1]])
-            self._pending = None
-            if self._offtarget is not None:  # the images this rollout decoded, in sampling order
-                figures.update(self._offtarget.result(rollout.group_ids))
-        else:  # a rollout not made by the last ``rollout`` call: score it inline
-            components = self.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
-        rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
-        rewards, metrics = self.rewards.combine(components, rollout.group_ids)
-        return rewards, {**metrics, **figures}
-
-    # ------------------------------------- the forward of stored samples: the rollout mode's
-    def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
-        return self.mode.score_actions(model, batch, columns)
-
-    def loss_mask(self, batch: Rollout) -> torch.Tensor:
-        return self.mode.loss_mask(batch)
-
-    def column_slices(self, batch: Rollout) -> list[slice]:
-        return self.mode.column_slices(batch)
-
-    def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.mode.kl(current, reference)
-
-    def reference_model(self):
+    def _reference(self):
         return lora_or_frozen_reference(self.accelerator, self._model, self.ref, self.cfg.model.lora.enabled)
 
     # ------------------------------------------------------------ evaluation
     @contextlib.contextmanager
-    def _ema_weights(self):
+    def ema_weights(self):
         if self.ema is None:
             yield
             return
@@ -251,7 +192,7 @@ class DiffusionEnvironment(Environment):
 
         return sample_deterministic(self, rows, positions)
 
-    def evaluation(self, step: int, run_dir: Path) -> dict[str, float]:
+    def evaluation(self, step: int, run_dir: Path) -> tuple[dict[str, float], dict]:
         """Held-out evaluation: the ODE's images of the test prompts with the EMA weights, scored and drawn
         on a grid (``unirl.diffusion.held_out``)."""
         from unirl.diffusion.held_out import held_out_evaluation
@@ -268,7 +209,7 @@ class DiffusionEnvironment(Environment):
         acc = self.accelerator
         directory = Path(directory)
         model = acc.unwrap_model(self._model)
-        with self._ema_weights():  # written while the EMA weights are swapped in
+        with self.ema_weights():  # written while the EMA weights are swapped in
             full = sharded_state_dict(acc, self._model)  # collective under FSDP, None otherwise
             if not acc.is_main_process:
                 return
@@ -285,8 +226,8 @@ class DiffusionEnvironment(Environment):
             else:
                 model.save_pretrained(directory / "transformer", state_dict=full)
 
-    def checkpoint_objects(self) -> list:
-        return [*([self.ema] if self.ema is not None else []), *self.mode.checkpoint_objects()]
+    def checkpoint_objects(self) -> dict:
+        return {**({"ema": self.ema} if self.ema is not None else {}), **self.mode.checkpoint_objects()}
 
     def close(self) -> None:
         if getattr(self, "rewards", None) is not None:

@@ -55,17 +55,17 @@ class FlowGRPORollout(RolloutMode):
         device = env.accelerator.device
         B, G = len(rows), group_size
         N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env._step
+        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env.step
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = env._encode(rows)  # each [B, ...]
+        encoded = env.encode(rows)  # each [B, ...]
         group_ids = torch.arange(B).repeat_interleave(G)  # [N]
         # 2. Initial noise (shared within a group if asked), SDE window and trained steps.
         noise = env.family.noise(B if s.same_noise_per_group else N, env.latent_shape, generator)
         # The window comes from the seed and the step only: every process, and a resumed run, uses the same one.
         w = s.sde_window
-        start, stop = window_bounds(env._step, num_steps=s.num_steps, size=w.size, window_range=w.range,
+        start, stop = window_bounds(env.step, num_steps=s.num_steps, size=w.size, window_range=w.range,
                                     schedule=w.schedule, shift_interval=w.shift_interval, stride=w.stride,
                                     seed=cfg.trainer.seed)
         sigmas, timesteps, stochastic, dpm, coefficients = self._plan(start, stop)
@@ -85,13 +85,13 @@ class FlowGRPORollout(RolloutMode):
         columns = {k: [row.get(k) for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         for lo in range(0, N, s.chunk_size):
             hi = min(lo + s.chunk_size, N)
-            cond = env._cond({k: v[lo:hi] for k, v in encoded.items()}, env.train_guidance)
-            out = sample_with_logprob(env.family, env._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+            cond = env.cond({k: v[lo:hi] for k, v in encoded.items()}, env.train_guidance)
+            out = sample_with_logprob(env.family, env.model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=env.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
                                       generator=generator, coefficients=coefficients, start=first, dpm=dpm,
                                       keep_means=self.keep_old_means)
-            images += env._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
+            images += env.sampler.decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
             outs.append(out)
         # 5. Everything training needs to re-evaluate the trained steps.
         sig = sigmas.cpu()
@@ -142,8 +142,8 @@ class FlowGRPORollout(RolloutMode):
         parts = []
         for lo in range(0, noise.shape[0], s.chunk_size):
             hi = min(lo + s.chunk_size, noise.shape[0])
-            cond = env._cond({k: v[lo:hi] for k, v in encoded.items()}, env.train_guidance)
-            out = sample_with_logprob(env.family, env._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+            cond = env.cond({k: v[lo:hi] for k, v in encoded.items()}, env.train_guidance)
+            out = sample_with_logprob(env.family, env.model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=env.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, sde_type=s.sde_type, coefficients=coefficients, stop=stop)
             parts.append(out.final)
@@ -203,7 +203,7 @@ class FlowGRPORollout(RolloutMode):
         n, T = steps["sigma"].shape
         narrow = {k: steps[k].split(1, dim=1) for k in ("sigma", "sigma_next")}
         narrow["std"] = whole.std.reshape(n, T).split(1, dim=1)
-        cond = env._cond({k: batch.tensors[k].to(device) for k in env.family.cond_keys}, env.train_guidance)
+        cond = env.cond({k: batch.tensors[k].to(device) for k in env.family.cond_keys}, env.train_guidance)
         return {"steps": steps, "columns": columns, "narrow": narrow, "cond": cond, "coef": whole.unbind(1)}  # coef: T x [n]
 
     def _stored_constants(self, batch: Rollout, steps: dict[str, torch.Tensor]):

@@ -64,11 +64,11 @@ class ForwardProcessRollout(RolloutMode):
         device = env.accelerator.device
         B, G = len(rows), group_size
         N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env._step
+        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env.step
         generator = torch.Generator().manual_seed(seed)
         # 1. Prompts (and input images): encoded once per row, repeated for the group.
         prompts = [row["prompt"] for row in rows for _ in range(G)]  # [N]
-        encoded = {k: v.repeat_interleave(G, 0) for k, v in env._encode(rows).items()}  # each [N, ...]
+        encoded = {k: v.repeat_interleave(G, 0) for k, v in env.encode(rows).items()}  # each [N, ...]
         noise = env.family.noise(B if s.same_noise_per_group else N, env.latent_shape, generator)
         if s.same_noise_per_group:
             noise = noise.repeat_interleave(G, 0)  # [N, *latent]
@@ -82,9 +82,9 @@ class ForwardProcessRollout(RolloutMode):
             for lo in range(0, N, s.chunk_size):
                 hi = min(lo + s.chunk_size, N)
                 cond = {k: v[lo:hi] for k, v in encoded.items()}
-                out = sample_with_logprob(env.family, env._model, noise[lo:hi].to(device), sigmas, timesteps, cond,
+                out = sample_with_logprob(env.family, env.model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                           guidance_scale=1.0, noise_level=0.0, stochastic=ode)
-                images += env._decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
+                images += env.sampler.decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
                 finals.append(out.final.cpu())
         # 3. The training inputs: T noise levels per sample from the sampling schedule and their noise.
         picked, train_noise = self.training_inputs(N, B, G, generator)

@@ -83,9 +83,9 @@ class FrameRewards:
         for name, per_frame in scores.items():
             per_video = per_frame.view(n, -1)  # [N, K]: every video has the same number of frames
             applies = ~torch.isnan(per_video)
-            reduced = [REDUCTIONS[self.reduce](row[ok]) if ok.any() else torch.tensor(math.nan)
+            reduced = [REDUCTIONS[self.reduce](row[ok]) if ok.any() else torch.tensor(math.nan, dtype=torch.float64)
                        for row, ok in zip(per_video, applies)]
-            out[name] = torch.stack(reduced).float()  # [N]
+            out[name] = torch.stack(reduced).double()  # [N] float64, as RewardSet.components keeps a reward's scores
         return out
 
 

@@ -32,30 +32,31 @@ def sample_deterministic(env, rows: list[dict], positions: list[int] | None = No
     images = []
     for lo in range(0, len(rows), s.chunk_size):
         chunk = rows[lo:lo + s.chunk_size]
-        encoded = env._encode(chunk)
-        out = sample_with_logprob(env.family, env._model, noise[lo:lo + len(chunk)].to(device),
+        encoded = env.encode(chunk)
+        out = sample_with_logprob(env.family, env.model, noise[lo:lo + len(chunk)].to(device),
                                   env.eval_sigmas.to(device), env.eval_timesteps.to(device),
-                                  env._cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
+                                  env.cond(encoded, s.guidance_scale), guidance_scale=s.guidance_scale,
                                   noise_level=0.0, stochastic=stochastic)
         images += to_pil(env.family.decode(env.pipe, out.final))
     return images
 
 
-def held_out_evaluation(env, step: int, run_dir: Path) -> dict[str, float]:
+def held_out_evaluation(env, step: int, run_dir: Path) -> tuple[dict[str, float], dict]:
     """Deterministic (ODE) images of the held-out prompts with the EMA weights, scored by the
     config's rewards. With several processes each samples every world-th prompt and the scores
     (and the grid's images) are gathered; the main process writes ``eval/step_N.png`` (videos: their
     first frames, and ``eval/step_N.gif`` playing them), and
     ``eval/step_N.jsonl`` with a judge reward's answers when one is configured."""
     if not env.test_rows:
-        return {}
+        return {}, {}
     from accelerate.utils import gather_object
 
     acc, k = env.accelerator, env.cfg.data.grid_size
     mine = list(range(acc.process_index, len(env.test_rows), acc.num_processes))
     rows = [env.test_rows[i] for i in mine]
-    with env._ema_weights():
+    with env.ema_weights():
         images = env.sample_deterministic(rows, mine)
+    media = {}
     comps, judged = {}, {}  # judged: a judge reward's answers, by reward
     if rows:
         columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}
@@ -81,5 +82,5 @@ def held_out_evaluation(env, step: int, run_dir: Path) -> dict[str, float]:
             with open(path.with_suffix(".jsonl"), "w") as f:
                 for i, scores, _, judge, _ in results:
                     f.write(json.dumps({"prompt": env.test_rows[i]["prompt"], **scores, "judge": judge}) + "\n")
-        env.evaluation_media = {"images": {"eval/grid": grid}}  # for the trackers
-    return out
+        media = {"images": {"eval/grid": grid}}  # for the trackers
+    return out, media

@@ -55,15 +55,15 @@ class NFTRollout(ForwardProcessRollout):
         env, n = self.env, self.env.cfg.nft
         self.kl_coef = build_loss_args("nft", env.cfg.algo.loss_args).kl_coef  # with a KL the reference's velocities too
         if self.kl_coef > 0 and not env.cfg.model.lora.enabled and env.ref is None:
-            env.ref = copy.deepcopy(env._model).requires_grad_(False).eval()  # the untrained weights
-        self.old = OldPolicy([p for p in env._model.parameters() if p.requires_grad], n.old_decay_flat,
+            env.ref = copy.deepcopy(env.model).requires_grad_(False).eval()  # the untrained weights
+        self.old = OldPolicy([p for p in env.model.parameters() if p.requires_grad], n.old_decay_flat,
                              n.old_decay_rate, n.old_decay_max)
 
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         self.old.saw(optimizer_steps)  # after the environment's evaluation EMA
 
-    def checkpoint_objects(self) -> list:
-        return [self.old]
+    def checkpoint_objects(self) -> dict:
+        return {"old_policy": self.old}
 
     def sampling_weights(self):
         # The old policy takes the last training step's weights (its decay), then samples.
@@ -91,7 +91,7 @@ class NFTRollout(ForwardProcessRollout):
                                                            timestep, cond, 1.0))
             out["velocity"].append(guided_velocity(env.family, model, noisy, timestep, cond, 1.0))
             if "ref_velocity" in out:
-                with torch.no_grad(), env.reference_model() as ref:
+                with torch.no_grad(), env.models.reference() as ref:
                     out["ref_velocity"].append(guided_velocity(env.family, ref, noisy, timestep, cond, 1.0))
             out["noisy"].append(noisy)
             out["sigma"].append(sigma)

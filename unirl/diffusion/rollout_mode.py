@@ -30,32 +30,32 @@ from typing import Any, Callable
 
 import torch
 
-from unirl.env import Rollout
+from unirl.env import Actions, Rollout
 from unirl.registry import Registry
 
 
-class RolloutMode(ABC):
+class RolloutMode(Actions, ABC):
     """One algorithm's rollout and forward for ``env``, the ``DiffusionEnvironment`` that owns it (its
-    family, pipeline, encoders, schedules and reward queue are the mode's tools)."""
+    family, pipeline, encoders, schedules and reward queue are the mode's tools). It is the environment's
+    ``actions`` (``unirl.env.Actions``): the forward of the samples it kept."""
 
     #: The registered policy loss this mode's rollouts train with (None: the ratio loss of ``algo``).
     policy_loss: str | None = None
     #: What ``score_actions`` can return besides ``mask``: a loss that reads more is refused at config load.
     offers: frozenset[str] = frozenset()
-    #: Whether the trainer recomputes the old log-probs (``Environment.recompute_old_logprobs``): False
-    #: where the sampler's log-probs are the policy's own (FlowGRPO) or there are none (NFT).
+    #: Whether the trainer recomputes the old log-probs (``Actions.recompute_old_logprobs``): False where the
+    #: trainer samples, so the sampler's log-probs are the policy's own (FlowGRPO), or there are none (NFT).
     recompute_old_logprobs: bool = False
     #: The mode's own settings (a frozen dataclass, from ``mode_args``); set by ``register_rollout_mode``.
     settings: type | None = None
 
     def __init__(self, env):
-        from unirl.config.schema import check_loss_args
         from unirl.core.policy_losses import POLICY_LOSSES
 
         self.env = env
         self.args = build_mode_args(env.cfg.algorithm, env.cfg.mode_args)
         #: The run's registered policy loss (what it reads decides what the forward returns).
-        self.loss = POLICY_LOSSES.get(check_loss_args(env.cfg.algo, self.policy_loss))
+        self.loss = POLICY_LOSSES.get(env.cfg.policy_loss_name())
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -66,8 +66,8 @@ class RolloutMode(ABC):
 
     @abstractmethod
     def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:
-        """Sample G per row; returns the rollout, its chunks' queued rewards (``env._decode_and_queue``)
-        and the mode's rollout figures. Called by ``env.rollout`` with gradients off."""
+        """Sample G per row; returns the rollout, its chunks' queued rewards (``env.sampler.decode_and_queue``)
+        and the mode's rollout figures. Called by ``env.sampler.rollout`` with gradients off."""
 
     @abstractmethod
     def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
@@ -88,9 +88,9 @@ class RolloutMode(ABC):
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         """After each optimizer step, after the environment's EMA."""
 
-    def checkpoint_objects(self) -> list:
-        """The mode's stateful objects, saved after the environment's."""
-        return []
+    def checkpoint_objects(self) -> dict:
+        """The mode's stateful objects by name, saved after the environment's."""
+        return {}
 
 
 ROLLOUT_MODES: Registry[type[RolloutMode]] = Registry("algorithm (diffusion rollout mode)")

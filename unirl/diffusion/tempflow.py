@@ -71,10 +71,10 @@ class TempFlowRollout(FlowGRPORollout):
         device = env.accelerator.device
         B, G = len(rows), group_size
         N = B * G
-        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env._step
+        seed = cfg.trainer.seed * 1_000_003 + env.accelerator.process_index * 10_007 + env.step
         generator = torch.Generator().manual_seed(seed)
         # 1. One initial noise and one branch step per prompt; the prompts in the order of their steps.
-        encoded = env._encode(rows)  # each [B, ...]
+        encoded = env.encode(rows)  # each [B, ...]
         latents = env.family.noise(B, env.latent_shape, generator).to(device)  # [B, *latent] at step 0
         lo, hi = self.branch_bounds(self.args.branch_range, s.num_steps)
         branch = lo + torch.randint(hi - lo, (B,), generator=generator)  # [B]
@@ -98,13 +98,13 @@ class TempFlowRollout(FlowGRPORollout):
             record = torch.full((len(members) * G, 1), k, dtype=torch.long)
             for lo_row in range(0, len(rows_latent), s.chunk_size):
                 hi_row = min(lo_row + s.chunk_size, len(rows_latent))
-                cond = env._cond({n: v[lo_row:hi_row] for n, v in rows_cond.items()}, env.train_guidance)
-                out = sample_with_logprob(env.family, env._model, rows_latent[lo_row:hi_row], sigmas, timesteps, cond,
+                cond = env.cond({n: v[lo_row:hi_row] for n, v in rows_cond.items()}, env.train_guidance)
+                out = sample_with_logprob(env.family, env.model, rows_latent[lo_row:hi_row], sigmas, timesteps, cond,
                                           guidance_scale=env.train_guidance, noise_level=s.noise_level,
                                           stochastic=stochastic, record=record[lo_row:hi_row], sde_type=s.sde_type,
                                           generator=generator, coefficients=self.coefficients, start=k,
                                           keep_means=self.keep_old_means)
-                images += env._decode_and_queue(out.final, prompts, columns, done + lo_row, done + hi_row,
+                images += env.sampler.decode_and_queue(out.final, prompts, columns, done + lo_row, done + hi_row,
                                                 last=done + hi_row == N, futures=futures)
                 outs.append(out)
             done += len(rows_latent)
@@ -133,8 +133,8 @@ class TempFlowRollout(FlowGRPORollout):
         parts = []
         for lo in range(0, latents.shape[0], s.chunk_size):
             hi = min(lo + s.chunk_size, latents.shape[0])
-            cond = env._cond({n: v[lo:hi] for n, v in encoded.items()}, env.train_guidance)
-            out = sample_with_logprob(env.family, env._model, latents[lo:hi], sigmas, timesteps, cond,
+            cond = env.cond({n: v[lo:hi] for n, v in encoded.items()}, env.train_guidance)
+            out = sample_with_logprob(env.family, env.model, latents[lo:hi], sigmas, timesteps, cond,
                                       guidance_scale=env.train_guidance, noise_level=s.noise_level,
                                       stochastic=torch.zeros(s.num_steps, dtype=torch.bool), sde_type=s.sde_type,
                                       coefficients=self.coefficients, start=start, stop=stop)

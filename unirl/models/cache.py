@@ -79,7 +79,7 @@ def cached_build(directory: Path, spec: dict, marker_name: str, build: Callable[
 @contextlib.contextmanager
 def _threads(count: int):
     """torch on ``count`` threads, then the caller's again. ``torch._C``'s setter: vLLM's CPU worker replaces
-    ``torch.set_num_threads`` by a no-op once it has bound its threads (see ``unirl/text/engines.py``)."""
+    ``torch.set_num_threads`` by a no-op once it has bound its threads (see ``unirl/rollout/``)."""
     import torch
 
     before = torch.get_num_threads()

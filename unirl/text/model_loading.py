@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
-    """``tiny`` (``tiny_search``, ``tiny_teacher``, ``tiny_vlm``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
+    """``tiny`` (``tiny_search``, ``tiny_game``, ``tiny_teacher``, ``tiny_vlm``) -> the locally built tiny model (cached); a named model (``unirl models list``) -> its
     prepared directory (prepared now if needed); anything else is passed through."""
     from unirl.models.named import MODELS, resolve
 
@@ -16,6 +16,10 @@ def resolve_model_path(name_or_path: str, seed: int = 0) -> str:
         from unirl.text.tiny_search import build_tiny_search_lm
 
         return str(build_tiny_search_lm(seed=seed))
+    if name_or_path == "tiny_game":  # the tiny model warm-started to play the walk game (unirl/text/tiny_game.py)
+        from unirl.text.tiny_game import build_tiny_game_lm
+
+        return str(build_tiny_game_lm(seed=seed))
     if name_or_path == "tiny_teacher":  # the tiny model after the tiny demo's GRPO (unirl/text/tiny_teacher.py)
         from unirl.text.tiny_teacher import build_tiny_teacher
 

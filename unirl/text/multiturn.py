@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from unirl.agents.observations import cap_text, longest_token_chars
 from unirl.tools.calling import ToolRunner
 from unirl.tools.formats import CallFormat, Turn
 from unirl.tools.registry import ToolError
@@ -73,7 +74,7 @@ def multi_turn_generate(engine, tokenizer, fmt: CallFormat, runner: ToolRunner, 
     groups = [[Trajectory(list(p)) for _ in range(n)] for p in prompt_ids]
     flat = [t for g in groups for t in g]
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, stop=fmt.stop)
-    chars_per_token = _longest_token_chars(tokenizer) if max_observation_tokens is not None else 0
+    chars_per_token = longest_token_chars(tokenizer) if max_observation_tokens is not None else 0
     for turn in range(1, max_turns + 1):
         active = [t for t in flat if not t.done]
         if not active:
@@ -138,7 +139,7 @@ def _observe(pending: list[tuple[Trajectory, list, bool]], runner: ToolRunner, t
         mine = [next(results) for _ in cs]
         t.tool_calls += [{"name": c.name, "arguments": c.arguments, "error": r.error} for c, r in zip(cs, mine)]
         t.tool_latency_s += sum(r.latency_s for r in mine)
-        texts = [_capped(tokenizer, r.text, max_observation_tokens, truncated_text, chars_per_token) for r in mine]
+        texts = [cap_text(tokenizer, r.text, max_observation_tokens, truncated_text, chars_per_token) for r in mine]
         t.observations_truncated += sum(text != r.text for text, r in zip(texts, mine))
         obs = tokenizer(_observation(fmt, texts, eos), add_special_tokens=False).input_ids
         if max_total_tokens is not None:
@@ -148,27 +149,6 @@ def _observe(pending: list[tuple[Trajectory, list, bool]], runner: ToolRunner, t
         t.ids += obs
         t.loss_mask += [0] * len(obs)
         t.logprobs += [0.0] * len(obs)
-
-
-def _capped(tokenizer, text: str, cap: int | None, marker: str, chars_per_token: int) -> str:
-    """``text`` cut to its first ``cap`` tokens, then ``marker``; as it is when it fits (or no cap).
-
-    No token spans more than ``chars_per_token`` characters, so the first ``cap`` tokens lie in the first
-    ``cap * chars_per_token`` characters: only those (and one token's more, so that a text cut there
-    still counts as longer than ``cap``) are tokenized, not a 4 MB result (5 s a call). The tokens are
-    the whole text's unless one pre-tokenizer word spans the cut, where the last token may differ."""
-    if cap is None:
-        return text
-    head = text[:(cap + 1) * chars_per_token]
-    ids = tokenizer(head, add_special_tokens=False).input_ids
-    return text if len(ids) <= cap and len(head) == len(text) else tokenizer.decode(ids[:cap]) + marker
-
-
-def _longest_token_chars(tokenizer) -> int:
-    """The most characters one token of ``tokenizer`` decodes to (a byte-level token's vocabulary
-    string has one character per byte, at least as many as it decodes to)."""
-    vocab = tokenizer.get_vocab()
-    return max(1, max(map(len, vocab), default=1))
 
 
 def _parse(fmt: CallFormat, text: str):

@@ -84,15 +84,18 @@ def trajectories_to_rollout(rows: list[dict], groups: list[list[Trajectory]], to
 
 
 def overlong_lengths(rollout_cfg, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
-    """``(lengths [N], max_length)`` for DAPO's overlong penalty of a multi-turn rollout, as verl measures
-    them: the whole response (observations included: verl's attention mask) against the most the
-    response may hold, ``max_total_tokens`` less its prompt ([N]); with no ``max_total_tokens``, the
-    generated budget ``max_turns * max_new_tokens``. (All turns' tokens against one turn's
-    ``max_new_tokens`` reached -11 for a factor of 1.)"""
-    lengths = tensors["response_attention_mask"].sum(-1)  # [N]
+    """``(lengths [N], max_length)`` for DAPO's overlong penalty of a multi-turn rollout, a length and a
+    maximum that count the same tokens. With ``max_total_tokens``, as verl measures them: the whole response
+    (observations included: verl's attention mask) against the most the response may hold,
+    ``max_total_tokens`` less its prompt ([N]). Without it nothing bounds the observations, so the generated
+    tokens (the loss mask) against the generated budget ``max_turns * max_new_tokens`` (counting the
+    observations in the length but not in that maximum penalised a response for its tool results). (All
+    turns' tokens against one turn's ``max_new_tokens`` reached -11 for a factor of 1.)"""
     if rollout_cfg.max_total_tokens is not None:
+        lengths = tensors["response_attention_mask"].sum(-1)  # [N] every response token
         return lengths, rollout_cfg.max_total_tokens - tensors["prompt_mask"].sum(-1)  # [N]
-    return lengths, rollout_cfg.max_turns * rollout_cfg.max_new_tokens
+    generated = tensors["response_mask"].sum(-1)  # [N] the sampled tokens only
+    return generated, rollout_cfg.max_turns * rollout_cfg.max_new_tokens
 
 
 def multi_turn_metrics(tensors: dict[str, torch.Tensor]) -> dict[str, float]:

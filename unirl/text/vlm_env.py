@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 from unirl.env import Rollout
-from unirl.text.engines import HFEngine
+from unirl.rollout import EngineContext, register_engine
+from unirl.rollout.hf import HFEngine
+from unirl.text.actions import TextActions
 from unirl.text.env import TextEnvironment
 from unirl.text.packing import PackedBatch, pack_shared_prompts
 from unirl.text.vlm import (IMAGES_KEY, VLMProcessor, image_token_mask, pictures_key, rope_index, row_images,
@@ -64,10 +66,39 @@ class VLMHFEngine(HFEngine):
         return super().generate(prompt_ids, extra_inputs=extra, **kwargs)
 
 
+@register_engine("vlm")
+def vlm_engine(ctx: EngineContext) -> VLMHFEngine:
+    """The transformers engine of a vision-language policy (``VLMEnvironment``'s ``rollout.engine: hf``), on
+    the live policy or a private copy of it (``ctx.own_weights``)."""
+    if ctx.own_weights:
+        return VLMHFEngine.with_own_copy(ctx.policy(), ctx.tokenizer, ctx.accelerator.device, processor=ctx.processor)
+    return VLMHFEngine(ctx.policy, ctx.tokenizer, ctx.processor)
+
+
+class VLMActions(TextActions):
+    """``TextActions`` with each sample's pictures in its forward (``VLMEnvironment``'s ``actions``)."""
+
+    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
+        images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
+        if not images:
+            return None, extra
+        pixels = self.env.processor.image_processor(images=images, return_tensors="pt")
+        return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
+                                   self.env.processor.image_token_id)
+
+    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
+                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
+        n = t["prompt_ids"].shape[0]
+        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
+        return pack_with_pictures(self.env.accelerator.unwrap_model(model), self.env.processor, t["prompt_ids"],
+                                  t["prompt_mask"], t["response_ids"], tokens, images)
+
+
 class VLMEnvironment(TextEnvironment):
     """``TextEnvironment`` for a vision-language policy (module docstring)."""
 
     takes_images = True
+    actions_class = VLMActions
 
     def setup(self, accelerator) -> None:
         if self.cfg.rollout.engine != "hf":
@@ -76,7 +107,21 @@ class VLMEnvironment(TextEnvironment):
                              f"set rollout.engine=hf")
         self._refuse_text_only_parts()
         super().setup(accelerator)
-        self.engine = VLMHFEngine(lambda: self.accelerator.unwrap_model(self._model), self.tokenizer, self.processor)
+
+    def _prepare_for_evaluation(self) -> None:
+        if self.cfg.rollout.engine != "hf":
+            raise ValueError(f"rollout.engine={self.cfg.rollout.engine}: a vision-language policy is evaluated with the "
+                             f"transformers engine only (docs/vlm.md); pass rollout.engine=hf")
+        self.load_processor()
+
+    @property
+    def engine_name(self) -> str:
+        return "vlm"  # rollout.engine: hf, with the pictures passed to generate
+
+    def engine_context(self, model_path: str, **kwargs) -> EngineContext:
+        ctx = super().engine_context(model_path, **kwargs)
+        ctx.processor = self.processor
+        return ctx
 
     def _refuse_text_only_parts(self) -> None:
         """A teacher or a critic beside a vision-language policy is refused before anything loads: both
@@ -134,22 +179,6 @@ class VLMEnvironment(TextEnvironment):
         super().save_pretrained(directory)
         if self.accelerator.is_main_process:
             self.processor.save_files(self.model_path, directory)
-
-    def _model_inputs(self, batch: Rollout, ids: torch.Tensor, positions, extra):
-        images = [image for row in batch.columns.get(IMAGES_KEY, []) for image in (row or [])]
-        if not images:
-            return None, extra
-        pixels = self.processor.image_processor(images=images, return_tensors="pt")
-        return None, vision_inputs(ids, pixels["pixel_values"].to(ids.device), pixels["image_grid_thw"].to(ids.device),
-                                   self.processor.image_token_id)
-
-    def _packed_row(self, model, batch: Rollout, t: dict[str, torch.Tensor],
-                    tokens: torch.Tensor) -> tuple[PackedBatch, dict]:
-        n = t["prompt_ids"].shape[0]
-        images = [row or [] for row in batch.columns.get(IMAGES_KEY, [None] * n)]  # [n] lists of PIL images
-        return pack_with_pictures(self.accelerator.unwrap_model(model), self.processor, t["prompt_ids"],
-                                  t["prompt_mask"], t["response_ids"], tokens, images)
-
 
 def pack_with_pictures(model, processor: VLMProcessor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        response_ids: torch.Tensor, response_mask: torch.Tensor,

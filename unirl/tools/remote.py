@@ -1,7 +1,7 @@
 """Tools over HTTP: ``unirl serve-tool NAME`` hosts a tool (the search index, built once, shared by
 every run and process that names it ``http://host:port``), and ``RemoteTool`` calls it.
 
-The serving is the reward server's (``rewards/remote.py``, ``rewards/batching.py``): concurrent
+The serving is the reward server's (``unirl/rewards/remote.py``, ``unirl/rewards/batching.py``): concurrent
 requests join one call of the tool in one worker thread (the BM25 search retrieves them in one pass
 through ``call_batch``), at most ``max_batch`` calls at once, a full queue answered 503, which the
 client retries. The protocol:
@@ -11,7 +11,7 @@ client retries. The protocol:
 - ``POST /call`` with ``{"arguments": {...}}`` -> 200 ``{"text": "..."}``; 500 ``{"error": ...}`` when
   the tool raised or returned something other than a string; 400 for a malformed request.
 
-The guards are the reward server's (``rewards/http_guards.py``): arguments naming one of the server's
+The guards are the reward server's (``unirl/serving/guards.py``): arguments naming one of the server's
 ``--kwargs`` are refused (400), a body over ``--max-body-mb`` (413) or not arrived after
 ``--body-timeout-s`` (408) too, and with ``--token`` (or ``$UNIRL_REWARD_TOKEN``) every path but
 ``/health`` needs ``Authorization: Bearer <token>`` (401), which ``RemoteTool`` sends from its
@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from unirl.rewards.batching import QueueFull
-from unirl.rewards.http_guards import Guards, Refused
+from unirl.serving.guards import Guards, Refused
 from unirl.tools.registry import ToolError
 
 
@@ -65,9 +65,9 @@ def make_tool_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwarg
                      body_timeout_s: float = 30.0, token: str | None = None):
     """A server (bound, not yet serving) for the tool ``spec`` with ``kwargs`` bound; a search index
     is built here, before the port opens. ``max_body_mb``, ``body_timeout_s`` and ``token`` (default
-    ``$UNIRL_REWARD_TOKEN``): the guards of ``rewards/http_guards.py``."""
+    ``$UNIRL_REWARD_TOKEN``): the guards of ``unirl/serving/guards.py``."""
     from unirl.rewards.batching import BatchQueue
-    from unirl.rewards.remote import RewardServer
+    from unirl.serving.server import AppServer
     from unirl.tools.loading import load_tool, tool_name
 
     guards = Guards.from_settings("serve-tool", max_body_mb=max_body_mb, body_timeout_s=body_timeout_s, token=token,
@@ -77,7 +77,7 @@ def make_tool_server(spec: str, host: str = "127.0.0.1", port: int = 8000, kwarg
                        max_queue=max_queue)
     doc = (inspect.getdoc(tool) or "").strip()
     meta = {"name": tool_name(spec), "description": doc.splitlines()[0] if doc else ""}
-    return RewardServer(make_app(spec, meta, queue, guards), host, port)
+    return AppServer(make_app(spec, meta, queue, guards), host, port)
 
 
 def make_app(spec: str, meta: dict, queue, guards: Guards):

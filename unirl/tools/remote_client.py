@@ -1,6 +1,6 @@
 """``RemoteTool``: a tool served by ``unirl serve-tool`` (``unirl/tools/remote.py``), called like any tool
 (``rollout.tools: [{name: http://host:port}]``). The transport is the remote reward's
-(``rewards/remote_client.py``)."""
+(``unirl/rewards/remote_client.py``)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,23 @@
 """Checkpoints of a run: ``<run>/checkpoints/step_N/`` and resuming from the latest.
 
 A checkpoint holds the policy as its library saves it (``env.save_pretrained``: HF
-``save_pretrained``, a LoRA adapter, a diffusers transformer) and ``trainer_state/``:
+``save_pretrained``, a LoRA adapter, a diffusers transformer) and ``trainer_state/``, each object under
+its own name (the trainer's ``state_objects``: name -> (kind, object)):
 
     loop.json                     the loop's counters
     config.json                   the run's resolved config (a resume compares its own with it)
-    model_<i>.safetensors         every model the accelerator prepared (the policy, a critic ...)
-    optimizer_<i>.{safetensors,json}, scheduler_<i>.{...}   theirs, in the same order
-    custom_<i>.{...}              the objects registered for checkpointing (an EMA)
+    policy.safetensors            each trained model by name (``critic.safetensors`` with PPO); an FSDP2
+                                  run's shards as ``policy.rank<r>of<W>.*`` (``unirl.trainer.sharded_state``)
+    policy_optimizer.{safetensors,json}, policy_scheduler.{...}   theirs (``critic_optimizer`` ...)
+    ema.{...}, old_policy.{...}, source.{...}   the environment's objects (an EMA, NFT's old policy) and the
+                                  batch source's in-flight batches
     scaler.{...}                  fp16's gradient scaler
     rng_<process>.{...}           each process's python, numpy, torch (and CUDA) RNG states
+
+How each is written and read is the backend's (``unirl.trainer.backends``: whole, or each process's shards).
+Checkpoints of earlier versions, whose files were numbered by Accelerate's preparation and registration
+order (``model_0``, ``optimizer_0``, ``custom_0`` ...), still resume: ``legacy_stems`` gives each named
+object its old file.
 
 Only tensors (safetensors) and plain data (JSON) are written, and nothing is unpickled when a run
 resumes (``unirl.trainer.state_files``): Accelerate's ``save_state`` pickles the optimizer, the RNG states
@@ -35,9 +43,6 @@ import torch
 
 from unirl.trainer.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
                                  link_out_of, links_out, trains_a_critic)
-from unirl.trainer.fsdp import is_sharded, resharded
-from unirl.trainer.sharded_state import (has_shards, load_model_shards, load_optimizer_shards, materialise_tree,
-                                         read_shards, save_shards)
 from unirl.trainer.state_files import StateFileError, load_state, read_json, save_state
 
 
@@ -106,13 +111,15 @@ def check_supported(accelerator) -> None:
 
 
 # ===================================================================== save
-def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict[str, Any],
-                    keep: int | None, config: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(backend, env, run_dir: Path, step: int, objects: dict[str, tuple[str, Any]],
+                    loop_state: dict[str, Any], keep: int | None, config: dict[str, Any] | None = None) -> Path:
     """Write ``checkpoints/step_<step>/`` (the policy and ``trainer_state/``) on every process (the main
     process writes the shared state, each process its RNG states), then keep the newest ``keep``.
 
     A failed write (a full disk) removes the partial ``.tmp_step_N`` and says why, naming the last
-    complete checkpoint."""
+    complete checkpoint. ``objects``: name -> (kind, object), kind ``model``, ``optimizer``, ``scheduler`` or
+    ``state`` (anything with ``state_dict`` / ``load_state_dict``)."""
+    accelerator = backend.accelerator
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
@@ -124,7 +131,7 @@ def save_checkpoint(accelerator, env, run_dir: Path, step: int, loop_state: dict
     accelerator.wait_for_everyone()  # the directory exists before any process writes into it
     try:
         env.save_pretrained(tmp)
-        save_trainer_state(accelerator, tmp / "trainer_state", loop_state, config or {})
+        save_trainer_state(backend, tmp / "trainer_state", objects, loop_state, config or {})
     except Exception as e:  # OSError, or safetensors' own error type ("... (os error 28)") for a full disk
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {final} failed: {_why(e)}; removed the partial {tmp.name}; "
@@ -157,30 +164,21 @@ def _prune(run_dir: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_trainer_state(accelerator, directory: Path, loop_state: dict[str, Any], config: dict[str, Any]) -> None:
-    """Every prepared model, optimizer and scheduler, the registered objects, the gradient scaler and
+def save_trainer_state(backend, directory: Path, objects: dict[str, tuple[str, Any]], loop_state: dict[str, Any],
+                       config: dict[str, Any]) -> None:
+    """Every named object (through the backend: whole, or each process's shards), the gradient scaler and
     each process's RNG states, as safetensors + JSON (see the module docstring)."""
+    accelerator = backend.accelerator
     check_supported(accelerator)
-    from safetensors.torch import save_model
-
     if accelerator.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    sharded = _sharded(accelerator)
-    if sharded:  # every process writes its shards of the models, optimizers and registered objects
-        rank, world = accelerator.process_index, accelerator.num_processes
-        for i, model in enumerate(accelerator._models):
-            save_shards(resharded(model).state_dict(), directory / f"model_{i}", rank, world)
-        for kind in ("optimizer", "custom"):
-            for i, obj in enumerate(_stateful(accelerator)[kind]):
-                save_shards(obj.state_dict(), directory / f"{kind}_{i}", rank, world)
+    for name, (kind, obj) in objects.items():
+        if kind == "model":
+            backend.save_model(obj, directory / name)
+        else:
+            backend.save_object(obj, directory / name)
     if accelerator.is_main_process:
-        for i, model in enumerate(accelerator._models if not sharded else []):
-            save_model(accelerator.unwrap_model(model), str(directory / f"model_{i}.safetensors"))
-        for kind, objects in _stateful(accelerator).items():
-            for i, obj in enumerate(objects):
-                if not (sharded and kind in ("optimizer", "custom")):
-                    save_state(obj.state_dict(), directory / f"{kind}_{i}")
         if accelerator.scaler is not None:
             save_state(accelerator.scaler.state_dict(), directory / "scaler")
         (directory / "config.json").write_text(json.dumps(config, default=str))
@@ -188,9 +186,18 @@ def save_trainer_state(accelerator, directory: Path, loop_state: dict[str, Any],
     save_state(_rng_states(), directory / f"rng_{accelerator.process_index}")
 
 
-def _stateful(accelerator) -> dict[str, list]:
-    return {"optimizer": accelerator._optimizers, "scheduler": accelerator._schedulers,
-            "custom": accelerator._custom_objects}
+def legacy_stems(objects: dict[str, tuple[str, Any]]) -> dict[str, str]:
+    """Each object's file in a checkpoint of an earlier version, which numbered them by Accelerate's
+    preparation and registration order: the models and optimizers as prepared (``model_<i>``,
+    ``optimizer_<i>``: the policy's, then the critic's), every other object as registered (``custom_<i>``:
+    the environment's, the policy's schedule, the critic's, the batch source). ``objects`` is in that order."""
+    counts = {"model": 0, "optimizer": 0, "custom": 0}
+    out = {}
+    for name, (kind, _) in objects.items():
+        group = kind if kind in ("model", "optimizer") else "custom"
+        out[name] = f"{group}_{counts[group]}"
+        counts[group] += 1
+    return out
 
 
 def _rng_states() -> dict[str, Any]:
@@ -201,7 +208,8 @@ def _rng_states() -> dict[str, Any]:
 
 
 # =================================================================== resume
-def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def resume(backend, run_dir: Path, objects: dict[str, tuple[str, Any]],
+           config: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Load the latest readable checkpoint's ``trainer_state`` into the prepared objects and return its
     ``loop.json`` (None when there is no checkpoint yet). The logs' rows of steps after it (all rows,
     without a checkpoint) are dropped, so every step appears once.
@@ -211,6 +219,7 @@ def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> 
     field, and the one before it is tried; every process takes the same one. A ``checkpoints`` folder
     that is itself a link out of the run is refused. A run whose config
     changes a setting the state carries (``optim.*``, ``model.lora.*``) is refused, naming it."""
+    accelerator = backend.accelerator
     run_dir = Path(run_dir)
     _check_root(run_dir)
     steps = checkpoint_dirs(run_dir)
@@ -224,7 +233,7 @@ def resume(accelerator, run_dir: Path, config: dict[str, Any] | None = None) -> 
             if (link := link_out_of(checkpoint, run_dir)) is not None:
                 raise StateFileError(link_message(link))
             check_config(checkpoint / "trainer_state", config)
-            state = load_trainer_state(accelerator, checkpoint / "trainer_state", step=_step_of(checkpoint))
+            state = load_trainer_state(backend, checkpoint / "trainer_state", objects, step=_step_of(checkpoint))
         except StateFileError as e:
             error = e
         if _everyone_ok(accelerator, error is None):
@@ -277,14 +286,14 @@ def check_config(directory: Path, config: dict[str, Any] | None) -> None:
 
 def _state_bearing(key: str) -> bool:
     parts = key.split(".")
-    # rollout.max_staleness: the batches in flight were saved for that schedule (unirl.trainer.async_rollout)
-    return "lora" in parts or ("optim" in parts[:-1] and parts[-1] in OPTIMIZER_KEYS) or key == "rollout.max_staleness"
+    # source.max_staleness: the batches in flight were saved for that schedule (unirl.rollout.sources)
+    return "lora" in parts or ("optim" in parts[:-1] and parts[-1] in OPTIMIZER_KEYS) or key == "source.max_staleness"
 
 
-def _optimizer_settings(accelerator) -> list[list[dict]]:
-    """Each prepared optimizer's settings per parameter group (the learning rate before any schedule)."""
-    return [[{k: group.get("initial_lr", group["lr"]) if k == "lr" else group.get(k) for k in OPTIMIZER_KEYS}
-             for group in optimizer.param_groups] for optimizer in accelerator._optimizers]
+def _optimizer_settings(objects: dict[str, tuple[str, Any]]) -> dict[str, list[dict]]:
+    """Each optimizer's settings per parameter group (the learning rate before any schedule), by name."""
+    return {name: [{k: group.get("initial_lr", group["lr"]) if k == "lr" else group.get(k) for k in OPTIMIZER_KEYS}
+                   for group in obj.param_groups] for name, (kind, obj) in objects.items() if kind == "optimizer"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -297,15 +306,15 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, Any]:
-    """Load what ``save_trainer_state`` wrote into the prepared objects; returns ``loop.json``, every
-    field checked (``unirl.trainer.resume_checks``; ``step``: the checkpoint's, which loop.json must hold).
+def load_trainer_state(backend, directory: Path, objects: dict[str, tuple[str, Any]], *, step: int) -> dict[str, Any]:
+    """Load what ``save_trainer_state`` wrote into the named objects (or, for a checkpoint of an earlier
+    version, their numbered files: ``legacy_stems``); returns ``loop.json``, every field checked
+    (``unirl.trainer.resume_checks``; ``step``: the checkpoint's, which loop.json must hold).
 
     Raises ``StateFileError`` naming an unreadable file, ``CheckpointError`` for a checkpoint that does
     not fit this run (another model shape, a different number of models)."""
+    accelerator = backend.accelerator
     check_supported(accelerator)
-    from safetensors.torch import load_model
-
     if not (directory / "loop.json").exists() or (directory / "optimizer.bin").exists():
         if any(directory.glob("*.pkl")) or (directory / "optimizer.bin").exists():
             raise CheckpointError(f"{directory}: written by an older unirl with pickled state (Accelerate's save_state), "
@@ -314,34 +323,22 @@ def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, 
     loop_file = directory / "loop.json"
     loop_state = read_json(loop_file)
     check_loop_state(loop_state, loop_file, step)
-    for i, model in enumerate(accelerator._models):
-        file = directory / f"model_{i}.safetensors"
-        if has_shards(directory / f"model_{i}"):  # an FSDP2 run's, from any number of processes
-            _load_model_shards(model, directory / f"model_{i}", i)
+    stems = legacy_stems(objects) if _uses_legacy_names(directory, objects) else {name: name for name in objects}
+    configured = _optimizer_settings(objects)
+    for name, (kind, obj) in objects.items():
+        stem = directory / stems[name]
+        if kind == "model":
+            backend.load_model(obj, stem)
             continue
-        if is_sharded(model):
-            raise CheckpointError(f"{file}: written by a run holding whole models (trainer.strategy=ddp), which an "
-                                  f"FSDP2 run does not read; resume with trainer.strategy=ddp")
-        try:
-            load_model(accelerator.unwrap_model(model), str(file))
-        except RuntimeError as e:  # strict loading: the keys or shapes differ
-            raise CheckpointError(f"{file} does not fit this run's model {i} (was it saved with other model settings, "
-                                  f"e.g. model.lora.enabled?): {str(e).strip().splitlines()[0][:300]}") from e
-        except Exception as e:  # safetensors' error type: a truncated or corrupt file
-            raise StateFileError(f"{file}: cannot be read ({str(e).strip()[:200]})") from e
-    configured = _optimizer_settings(accelerator)
-    for kind, objects in _stateful(accelerator).items():
-        for i, obj in enumerate(objects):
-            stem = directory / f"{kind}_{i}"
-            _load_into(obj, _saved_state(obj, stem, kind), stem)
-            if kind == "optimizer":
-                check_optimizer(obj, stem)
-            else:  # a schedule, prepared or registered (the loop registers its own); other objects pass
-                check_scheduler(obj, stem)
-    for i, (now, saved) in enumerate(zip(configured, _optimizer_settings(accelerator))):
-        if now != saved:  # a setting outside an ``optim`` section, which check_config cannot name
-            raise CheckpointError(f"resume: optimizer {i} was saved with {saved[0]}, this run configures {now[0]}; "
-                                  f"the restored state would silently keep the saved settings")
+        _load_into(obj, backend.load_object(obj, stem, kind), stem)
+        if kind == "optimizer":
+            check_optimizer(obj, stem)
+        else:  # a schedule (the loop's own); other objects pass
+            check_scheduler(obj, stem)
+    for name, saved in _optimizer_settings(objects).items():
+        if configured[name] != saved:  # a setting outside an ``optim`` section, which check_config cannot name
+            raise CheckpointError(f"resume: {name} was saved with {saved[0]}, this run configures "
+                                  f"{configured[name][0]}; the restored state would silently keep the saved settings")
     if accelerator.scaler is not None:
         _load_into(accelerator.scaler, load_state(directory / "scaler"), directory / "scaler")
     written_by = len(list(directory.glob("rng_*.json")))
@@ -355,26 +352,16 @@ def load_trainer_state(accelerator, directory: Path, *, step: int) -> dict[str, 
     return loop_state
 
 
-def _sharded(accelerator) -> bool:
-    return any(is_sharded(m) for m in accelerator._models)
-
-
-def _load_model_shards(model, stem: Path, i: int) -> None:
-    try:
-        load_model_shards(model, stem)
-    except ValueError as e:
-        raise CheckpointError(f"{stem}.rank*: does not fit this run's model {i} (was it saved with other model "
-                              f"settings, e.g. model.lora.enabled?): {str(e)[:300]}") from e
-
-
-def _saved_state(obj, stem: Path, kind: str) -> Any:
-    """What ``save_trainer_state`` wrote for ``obj``: per-process shards (FSDP2, re-sharded for this run)
-    or one file."""
-    if not has_shards(stem):
-        return load_state(stem)
-    if kind == "optimizer":
-        return load_optimizer_shards(stem, obj)
-    return materialise_tree(read_shards(stem), obj.state_dict())
+def _uses_legacy_names(directory: Path, objects: dict[str, tuple[str, Any]]) -> bool:
+    """Whether ``directory`` was written with the numbered names of earlier versions (``model_0`` ...) and not
+    this version's names; a checkpoint with neither for the policy is read with this version's (and then
+    fails naming the missing file)."""
+    first_model = next((name for name, (kind, _) in objects.items() if kind == "model"), None)
+    if first_model is None:
+        return False
+    named = any(directory.glob(f"{first_model}.safetensors")) or any(directory.glob(f"{first_model}.rank*"))
+    numbered = any(directory.glob("model_0.safetensors")) or any(directory.glob("model_0.rank*"))
+    return numbered and not named
 
 
 def _load_into(obj, state: Any, stem: Path) -> None:

@@ -16,12 +16,10 @@ budget. Shapes: N samples, T tokens.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable
 
 import torch
 
-from unirl.trainer import fsdp
 from unirl.trainer.micro_batches import scatter_rows
 from unirl.core import explained_variance, value_loss
 from unirl.trainer.distributed import gather_rows
@@ -34,26 +32,23 @@ from unirl.trainer.optim import build_optimizer, build_scheduler
 class Critic:
     """The value model with its optimizer and schedule, prepared with ``accelerator``.
 
-    ``micro_batches`` cuts a batch into micro-batches as the actor's update does (``Trainer.micro_batches``);
-    ``num_mini_batches`` is the actor's number of optimizer steps per pass; ``seed`` seeds the
-    mini-batch shuffle (with the step)."""
+    ``backend`` lays it out and steps it as the policy (``unirl.trainer.backends``); ``micro_batches`` cuts a
+    batch into micro-batches as the actor's update does (``StepContext.micro_batches``); ``num_mini_batches``
+    is the actor's number of optimizer steps per pass; ``seed`` seeds the mini-batch shuffle (with the step)."""
 
-    def __init__(self, cfg: Any, *, env: Environment, accelerator, micro_batches: Callable[[Rollout], list],
-                 num_mini_batches: int, ppo_epochs: int, seed: int, total_steps: int, trainer_cfg=None):
-        self.cfg, self.env, self.accelerator = cfg, env, accelerator
+    def __init__(self, cfg: Any, *, env: Environment, backend, micro_batches: Callable[[Rollout], list],
+                 num_mini_batches: int, ppo_epochs: int, seed: int, total_steps: int):
+        self.cfg, self.env, self.backend, self.accelerator = cfg, env, backend, backend.accelerator
         self.micro_batches, self.num_mini = micro_batches, num_mini_batches
         self.epochs = cfg.ppo_epochs or ppo_epochs
         self.seed = seed
-        model = env.value_model(cfg)
-        if fsdp.uses_fsdp2(trainer_cfg):  # sharded like the policy, before its optimizer sees the parameters
-            fsdp.shard(model, accelerator, mixed_precision=trainer_cfg.mixed_precision,
-                       offload=trainer_cfg.fsdp.offload, what="critic")
+        model = backend.shard(env.models.value_model(cfg), what="critic")  # before its optimizer sees the parameters
         optimizer = build_optimizer(model, cfg.optim, what="critic")
         # Its optimizer steps over the run: every training step's passes of mini-batches.
         self.scheduler = build_scheduler(optimizer, cfg.optim, total_steps=total_steps * self.epochs * num_mini_batches)
-        # The scheduler is not prepared (Accelerate's wrapper would step it once per process); the
-        # loop registers it for checkpointing beside the actor's.
-        self.model, self.optimizer = fsdp.prepare(accelerator, model, optimizer, trainer_cfg)
+        # The scheduler is not prepared (Accelerate's wrapper would step it once per process); checkpoints
+        # save it by name beside the actor's.
+        self.model, self.optimizer = backend.prepare(model, optimizer)
 
     @torch.no_grad()
     def compute_values(self, rollout: Rollout) -> None:
@@ -63,8 +58,8 @@ class Critic:
             return
         parts = []
         for idx in self.micro_batches(rollout):
-            parts.append((idx, self.env.values(self.model, self.env.trim_padding(rollout.select(idx))).cpu()))
-        rollout.values = scatter_rows(parts, len(rollout), self.env.loss_mask(rollout).shape[1])  # [N, T]
+            parts.append((idx, self.env.actions.values(self.model, self.env.actions.trim_padding(rollout.select(idx))).cpu()))
+        rollout.values = scatter_rows(parts, len(rollout), self.env.actions.loss_mask(rollout).shape[1])  # [N, T]
 
     def update(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch AdamW steps on the clipped value loss against
@@ -90,7 +85,7 @@ class Critic:
                 chunks = self.micro_batches(mini_batch)
                 mini = MetricLog()
                 for k, micro_idx in enumerate(chunks):
-                    micro = self.env.trim_padding(mini_batch.select(micro_idx))
+                    micro = self.env.actions.trim_padding(mini_batch.select(micro_idx))
                     mini.add(self._micro_backward(micro, denominator, sync=k == len(chunks) - 1))
                 log.add(mini.result(sum_shares=True))
                 log.add({"critic/grad_norm": self._optimizer_step()})
@@ -99,18 +94,17 @@ class Critic:
         return out
 
     def _micro_backward(self, micro: Rollout, denominator: torch.Tensor, sync: bool) -> dict[str, float]:
-        acc = self.accelerator
-        device = acc.device
+        backend = self.backend
+        device = backend.device
         # DDP and FSDP2 reduce the gradients in the mini-batch's last backward.
-        hold_back = (acc.num_processes > 1 or fsdp.is_sharded(self.model)) and not sync
-        with fsdp.hold_gradients(acc, self.model) if hold_back else contextlib.nullcontext():
-            values = self.env.values(self.model, micro)  # [n, T']
-            mask = self.env.loss_mask(micro).to(device).bool()  # [n, T']
+        hold_back = backend.holds_back(self.model) and not sync
+        with backend.hold_gradients(self.model) if hold_back else contextlib.nullcontext():
+            values = self.env.actions.values(self.model, micro)  # [n, T']
+            mask = self.env.actions.loss_mask(micro).to(device).bool()  # [n, T']
             old, returns = (getattr(micro, k)[:, : values.shape[1]].to(device) for k in ("values", "returns"))
             loss, metrics = value_loss(values, old, returns, mask, clip=self.cfg.cliprange_value,
                                        agg=self.cfg.loss_agg, denominator=denominator)
-            # DDP's gradient average divides by the number of processes again (as the actor's update).
-            acc.backward(loss * acc.num_processes if acc.num_processes > 1 else loss)
+            backend.backward(loss)  # scaled back up for DDP's average over processes (as the actor's update)
         figures = torch.stack([loss.detach(), metrics["vf_clipfrac"].float(), metrics["vpred_mean"].float()]).tolist()
         return dict(zip(("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"), figures))
 
@@ -118,20 +112,11 @@ class Critic:
         return global_denominator(self.accelerator, self.env, mini, self.cfg.loss_agg)
 
     def _optimizer_step(self) -> float:
-        acc, max_norm = self.accelerator, self.cfg.optim.max_grad_norm
-        grad_norm = float("nan")
-        if max_norm is not None:
-            grad_norm = float(fsdp.full(acc.clip_grad_norm_(self.model.parameters(), max_norm)))
-        if math.isfinite(grad_norm) or max_norm is None:
-            self.optimizer.step()
-        else:
-            acc.print(f"critic: non-finite grad norm {grad_norm}; optimizer step skipped")
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return self.backend.clip_and_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.max_grad_norm,
+                                          what="critic")
 
     def _explained_variance(self, rollout: Rollout) -> float:
         acc = self.accelerator
-        mask = gather_rows(acc, self.env.loss_mask(rollout).bool())  # [N_all, T]
+        mask = gather_rows(acc, self.env.actions.loss_mask(rollout).bool())  # [N_all, T]
         values, returns = (gather_rows(acc, getattr(rollout, k).float()) for k in ("values", "returns"))
         return float(explained_variance(values, returns, mask))

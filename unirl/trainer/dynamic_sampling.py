@@ -62,8 +62,8 @@ def sample_filtered(env: Environment, accelerator, cfg: FilterGroupsConfig, *, p
     while True:
         rows = next_rows()
         batches, prompts = batches + 1, prompts + len(rows)
-        rollout = env.rollout(rows, group_size)
-        rewards, _ = env.score(rollout)
+        rollout = env.sampler.rollout(rows, group_size)
+        rewards, _ = env.scorer.score(rollout)
         keep = nonconstant_groups(_metric_values(rollout, cfg.metric), rollout.group_ids)  # [N]
         groups = torch.unique(rollout.group_ids[keep]).tolist()  # in order
         varied += len(groups)
@@ -118,10 +118,10 @@ def _first_groups(kept: list[tuple[Rollout, torch.Tensor]], groups: int, env: En
                   ) -> tuple[Rollout, torch.Tensor]:
     """The first ``groups`` kept groups, joined into one rollout without the padding none of them needs
     (a dropped group may have held a batch's longest response), and their rewards."""
-    whole = concat_rollouts([r for r, _ in kept], left_padded=env.left_padded)
+    whole = concat_rollouts([r for r, _ in kept], left_padded=env.actions.left_padded)
     rewards = torch.cat([w for _, w in kept])
     first = (whole.group_ids < groups).nonzero().squeeze(-1)  # concat_rollouts numbers groups 0.. in order
-    return env.trim_padding(whole.select(first)), rewards[first]
+    return env.actions.trim_padding(whole.select(first)), rewards[first]
 
 
 def _min_over_processes(accelerator, value: int) -> int:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from unirl.env import Rollout
-from unirl.trainer.distributed import gather_rows
+from unirl.trainer.context import RunState, StepContext
 from unirl.trainer.micro_batches import scatter_rows
 
 
 @torch.no_grad()
-def old_and_reference(trainer, rollout: Rollout) -> dict[str, float]:
+def old_and_reference(ctx: StepContext, state: RunState, rollout: Rollout) -> dict[str, float]:
     """PPO's old log-probs (recomputed by the trainer unless the sampler's are the policy's), the
     reference outputs for the KL and the distillation teacher's log-probs, stored as ``rollout.old_logp``,
     ``rollout.old`` (the KL in the reward), ``rollout.ref`` and ``rollout.teacher_logp``.
@@ -22,49 +22,49 @@ def old_and_reference(trainer, rollout: Rollout) -> dict[str, float]:
     On-policy (one mini-batch, one epoch) the trainer does not recompute them here: the update's own
     forward runs on the same weights, so its detached log-probs are the old ones (TRL skips this pass
     the same way); the update then stores them and logs ``rollout/*`` from them."""
-    env, model = trainer.env, trainer.env.model
+    env, model = ctx.env, ctx.env.model
     metrics = {}
     if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv)
         return metrics
     old = None
-    if env.recompute_old_logprobs:
-        if trainer.on_policy():
+    if env.actions.recompute_old_logprobs:
+        if ctx.on_policy():
             rollout.old_logp = None  # a stale copy would be used instead of the first forward's
         else:
-            old = score_all(trainer, model, rollout)
+            old = score_all(ctx, model, rollout)
             rollout.old_logp = old["logp"]
-            metrics.update(rollout_metrics(trainer, rollout))
-    if trainer.kl_ctrl is not None:
+            metrics.update(rollout_metrics(ctx, rollout))
+    if state.kl_ctrl is not None:
         # The KL in the reward compares the old policy's outputs with the reference's (diffusion: the
         # means of its steps, which the sampler did not keep, so the policy scores them here).
-        old = score_all(trainer, model, rollout) if old is None else old
+        old = score_all(ctx, model, rollout) if old is None else old
         rollout.old = dict(old)
-    if trainer.algo.kl_coef > 0 or trainer.kl_ctrl is not None:
-        with env.reference_model() as ref:
-            ref_out = score_all(trainer, ref, rollout)
+    if ctx.algo.kl_coef > 0 or state.kl_ctrl is not None:
+        with env.models.reference() as ref:
+            ref_out = score_all(ctx, ref, rollout)
         rollout.ref = {k: v for k, v in ref_out.items() if k != "mask"}
-    if trainer.distill is not None:  # the teacher scores the sampled tokens as the reference does
-        with env.teacher_model() as teacher:
-            rollout.teacher_logp = score_all(trainer, teacher, rollout)["logp"]
+    if ctx.distill is not None:  # the teacher scores the sampled tokens as the reference does
+        with env.models.teacher() as teacher:
+            rollout.teacher_logp = score_all(ctx, teacher, rollout)["logp"]
     return metrics
 
 
-def rollout_metrics(trainer, rollout: Rollout) -> dict[str, float]:
+def rollout_metrics(ctx: StepContext, rollout: Rollout) -> dict[str, float]:
     """The environment's rollout figures (engine-vs-trainer log-prob gap ...) from ``old_logp``, over
     the global batch."""
-    acc = trainer.accelerator
-    if acc.num_processes > 1:
-        rollout = rollout.map_tensors(lambda name, v: gather_rows(acc, v),
-                                      group_ids=gather_rows(acc, rollout.group_ids), prompts=[], samples=[], columns={})
-    return trainer.env.rollout_metrics(rollout)
+    backend = ctx.backend
+    if backend.num_processes > 1:
+        rollout = rollout.map_tensors(lambda name, v: backend.gather_rows(v),
+                                      group_ids=backend.gather_rows(rollout.group_ids), prompts=[], samples=[], columns={})
+    return ctx.env.sampler.rollout_metrics(rollout)
 
 
-def score_all(trainer, model, rollout: Rollout) -> dict[str, torch.Tensor]:
+def score_all(ctx: StepContext, model, rollout: Rollout) -> dict[str, torch.Tensor]:
     """``env.score_actions`` over the whole rollout, micro-batch by micro-batch (each trimmed to its own
     longest sample), returned in rollout order on CPU, right-padded with zeros to the full width."""
-    env, parts = trainer.env, []
-    for idx in trainer.micro_batches(rollout):
-        out = env.score_actions(model, env.trim_padding(rollout.select(idx)))
+    env, parts = ctx.env, []
+    for idx in ctx.micro_batches(rollout):
+        out = env.actions.score_actions(model, env.actions.trim_padding(rollout.select(idx)))
         parts.append((idx, {k: v.detach().cpu() for k, v in out.items() if v is not None}))  # no mask: all trained
-    width = env.loss_mask(rollout).shape[1]  # [N, T]: the rollout's T, whatever the parts' widths
+    width = env.actions.loss_mask(rollout).shape[1]  # [N, T]: the rollout's T, whatever the parts' widths
     return {k: scatter_rows([(idx, out[k]) for idx, out in parts], len(rollout), width) for k in parts[0][1]}

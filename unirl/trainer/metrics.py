@@ -69,3 +69,24 @@ def reduce_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, f
         else:
             out[k] = float(summed[i]) / accelerator.num_processes
     return out
+
+
+def global_reward_metrics(accelerator, rewards: torch.Tensor, env_metrics: dict[str, float], rollout) -> dict:
+    """``reward/mean``, ``reward/std`` and the per-reward ``reward/<name>`` over the global batch.
+
+    One process: the environment's figures. Several: the rewards are gathered, and each reward's
+    per-sample scores when the environment left them in ``rollout.tensors["score/<name>"]`` (NaN
+    where it does not apply); a figure it did not leave is averaged over processes."""
+    from unirl.trainer.distributed import gather_rows, sum_over_processes
+
+    everyone = gather_rows(accelerator, rewards.float())
+    out = {"reward/mean": everyone.mean().item(), "reward/std": everyone.std().item()}
+    if accelerator.num_processes == 1:
+        return {**out, **env_metrics}
+    for key, value in env_metrics.items():
+        scores = rollout.tensors.get("score/" + key.removeprefix("reward/"))  # the environment's extras
+        if scores is not None:
+            out[key] = gather_rows(accelerator, scores.float()).nanmean().item()
+        else:
+            out[key] = sum_over_processes(accelerator, value) / accelerator.num_processes
+    return out

@@ -207,7 +207,7 @@ def load_model_shards(model: torch.nn.Module, stem: Path) -> None:
     that does not fit."""
     from torch.distributed.tensor import DTensor
 
-    from unirl.trainer.fsdp import resharded
+    from unirl.sharding import resharded
 
     tree = read_shards(stem)
     current = resharded(model).state_dict()

@@ -15,7 +15,6 @@ Shapes: n samples of a micro-batch, T columns (tokens or trained steps), T' thos
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -23,7 +22,7 @@ from unirl.core import aggregate, aggregate_denominator, policy_loss_metrics, ro
 from unirl.core.policy_losses import LossInputs, LossSettings, build_loss_args
 from unirl.config.schema import AlgoConfig
 from unirl.env import Environment, Rollout
-from unirl.trainer.fsdp import full, hold_gradients, is_sharded
+from unirl.trainer.context import RunState, StepContext
 from unirl.trainer.metrics import MetricLog, reduce_over_processes
 from unirl.trainer.micro_batches import scatter_rows
 
@@ -32,7 +31,7 @@ def run_policy_loss(env: Environment, algo: AlgoConfig) -> str:
     """The registered policy loss of a run: ``algo.policy_loss`` when set (checked where the config loads),
     else the environment's rollout mode's (DiffusionNFT: ``nft``), else the ratio loss at ``algo.level``
     (``clipped`` per token, ``gspo`` per sequence)."""
-    return algo.policy_loss or env.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
+    return algo.policy_loss or env.actions.policy_loss or ("gspo" if algo.level == "sequence" else "clipped")
 
 
 def loss_settings(name: str | None, algo: AlgoConfig) -> LossSettings:
@@ -42,63 +41,63 @@ def loss_settings(name: str | None, algo: AlgoConfig) -> LossSettings:
                         loss_agg=algo.loss_agg, args=None if name is None else build_loss_args(name, algo.loss_args))
 
 
-def update(trainer, rollout: Rollout) -> dict[str, float]:
+def update(ctx: StepContext, state: RunState, rollout: Rollout) -> dict[str, float]:
     """``ppo_epochs`` passes of mini-batch steps over ``rollout`` (module docstring).
 
     Without ``old_logp`` in the rollout (on-policy, see ``unirl.trainer.logprobs``) each micro-batch's
     first forward gives its old log-probs (detached: ratio 1, the gradient of the ratio is that of the
     log-prob); they are stored in ``rollout.old_logp`` afterwards and the ``rollout/*`` figures (and TIS
-    weights) come from them. In bypass mode (``algo.bypass_mode``) the ratio is taken against the engine's
+    weights) come from them. In bypass mode (``source.bypass_mode``) the ratio is taken against the engine's
     log-probs instead, and the trainer's own still give the ``rollout/*`` figures."""
     from unirl.trainer.logprobs import rollout_metrics
 
-    model = trainer.env.model
+    model = ctx.env.model
     log = MetricLog()
     if len(rollout) == 0:  # every sample dropped (algo.drop_zero_adv): nothing to learn from
         return {}
     # The first forward's log-probs are the old ones on-policy (a loss that reads no log-probs has none).
-    first_forward = trainer.policy_loss.reads_logprobs and rollout.old_logp is None
-    if first_forward and not trainer.on_policy():
-        raise RuntimeError("update: the rollout has no old_logp; call Trainer.old_and_reference first (the update's first "
+    first_forward = ctx.policy_loss.reads_logprobs and rollout.old_logp is None
+    if first_forward and not ctx.on_policy():
+        raise RuntimeError("update: the rollout has no old_logp; run the old_logprobs stage first (the update's first "
                            "forward gives them only on-policy: one mini-batch, trainer.ppo_epochs=1)")
     recorded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rollout rows, their first-forward log-probs)
     # As many mini-batches as B*G / mini_batch_size (fewer samples when zero advantages were dropped).
-    num_mini = trainer.num_mini_batches()
+    num_mini = ctx.num_mini_batches()
     mini_size = -(-len(rollout) // num_mini)
     # The shuffle's generator, seeded by the step (only several mini-batches are shuffled).
-    generator = torch.Generator().manual_seed(trainer.cfg.seed * 7919 + trainer.step) if num_mini > 1 else None
+    generator = torch.Generator().manual_seed(ctx.cfg.seed * 7919 + state.step) if num_mini > 1 else None
     # train() walks every submodule (0.5 ms a step for the tiny SD3 with LoRA), so it runs only when the model
     # is not in training mode: an environment that samples in eval mode switches back (the HF engine does).
     if not model.training:
         model.train()
-    for _ in range(trainer.cfg.ppo_epochs):
+    for _ in range(ctx.cfg.ppo_epochs):
         # A single mini-batch is the whole rollout in any order (its loss is a sum over samples):
         # it is taken as it is, without a shuffled copy of every stored tensor.
         order = torch.randperm(len(rollout), generator=generator) if num_mini > 1 else torch.arange(len(rollout))
         for mini_idx in order.split(mini_size):
             mini_batch = rollout.select(mini_idx)
             # The global mini-batch's normaliser, so micro and process shares add up to its loss.
-            denominator = mini_denominator(trainer, mini_batch)
-            micro_chunks = trainer.micro_batches(mini_batch)
+            denominator = mini_denominator(ctx, mini_batch)
+            micro_chunks = ctx.micro_batches(mini_batch)
             mini = MetricLog()
             for k, micro_idx in enumerate(micro_chunks):
-                micro = trainer.env.trim_padding(mini_batch.select(micro_idx))
+                micro = ctx.env.actions.trim_padding(mini_batch.select(micro_idx))
                 first_logp = [] if first_forward else None
-                mini.add(micro_backward(trainer, model, micro, denominator, sync=k == len(micro_chunks) - 1,
+                mini.add(micro_backward(ctx, model, micro, denominator, sync=k == len(micro_chunks) - 1,
                                         first_logp=first_logp))
                 if first_forward:
                     recorded.append((mini_idx[micro_idx], first_logp[0]))
             log.add(mini.result(sum_shares=True))
-            log.add({"actor/grad_norm": trainer.optimizer_step()})
-    out = reduce_over_processes(trainer.accelerator, log.result(sum_shares=False))
-    out["actor/lr"] = trainer.scheduler.get_last_lr()[0]
+            log.add({"actor/grad_norm": optimizer_step(ctx, state)})
+    out = reduce_over_processes(ctx.accelerator, log.result(sum_shares=False))
+    out["actor/lr"] = ctx.scheduler.get_last_lr()[0]
     if first_forward:
-        rollout.old_logp = scatter_rows(recorded, len(rollout), trainer.env.loss_mask(rollout).shape[1])
-        out.update(rollout_metrics(trainer, rollout))
+        rollout.old_logp = scatter_rows(recorded, len(rollout), ctx.env.actions.loss_mask(rollout).shape[1])
+        out.update(rollout_metrics(ctx, rollout))
     return out
 
 
-def micro_backward(trainer, model, micro: Rollout, denominator: torch.Tensor, sync: bool,
+def micro_backward(ctx: StepContext, model, micro: Rollout, denominator: torch.Tensor, sync: bool,
                    first_logp: list | None = None) -> dict[str, float]:
     """Forward and backward of one micro-batch, piece by piece over the environment's column slices
     (diffusion: one trained step at a time, as FlowGRPO runs backward per step), so only one piece's
@@ -111,22 +110,21 @@ def micro_backward(trainer, model, micro: Rollout, denominator: torch.Tensor, sy
 
     ``first_logp``: when the micro-batch has no ``old_logp``, the detached log-probs [n, T] of this
     forward (used as the old ones) are appended to it."""
-    acc, algo, policy_loss = trainer.accelerator, trainer.algo, trainer.policy_loss
-    pieces = [slice(None)] if policy_loss.whole_sequences else trainer.env.column_slices(micro)
+    backend, algo, policy_loss = ctx.backend, ctx.algo, ctx.policy_loss
+    pieces = [slice(None)] if policy_loss.whole_sequences else ctx.env.actions.column_slices(micro)
     seq_lengths = None
     if len(pieces) > 1 and algo.loss_agg == "seq-mean-token-mean":  # it divides by each whole sequence's length
-        seq_lengths = trainer.env.loss_mask(micro).to(acc.device).sum(dim=-1)
-    hold_back = acc.num_processes > 1 or is_sharded(model)  # gradient sync deferred to the last piece
+        seq_lengths = ctx.env.actions.loss_mask(micro).to(backend.device).sum(dim=-1)
+    hold_back = backend.holds_back(model)  # gradient sync deferred to the last piece
     shares: dict[str, list[torch.Tensor]] = {}  # loss/* and actor/entropy of each piece (they add up)
     parts: dict[str, list[torch.Tensor]] = {}  # logp, old_logp, advantages, mask of each piece, [n, T']
     for k, columns in enumerate(pieces):
         last = sync and k == len(pieces) - 1
         # One process (without FSDP2's sharded gradients) holds nothing back, and accelerate's
         # no_sync costs ~0.1 ms a piece.
-        with hold_gradients(acc, model) if not last and hold_back else contextlib.nullcontext():
-            loss, piece_shares, piece_parts = micro_loss(trainer, model, micro, denominator, columns, seq_lengths)
-            # DDP's gradient average divides by the number of processes again.
-            acc.backward(loss * acc.num_processes if acc.num_processes > 1 else loss)
+        with backend.hold_gradients(model) if not last and hold_back else contextlib.nullcontext():
+            loss, piece_shares, piece_parts = micro_loss(ctx, model, micro, denominator, columns, seq_lengths)
+            backend.backward(loss)  # scaled back up for DDP's average over processes
             # The piece's autograd graph goes now, while backward has just walked it (its nodes are
             # in cache), not when the next piece's loss replaces it after a whole forward: 1 ms a
             # tiny SD3 step, measured paired (benchmarks/diffusion_step_split.py --against).
@@ -148,39 +146,39 @@ def micro_backward(trainer, model, micro: Rollout, denominator: torch.Tensor, sy
     return on_host({**shares, **{f"actor/{name}": [value] for name, value in ratio.items()}})
 
 
-def mini_denominator(trainer, mini: Rollout) -> torch.Tensor:
+def mini_denominator(ctx: StepContext, mini: Rollout) -> torch.Tensor:
     """The aggregation's normaliser of the global mini-batch (summed over processes)."""
-    return global_denominator(trainer.accelerator, trainer.env, mini, trainer.algo.loss_agg)
+    return global_denominator(ctx.accelerator, ctx.env, mini, ctx.algo.loss_agg)
 
 
 def global_denominator(acc, env, mini: Rollout, loss_agg: str) -> torch.Tensor:
     """``loss_agg``'s normaliser of ``mini`` summed over processes: the actor's and the critic's losses
     share it, so micro-batch and process shares add up to the global mini-batch's loss."""
-    local = aggregate_denominator(env.loss_mask(mini).to(acc.device), loss_agg, norm_length=env.loss_norm_length)
+    local = aggregate_denominator(env.actions.loss_mask(mini).to(acc.device), loss_agg, norm_length=env.actions.loss_norm_length)
     if acc.num_processes == 1:
         return local
     return acc.reduce(local.reshape(1), reduction="sum").reshape(()).clamp_min(1)
 
 
-def micro_loss(trainer, model, micro: Rollout, denominator: torch.Tensor, columns: slice = slice(None),
+def micro_loss(ctx: StepContext, model, micro: Rollout, denominator: torch.Tensor, columns: slice = slice(None),
                seq_lengths: torch.Tensor | None = None):
     """The loss share of one micro-batch (or of the columns ``columns`` of it), its shares of the logged
     losses (detached), and the detached inputs of its ratio figures, each [n, T']: ``logp``,
     ``old_logp``, ``advantages`` and ``mask`` (none for a loss that reads no log-probs).
 
     Without ``old_logp`` in ``micro`` (on-policy) this forward's detached log-probs are the old ones."""
-    algo, device, policy_loss = trainer.algo, trainer.accelerator.device, trainer.policy_loss
-    cur = trainer.env.score_actions(model, micro, columns)
+    algo, device, policy_loss = ctx.algo, ctx.backend.device, ctx.policy_loss
+    cur = ctx.env.actions.score_actions(model, micro, columns)
     mask = cur.get("mask")  # [n, T'], or None: every position trained
     agg = dict(denominator=denominator, seq_lengths=seq_lengths)
-    inputs, figures_in = _loss_inputs(trainer, micro, cur, columns, device) if policy_loss.reads_logprobs else (
+    inputs, figures_in = _loss_inputs(ctx, micro, cur, columns, device) if policy_loss.reads_logprobs else (
         LossInputs(cur, micro.advantages.to(device)), {})
     inputs.denominator, inputs.seq_lengths = denominator, seq_lengths
-    policy, shares = policy_loss.fn(inputs, trainer.loss_settings)
+    policy, shares = policy_loss.fn(inputs, ctx.loss_settings)
     loss = policy
     if algo.kl_coef > 0:
         ref = {k: v[:, columns].to(device) for k, v in micro.ref.items()}
-        kl = aggregate(trainer.env.kl(cur, ref), mask, algo.loss_agg, **agg)
+        kl = aggregate(ctx.env.actions.kl(cur, ref), mask, algo.loss_agg, **agg)
         loss = loss + algo.kl_coef * kl
         shares["loss/kl"] = kl.detach()
     if "entropy" in cur:  # logged whatever entropy_coef (text: from the chunked head, no gradient unless trained)
@@ -192,10 +190,10 @@ def micro_loss(trainer, model, micro: Rollout, denominator: torch.Tensor, column
     return loss, shares, figures_in
 
 
-def _loss_inputs(trainer, micro: Rollout, cur: dict, columns: slice, device) -> tuple[LossInputs, dict]:
+def _loss_inputs(ctx: StepContext, micro: Rollout, cur: dict, columns: slice, device) -> tuple[LossInputs, dict]:
     """A ratio loss's inputs for the piece ``columns``: the old log-probs (this forward's, detached, when
     the micro-batch has none), the advantages as [n, T'] and the rollout-correction weights."""
-    algo = trainer.algo
+    algo = ctx.algo
     mask = cur.get("mask")
     logp = cur["logp"].detach()  # [n, T']
     old_logp = micro.old_logp[:, columns].to(device) if micro.old_logp is not None else logp
@@ -208,10 +206,10 @@ def _loss_inputs(trainer, micro: Rollout, cur: dict, columns: slice, device) -> 
             column = micro.cache["advantages_column"] = advantages.to(device).unsqueeze(-1)  # [n, 1]
         advantages = column if column.shape == logp.shape else column.expand_as(logp)  # [n, T']
     weights = None
-    if trainer.bypass_mode:  # the ratio against the behaviour policy: it carries the correction itself
+    if ctx.bypass_mode:  # the ratio against the behaviour policy: it carries the correction itself
         if micro.engine_logp is None:
-            raise ValueError("algo.bypass_mode takes the PPO ratio against the rollout engine's log-probs, and this "
-                             "rollout has none (Rollout.engine_logp); set algo.bypass_mode=false")
+            raise ValueError("source.bypass_mode takes the PPO ratio against the rollout engine's log-probs, and this "
+                             "rollout has none (Rollout.engine_logp); set source.bypass_mode=false")
         old_logp = micro.engine_logp[:, columns].to(device)
     elif algo.tis_cap is not None and micro.engine_logp is not None:
         engine_logp = micro.engine_logp[:, columns].to(device)
@@ -221,33 +219,13 @@ def _loss_inputs(trainer, micro: Rollout, cur: dict, columns: slice, device) -> 
     return inputs, {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
 
 
-def resolve_bypass_mode(algo, env, max_staleness: int) -> bool:
-    """Whether the PPO ratio is taken against the rollout engine's log-probs (``algo.bypass_mode``; null:
-    exactly when batches are sampled ahead, ``max_staleness >= 1``). An environment whose sampler is the
-    policy itself (``recompute_old_logprobs`` false: diffusion) has no engine log-probs to anchor at."""
-    if algo.bypass_mode is None:
-        return max_staleness >= 1
-    if algo.bypass_mode and env is not None and not env.recompute_old_logprobs:
-        raise ValueError(f"algo.bypass_mode=true: {type(env).__name__} samples with the policy itself, so there is "
-                         f"no rollout engine whose log-probs the ratio could be taken against; set algo.bypass_mode "
-                         f"to false or null")
-    return algo.bypass_mode
-
-
-def optimizer_step(trainer) -> float:
-    """Clip the gradient norm, step (skipped on a non-finite norm), schedule, zero; returns the norm."""
-    acc, optim_cfg = trainer.accelerator, trainer.optim_cfg
-    grad_norm = float("nan")
-    if optim_cfg.max_grad_norm is not None:
-        grad_norm = float(full(acc.clip_grad_norm_(trainer.env.model.parameters(), optim_cfg.max_grad_norm)))
-    if math.isfinite(grad_norm) or optim_cfg.max_grad_norm is None:
-        trainer.optimizer.step()
-    else:
-        acc.print(f"step {trainer.step}: non-finite grad norm {grad_norm}; optimizer step skipped")
-    trainer.scheduler.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.optimizer_steps += 1
-    trainer.env.after_optimizer_step(trainer.optimizer_steps)
+def optimizer_step(ctx: StepContext, state: RunState) -> float:
+    """The policy's optimizer step through the backend (clip, step unless the norm is not finite, schedule,
+    zero; ``Backend.clip_and_step``), counted in ``state.optimizer_steps``; returns the gradient norm."""
+    grad_norm = ctx.backend.clip_and_step(ctx.env.model, ctx.optimizer, ctx.scheduler, ctx.optim.max_grad_norm,
+                                          what=f"step {state.step}")
+    state.optimizer_steps += 1
+    ctx.env.after_optimizer_step(state.optimizer_steps)
     return grad_norm
 
 

@@ -8,38 +8,39 @@ from __future__ import annotations
 import torch
 
 from unirl.env import Rollout
+from unirl.trainer.context import RunState, StepContext
 from unirl.trainer.distributed import sum_over_processes
 
 
-def drop_zero_advantage(trainer, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
+def drop_zero_advantage(ctx: StepContext, state: RunState, rollout: Rollout) -> tuple[Rollout, dict[str, float]]:
     """Keep the samples with a non-zero advantage at some token/step, topped up with dropped ones (at
     random) until the kept count divides into the step's micro-batches per process (FlowGRPO: its
     per-process sampling batches), so the number of optimizer steps does not change and every
     micro-batch is equally full."""
     adv = rollout.advantages
     nonzero = adv.ne(0) if adv.ndim == 1 else adv.ne(0).any(dim=-1)  # [N]
-    multiple = kept_multiple(trainer)
+    multiple = kept_multiple(ctx)
     count = int(nonzero.sum())
     target = count + (-count % multiple)
-    if target == 0 and sum_over_processes(trainer.accelerator, count) > 0:
+    acc = ctx.accelerator
+    if target == 0 and sum_over_processes(acc, count) > 0:
         target = multiple  # other processes train: this one must take part in every optimizer step
     if target > count:
         dropped = (~nonzero).nonzero().squeeze(-1)
-        generator = torch.Generator().manual_seed(trainer.cfg.seed * 6_151 + trainer.step)
+        generator = torch.Generator().manual_seed(ctx.cfg.seed * 6_151 + state.step)
         nonzero[dropped[torch.randperm(len(dropped), generator=generator)[: target - count]]] = True
     kept = nonzero.nonzero().squeeze(-1)
-    acc = trainer.accelerator
     total, kept_total = sum_over_processes(acc, len(rollout)), sum_over_processes(acc, len(kept))
     metrics = {"adv/dropped_frac": 1.0 - kept_total / total, "adv/kept": float(kept_total)}
     return rollout.select(kept), metrics
 
 
-def kept_multiple(trainer) -> int:
+def kept_multiple(ctx: StepContext) -> int:
     """What the kept count is a multiple of: the micro-batches of a step (B*G / micro_batch_size), or
     the mini-batches when micro-batches are packed by tokens."""
-    cfg = trainer.cfg
+    cfg = ctx.cfg
     if cfg.micro_batch_tokens is not None:
-        return trainer.num_mini_batches()
+        return ctx.num_mini_batches()
     return cfg.prompts_per_step * cfg.group_size // cfg.micro_batch_size
 
 
@@ -69,4 +70,4 @@ class ZeroAdvantageWatch:
                 f"samples got the same reward; reward/mean {metrics.get('reward/mean', float('nan')):.3f}), so the policy "
                 f"gradient is 0 and the run has stopped learning. Check the reward and the samples; more samples a "
                 f"group (trainer.group_size), dynamic sampling (algo.filter_groups.enabled) or a lower optim.lr can "
-                f"help, and an asynchronous run should keep algo.bypass_mode on (docs/async.md)")
+                f"help, and an asynchronous run should keep source.bypass_mode on (docs/async.md)")
