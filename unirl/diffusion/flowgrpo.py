@@ -44,10 +44,15 @@ class FlowGRPORollout(RolloutMode):
         self.constants = step_coefficients(self.sigmas_device[:-1], self.sigmas_device[1:], noise_level=s.noise_level,
                                            sde_type=s.sde_type)  # [S]
         # What the run's loss reads beyond the log-probs: the guards compare the current step means with
-        # the sampler's (kept at rollout, one more latent a trained step) and a KL needs the means too.
-        reads = self.loss.reads
-        self.keep_old_means = "old_mean" in reads
-        self.with_mean = "mean" in reads or env.cfg.algo.kl_coef > 0 or env.cfg.algo.use_kl_in_reward
+        # the sampler's (kept at rollout, one more latent a trained step).
+        self.keep_old_means = "old_mean" in self.loss.reads
+
+    @property
+    def with_mean(self) -> bool:
+        """Whether the forward computes the step means: for a loss that reads them or a KL (``algo`` as it is
+        now: a tool may change the KL between calls)."""
+        algo = self.env.cfg.algo
+        return "mean" in self.loss.reads or algo.kl_coef > 0 or algo.use_kl_in_reward
 
     def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:
         env = self.env
