@@ -14,6 +14,17 @@ from unirl.core.flow_guards import FlowDppoArgs, GrpoGuardArgs, flow_dppo_per_st
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The toy steps run on one thread, as tests/test_flow_methods.py's: small batches run fastest there, and
+    with torch's default threads a busy 2-core machine made them several times slower (the grpo_guard step:
+    2.7 s on one thread, 7.7 s on two beside another job)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def step_tensors(seed: int, n: int = 6, shape=(4, 3, 3), sigma=0.7, sigma_next=0.55, noise_level=0.7, gap=0.05):
     """One FlowGRPO step shared by n samples: the flow SDE's std_dev_t and sqrt(-dt) (FlowGRPO's
     ``sde_step_with_logprob``), old and current means, the sampled next latent and both log-probs (the

@@ -18,6 +18,17 @@ from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The toy runs on one thread, as tests/test_distill.py's teacher: small batches run fastest there, and with
+    torch's default threads a busy 2-core machine made the 30-step runs 20-30x slower (tiny_colour_awm: 2.4 s
+    on one thread, 76 s on two beside another job)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def forward_inputs(seed: int, n: int = 8, shape=(4, 3, 3)):
     g = torch.Generator().manual_seed(seed)
     x0, eps = torch.randn(n, *shape, generator=g), torch.randn(n, *shape, generator=g)
