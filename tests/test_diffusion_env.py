@@ -271,7 +271,10 @@ def test_deterministic_evaluation_writes_a_grid_and_is_reproducible(tiny_sd3_dir
     first, media = env.evaluation(0, tmp_path)
     second = env.evaluation(0, tmp_path)[0]
     assert set(media) == {"images"} and "eval/grid" in media["images"]
-    assert first == second and set(first) == {"eval/reward", "eval/reward/brightness"}
+    assert first == second and {k for k in first if k.startswith("eval/")} == {"eval/reward", "eval/reward/brightness"}
+    # The off-target figures of the same images, logged by default (unirl/diffusion/offtarget.py).
+    assert set(first) - {"eval/reward", "eval/reward/brightness"} == {
+        f"offtarget/eval/{k}" for k in ("reward", "brightness", "dark_frac", "blown_frac", "diversity")}
     assert 0 < first["eval/reward"] < 1
     from PIL import Image
 

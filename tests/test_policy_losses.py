@@ -4,6 +4,8 @@ name, a duplicate name is refused, and a loss added in one function trains a ste
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -153,9 +155,13 @@ def test_algo_policy_loss_is_checked_where_the_config_loads():
     from unirl.diffusion.config import DiffusionConfig
     from unirl.text.config import TextConfig
 
-    # An unknown name: one line with the registered ones.
+    # An unknown name: one line with the registered ones (the shipped ones at least).
+    from unirl.core import POLICY_LOSSES
+
+    assert {"cispo", "clip_cov", "clipped", "dppo_kl", "dppo_tv", "geo_mean", "gspo", "kl_cov", "nft", "sapo", "grpo_guard",
+            "flow_dppo", "dgpo", "tempflow"} <= set(POLICY_LOSSES)
     with pytest.raises(ValueError, match=r"policy_loss: unknown policy loss 'clippd'\. Did you mean 'clipped'\?"
-                                         r" Available: cispo, clip_cov, clipped, dppo_kl, dppo_tv, geo_mean, gspo, kl_cov, nft, sapo") as caught:
+                                         r" Available: " + re.escape(", ".join(POLICY_LOSSES))) as caught:
         load_config(TextConfig, None, ["algo.policy_loss=clippd"])
     assert "\n" not in str(caught.value)
     # A loss the rollouts cannot feed: nft reads DiffusionNFT's velocities only.

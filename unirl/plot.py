@@ -17,7 +17,14 @@ from pathlib import Path
 DEFAULT_METRICS = (
     "reward/mean", "eval/accuracy", "eval/reward", "loss/kl", "actor/entropy", "actor/clip_frac",
     "rollout/response_length_mean", "actor/grad_norm",
+    # Diffusion's off-target figures (unirl/diffusion/offtarget.py): what moves when the reward is hacked.
+    "offtarget/eval/reward", "offtarget/brightness", "offtarget/dark_frac", "offtarget/blown_frac",
+    "offtarget/diversity",
 )
+#: Logged metrics with these prefixes are drawn too: each off-target reward a run names.
+DEFAULT_PREFIXES = ("offtarget/eval/reward/",)
+#: Figures of evaluation rows, drawn as points.
+EVALUATION_PREFIXES = ("eval/", "offtarget/eval/")
 
 
 class PlotError(ValueError):
@@ -69,6 +76,7 @@ def default_panels(runs: dict[str, list[dict]], logged: set[str]) -> list[str]:
     """The default metrics the runs logged, without those that hold one value throughout every run (said
     on stderr); all of them when every one is constant, so a plot is never empty."""
     panels = [m for m in DEFAULT_METRICS if m in logged]
+    panels += sorted(m for m in logged if m.startswith(DEFAULT_PREFIXES))
     if not panels:
         raise PlotError("these runs logged none of the default metrics; name some with --metrics")
     values = {m: {v for rows in runs.values() for v in series(rows, m)[1]} for m in panels}
@@ -108,7 +116,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None, metrics
         for index, (name, rows) in enumerate(runs.items()):
             colour = f"C{index % 10}"
             steps, values = series(rows, metric)
-            if metric.startswith("eval/"):
+            if metric.startswith(EVALUATION_PREFIXES):
                 ax.plot(steps, values, "o--", color=colour, label=name, markersize=5, linewidth=0.8)
             else:
                 ax.plot(steps, values, "-", color=colour, label=name, linewidth=1.2)

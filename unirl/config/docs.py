@@ -102,7 +102,7 @@ def page(env_classes: dict[str, type]) -> str:
         keys = "<br>".join(f"`{k}={json.dumps(v)}`" for k, v in recipe.keys.items())
         lines.append(f"| `{name}` | {keys} | {recipe.about} ([paper]({recipe.reference})) |")
     lines.append("")
-    return "\n".join(lines + loss_settings_section())
+    return "\n".join(lines + loss_settings_section() + mode_settings_section())
 
 
 def loss_settings_section() -> list[str]:
@@ -115,6 +115,29 @@ def loss_settings_section() -> list[str]:
         lines.append(f"| `{name}` | | | {about.replace('|', chr(92) + '|')} |")
         for key, default, meaning in settings:
             lines.append(f"| | `loss_args.{key}` | `{json.dumps(default)}` | {meaning.replace('|', chr(92) + '|')} |")
+    lines.append("")
+    return lines
+
+
+def mode_settings_section() -> list[str]:
+    """A table of each registered diffusion algorithm (rollout mode): its default loss and its own settings
+    (``mode_args``), from the dataclass it registered."""
+    from unirl.diffusion.rollout_mode import shipped_modes
+    from unirl.registry import first_sentence
+
+    lines = ["## Diffusion algorithms and their settings", "",
+             "`algorithm` picks a registered rollout mode (`unirl/diffusion/rollout_mode.py`); `mode_args` sets its "
+             "own settings; its loss is `algo.policy_loss`, else the one named here.", "",
+             "| algorithm | setting | default | meaning |", "|---|---|---|---|"]
+    for name, mode in shipped_modes().items():
+        loss = f"`{mode.policy_loss}`" if mode.policy_loss else "the ratio loss of `algo` (`clipped`, or `gspo`)"
+        about = first_sentence(mode.__doc__ or "").replace("|", chr(92) + "|")
+        lines.append(f"| `{name}` | | | {about} Loss: {loss}. |")
+        if mode.settings is not None:
+            comments = field_comments(mode.settings)
+            for f in dataclasses.fields(mode.settings):
+                meaning = comments.get(f.name, "").replace("|", chr(92) + "|")
+                lines.append(f"| | `mode_args.{f.name}` | `{json.dumps(f.default)}` | {meaning} |")
     lines.append("")
     return lines
 

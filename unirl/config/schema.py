@@ -45,19 +45,28 @@ def check_policy_loss(name: str | None) -> None:
         raise ValueError(f"policy_loss: {POLICY_LOSSES.unknown_message(name)}")
 
 
-def check_loss_args(algo: "AlgoConfig", default: str | None = None) -> str:
+def check_loss_args(algo: "AlgoConfig", default: str | None = None, *, offers: frozenset[str] | None = None,
+                    where: str = "the environment", hint: str = "") -> str:
     """The run's policy loss (``algo.policy_loss``, else the rollout mode's ``default``, else the ratio loss
     at ``algo.level``: ``clipped`` per token, ``gspo`` per sequence), after checking ``algo.loss_args``
     against its registered settings (``ValueError`` naming the bad key) and ``algo.loss_agg`` against the
-    one aggregation the loss may be defined with (``PolicyLoss.loss_agg``); environment configs call it."""
+    one aggregation the loss may be defined with (``PolicyLoss.loss_agg``); environment configs call it.
+    ``offers``: what the environment's forward gives (``score_actions``' keys besides ``mask``); a loss
+    that reads more (``PolicyLoss.reads``, and ``logp`` for a ratio loss) is refused, naming what it lacks,
+    ``where`` (whose rollouts lack it) and ``hint`` (what to do instead)."""
     from unirl.core.policy_losses import POLICY_LOSSES, build_loss_args
 
     name = algo.policy_loss or default or ("gspo" if algo.level == "sequence" else "clipped")
     build_loss_args(name, algo.loss_args)
-    required = POLICY_LOSSES.get(name).loss_agg
-    if required is not None and algo.loss_agg != required:
-        raise ValueError(f"algo.policy_loss={name} aggregates with loss_agg={required}, as verl does; got "
-                         f"loss_agg={algo.loss_agg} (set algo.loss_agg={required})")
+    loss = POLICY_LOSSES.get(name)
+    if loss.loss_agg is not None and algo.loss_agg != loss.loss_agg:
+        raise ValueError(f"algo.policy_loss={name} aggregates with loss_agg={loss.loss_agg}, as verl does; got "
+                         f"loss_agg={algo.loss_agg} (set algo.loss_agg={loss.loss_agg})")
+    if offers is not None:
+        missing = sorted((loss.reads | ({"logp"} if loss.reads_logprobs else set())) - offers)
+        if missing:
+            raise ValueError(f"algo.policy_loss={name} with {where}: the loss reads {', '.join(missing)}, which "
+                             f"{where}'s rollouts do not give (they give {', '.join(sorted(offers))}){hint}")
     return name
 
 

@@ -3,7 +3,8 @@
 Functions over tensors only: advantages from group rewards, rewards on tokens and PPO's
 critic-based advantages (GAE), KL penalties, on-policy distillation's reverse-KL advantages, the
 registered policy losses (``policy_losses``: clipped ratio, GSPO, DiffusionNFT's; ``is_weighted_losses``:
-CISPO, DPPO; ``smooth_ratio_losses``: SAPO, GMPO; ``covariance_losses``: Clip-Cov, KL-Cov), the value loss and
+CISPO, DPPO; ``smooth_ratio_losses``: SAPO, GMPO; ``covariance_losses``: Clip-Cov, KL-Cov; ``flow_guards``:
+GRPO-Guard, Flow-DPPO; ``flow_methods``: DGPO, TempFlow-GRPO, AWM's matching log-prob), the value loss and
 their aggregation. No config objects, no ``.item()``, no distributed calls, no I/O.
 """
 
@@ -34,8 +35,10 @@ from unirl.core.losses import (
     truncated_importance_weights,
 )
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, PolicyLoss, register_policy_loss
-# The 2026 losses register themselves on import (cispo, dppo_tv, dppo_kl; sapo, geo_mean; clip_cov, kl_cov).
+# The 2026 losses register themselves on import (cispo, dppo_tv, dppo_kl; sapo, geo_mean; clip_cov, kl_cov;
+# grpo_guard, flow_dppo; dgpo, tempflow).
 from unirl.core import covariance_losses, is_weighted_losses, smooth_ratio_losses  # noqa: F401
+from unirl.core import flow_guards, flow_methods  # noqa: F401
 from unirl.core.returns import (
     discounted_future_sum,
     discounted_returns,

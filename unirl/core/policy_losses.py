@@ -96,6 +96,11 @@ class PolicyLoss:
     level: str = field(default="token")
     #: The loss's own settings: a frozen dataclass whose defaults are its reference's (None: no knobs).
     settings: type | None = None
+    #: The ``score_actions`` outputs the loss reads besides ``logp`` and ``mask`` (DiffusionNFT: the
+    #: velocities; GRPO-Guard: the step means): an environment (a diffusion rollout mode) that does not
+    #: give them refuses the loss where the config loads, and one that gives them only on demand
+    #: (FlowGRPO's old step means) gives them exactly when the run's loss reads them.
+    reads: frozenset[str] = frozenset()
     #: The one aggregation the loss is defined with (GSPO, SAPO, GMPO: ``seq-mean-token-mean``, which verl
     #: hard-codes for them), or None: any ``algo.loss_agg``. A config with another is refused where it loads.
     loss_agg: str | None = None
@@ -120,10 +125,12 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 def register_policy_loss(name: str, *, settings: type | None = None, reads_logprobs: bool = True,
                          whole_sequences: bool = False, level: str = "token", loss_agg: str | None = None,
-                         discrete: bool = False, figures: FiguresFn | None = None) -> Callable[[LossFn], LossFn]:
+                         discrete: bool = False, figures: FiguresFn | None = None,
+                         reads: tuple[str, ...] = ()) -> Callable[[LossFn], LossFn]:
     """Register ``fn`` as the policy loss ``name`` (a duplicate name is an error), with ``settings`` the
-    dataclass of its own knobs (filled from ``algo.loss_args``) and ``figures`` its figures (None: PPO's
-    clip figures); the other arguments are ``PolicyLoss``'s."""
+    dataclass of its own knobs (filled from ``algo.loss_args``), ``figures`` its figures (None: PPO's clip
+    figures) and ``reads`` the forward outputs it reads besides ``logp`` and ``mask``; the other arguments
+    are ``PolicyLoss``'s."""
     if settings is not None and not dataclasses.is_dataclass(settings):
         raise TypeError(f"register_policy_loss({name!r}): settings must be a dataclass type, got {settings!r}")
     if loss_agg is not None and loss_agg not in AGG_MODES:
@@ -133,7 +140,7 @@ def register_policy_loss(name: str, *, settings: type | None = None, reads_logpr
     def decorator(fn: LossFn) -> LossFn:
         POLICY_LOSSES.add(name, PolicyLoss(fn, reads_logprobs=reads_logprobs, whole_sequences=whole_sequences,
                                            level=level, settings=settings, loss_agg=loss_agg, discrete=discrete,
-                                           figures=figures))
+                                           figures=figures, reads=frozenset(reads)))
         return fn
 
     return decorator
@@ -213,7 +220,8 @@ class NftArgs:
                 raise ValueError(f"{name} must be {'>' if positive else '>='} 0, got {value!r}")
 
 
-@register_policy_loss("nft", settings=NftArgs, reads_logprobs=False)
+@register_policy_loss("nft", settings=NftArgs, reads_logprobs=False,
+                      reads=("velocity", "old_velocity", "clean", "noisy", "sigma"))
 def diffusion_nft_loss(inputs: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT's loss (``unirl.core.nft.nft_loss``) at each of the piece's noise levels, plus
     ``kl_coef`` times the velocity gap to the reference, aggregated with ``loss_agg`` (``NftArgs``).

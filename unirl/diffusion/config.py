@@ -9,7 +9,7 @@ https://github.com/yifan123/flow_grpo, ``config/grpo.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from unirl.config import PATH
 from unirl.config.schema import RewardConfig, RunConfig, check_range
@@ -248,6 +248,28 @@ class VideoConfig:
 
 
 @dataclass
+class OffTargetConfig:
+    """Figures the run does not optimise, logged under ``offtarget/`` so that reward hacking shows
+    (``unirl/diffusion/offtarget.py``; ``unirl plot`` draws them): image statistics of the training rollouts
+    (brightness, dark and blown-out pixel shares, within-prompt diversity) and, at each evaluation, the
+    held-out reward, the ``rewards`` below and the held-out images' statistics."""
+
+    #: Log them (the cost is measured in docs/diffusion.md: well under 1% of a tiny step).
+    enabled: bool = True
+    #: The training rollouts' image statistics every this many training steps; 0: only at evaluations.
+    every: int = 1
+    #: Registered rewards the run does not optimise, scored on the held-out images at each evaluation
+    #: (``offtarget/eval/reward/<name>``): a second opinion of the images, e.g. ``aesthetic`` beside ``ocr``.
+    rewards: list[RewardConfig] = field(default_factory=list)
+    #: The diversity figures compare images area-averaged to at most this many pixels a side.
+    diversity_size: int = 32
+
+    def __post_init__(self):
+        check_range(self, "every", low=0)
+        check_range(self, "diversity_size", low=1)
+
+
+@dataclass
 class NftConfig:
     """DiffusionNFT's old policy (``algorithm: nft``; https://arxiv.org/abs/2509.16117, code
     github.com/NVlabs/DiffusionNFT). Its loss's settings (beta, adv_clip, kl_coef) are the registered
@@ -306,11 +328,19 @@ class DiffusionConfig(RunConfig):
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
-    #: The diffusion RL algorithm: ``flowgrpo`` (FlowGRPO: SDE rollouts with per-step log-probs, the
-    #: clipped ratio of ``algo``) or ``nft`` (DiffusionNFT: deterministic rollouts with the old policy,
-    #: clean latents only, the flow-matching loss ``nft`` with its ``algo.loss_args``; ``unirl/diffusion/nft.py``).
-    algorithm: Literal["flowgrpo", "nft"] = "flowgrpo"
+    #: The diffusion RL algorithm: a registered rollout mode (``unirl/diffusion/rollout_mode.py``; a wrong
+    #: name is answered with the registered ones): ``flowgrpo`` (FlowGRPO: SDE rollouts with per-step
+    #: log-probs, the clipped ratio of ``algo`` or a guard loss, ``algo.policy_loss: grpo_guard | flow_dppo``),
+    #: ``nft`` (DiffusionNFT: the old policy's ODE rollouts, clean latents only, the loss ``nft``;
+    #: ``unirl/diffusion/nft.py``), ``awm`` (Advantage Weighted Matching on NFT's data path), ``dgpo``
+    #: (group preference on the forward process) or ``tempflow`` (TempFlow-GRPO's per-prompt branch step
+    #: and noise-aware weights). docs/diffusion.md says what each keeps and trains.
+    algorithm: str = "flowgrpo"
+    #: The algorithm's own settings, by the names of the dataclass its mode registered (docs/diffusion.md;
+    #: defaults are its reference's). Checked where the config loads; an unknown key names the valid ones.
+    mode_args: dict[str, Any] = field(default_factory=dict)
     nft: NftConfig = field(default_factory=NftConfig)
+    offtarget: OffTargetConfig = field(default_factory=OffTargetConfig)
     #: KL to the reference per trained step (``unirl.diffusion.sde.step_kl``): ``flowgrpo`` is
     #: FlowGRPO's ``train_sd3.py``, ``(mean - ref_mean)^2 / (2 s^2)`` with the SDE's diffusion
     #: coefficient s (for the flow SDE without the step's sqrt(|dt|), so |dt| times the exact KL);
@@ -347,26 +377,21 @@ class DiffusionConfig(RunConfig):
                 f"takes no classifier-free guidance here; set sampling.guidance_scale: 1.0 and its embedded guidance "
                 f"with sampling.distilled_guidance"
             )
-        if self.algorithm == "nft":
-            self._check_nft()
-        if self.algo.policy_loss is not None and (self.algo.policy_loss == "nft") != (self.algorithm == "nft"):
-            raise ValueError(f"algo.policy_loss={self.algo.policy_loss} with algorithm={self.algorithm}: the nft loss "
-                             f"reads the velocities of DiffusionNFT's rollouts and only those (algorithm: nft; "
-                             f"FlowGRPO's take a loss over log-probs); leave algo.policy_loss null for the algorithm's own")
+        from unirl.diffusion.rollout_mode import resolve_algorithm
+
+        # The algorithm, its mode_args, the run's loss and its loss_args, and that the mode feeds that loss.
+        resolve_algorithm(self)
         if self.sampling.num_frames != 1 and not family.frames:
             raise ValueError(f"sampling.num_frames={self.sampling.num_frames}: {family.title} makes images, not "
                              f"videos; set sampling.num_frames: 1")
 
     def mode_policy_loss(self) -> str | None:
-        return "nft" if self.algorithm == "nft" else None  # DiffusionNFT's rollouts feed the nft loss only
+        """The registered policy loss of ``algorithm``'s rollout mode (DiffusionNFT's, AWM's, DGPO's,
+        TempFlow's own; None for FlowGRPO's ratio loss); an unregistered algorithm is refused here, naming
+        the registered ones."""
+        from unirl.diffusion.rollout_mode import shipped_modes
 
-    def _check_nft(self) -> None:
-        """DiffusionNFT has no SDE steps, no log-probs and no CFG in training: settings for those are refused."""
-        if self.sampling.train_cfg:
-            raise ValueError("algorithm=nft trains CFG-free (its rollouts and training forward are unguided): "
-                             "set sampling.train_cfg: false")
-        if self.sampling.sde_window.size:
-            raise ValueError("algorithm=nft samples with the ODE (no SDE steps): set sampling.sde_window.size: 0")
-        if self.algo.kl_coef > 0 or self.algo.use_kl_in_reward:
-            raise ValueError("algorithm=nft: the KL to the reference is algo.loss_args.kl_coef (on velocities); set "
-                             "algo.kl_coef: 0 and algo.use_kl_in_reward: false")
+        modes = shipped_modes()
+        if self.algorithm not in modes:
+            raise ValueError(f"algorithm: {modes.unknown_message(self.algorithm)}")
+        return modes.get(self.algorithm).policy_loss

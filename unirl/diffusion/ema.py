@@ -1,5 +1,6 @@
 """An exponential moving average of the trainable weights, swapped in for evaluation and saving
-(FlowGRPO's ``EMAModuleWrapper``); DiffusionNFT's old policy follows the weights the same way.
+(FlowGRPO's ``EMAModuleWrapper``); DiffusionNFT's old policy (``OldPolicy``, also DGPO's) follows the weights
+the same way, on its own decay schedule.
 """
 
 from __future__ import annotations
@@ -58,3 +59,38 @@ class ParamEMA:
     def load_state_dict(self, state: dict) -> None:
         for s, v in zip(self.shadow, state["shadow"], strict=True):
             s.copy_(v)
+
+
+class OldPolicy(ParamEMA):
+    """DiffusionNFT's old policy (and DGPO's ``ema_ref``): a copy of the trainable weights that follows
+    them once per training step, ``old <- d old + (1 - d) new`` with ``d = 0`` for the first ``flat`` optimizer steps and then
+    ``min(rate * (k - flat), ceiling)`` after k optimizer steps (NVlabs' ``return_decay``).
+
+    ``saw(k)`` records each optimizer step; ``catch_up()`` (before a rollout) moves the copy once with the
+    decay of the last step seen, if any step came since the last move: what the code does at the end of
+    each epoch. Both counters are part of the state, so a resumed run moves it exactly as before."""
+
+    def __init__(self, params: list[torch.nn.Parameter], flat: int, rate: float, ceiling: float):
+        super().__init__(params, decay=ceiling, update_every=1)
+        self.flat, self.rate = flat, rate
+        self.seen = self.moved = 0  # optimizer steps seen, and the count at the last move
+
+    def decay_at(self, optimizer_step: int) -> float:
+        if optimizer_step < self.flat:
+            return 0.0
+        return min((optimizer_step - self.flat) * self.rate, self.decay)
+
+    def saw(self, optimizer_step: int) -> None:
+        self.seen = optimizer_step
+
+    def catch_up(self) -> None:
+        if self.seen != self.moved:
+            self.step(self.seen)
+            self.moved = self.seen
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "seen": self.seen, "moved": self.moved}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.seen, self.moved = int(state["seen"]), int(state["moved"])

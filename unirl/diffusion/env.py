@@ -1,15 +1,16 @@
 """The diffusion environment for flow-matching diffusers models (SD3, FLUX.1, ...), LoRA or full fine-tuning:
 what FlowGRPO and DiffusionNFT share, with the algorithm's rollout mode behind one seam.
 
-The algorithm (``algorithm:``) is a rollout mode (``rollout_mode.py``), chosen once in ``ROLLOUT_MODES``:
-FlowGRPO's SDE rollouts with per-step log-probs for the ratio loss (``flowgrpo.py``, the default), or
-DiffusionNFT's ODE rollouts of the old policy for the registered ``nft`` loss (``nft.py``). The mode
+The algorithm (``algorithm:``) is a registered rollout mode (``rollout_mode.py``, ``ROLLOUT_MODES``):
+FlowGRPO's SDE rollouts with per-step log-probs for the ratio loss (``flowgrpo.py``, the default),
+DiffusionNFT's ODE rollouts of the old policy for the registered ``nft`` loss (``nft.py``), or one of
+the faster methods on those two data paths (``awm.py``, ``dgpo.py``, ``tempflow.py``). The mode
 samples and re-scores; this file adds what both use to the pure pieces (``sde.py``, ``sampling.py``)
 and the model family's adapter (``families/``: prompt encoding, latent layout, sigma schedule,
 transformer forward, decoding):
 
 * the sampler's log-probs are the policy's own (the trainer samples), so
-  ``recompute_old_logprobs = False`` and ``rollout.old_logp`` is the PPO "old" log-prob;
+  ``recompute_old_logprobs`` is False (the mode's) and ``rollout.old_logp`` is the PPO "old" log-prob;
 * the reference is the same transformer with its LoRA adapter disabled (or a frozen copy);
 * an EMA of the trainable weights is swapped in for evaluation and saving (FlowGRPO does the same);
 * chunks of samples are scored in the reward pool while the next chunk samples (the last chunk, with
@@ -40,17 +41,12 @@ from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.prompts import load_prompt_rows
-from unirl.diffusion.flowgrpo import FlowGRPORollout
-from unirl.diffusion.nft import NFTRollout
-from unirl.diffusion.rollout_mode import RolloutMode
+from unirl.diffusion.rollout_mode import shipped_modes
 from unirl.diffusion.sampling import ForwardCounter
 from unirl.diffusion.batches import DiffusionSampler
 from unirl.env import Environment, Models, lora_or_frozen_reference, sharded_state_dict
 from unirl.prompts import Prompts
 from unirl.reward_set import RewardSet
-
-#: ``algorithm:`` -> its rollout mode: the one place the environment chooses by algorithm.
-ROLLOUT_MODES: dict[str, type[RolloutMode]] = {"flowgrpo": FlowGRPORollout, "nft": NFTRollout}
 
 
 class StepPrompts(Prompts):
@@ -73,8 +69,9 @@ class DiffusionEnvironment(Environment):
         self.ref = None
         self.ema = None
         self.step = 0  # the training step of the last prompts drawn
-        self.mode = ROLLOUT_MODES[cfg.algorithm](self)  # the algorithm's rollout and forward (rollout_mode.py)
-        self.actions = self.mode  # the forward of stored samples is the rollout mode's
+        # The algorithm's rollout and forward: the registered mode of ``algorithm:`` (rollout_mode.py); the
+        # forward of stored samples is the mode's.
+        self.mode = self.actions = shipped_modes().get(cfg.algorithm)(self)
         self.sampler = self.scorer = DiffusionSampler(self)  # samples, their rewards queued, then collected
 
     # ------------------------------------------------------------------ setup
@@ -123,13 +120,23 @@ class DiffusionEnvironment(Environment):
         self.prompts = StepPrompts(self, self.train_rows, cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
                                    shuffle=cfg.data.shuffle, rank=accelerator.process_index,
                                    world_size=accelerator.num_processes, test_rows=self.test_rows)
-        self.models = Models(reference=self._reference, frozen={"reference": self.ref} if self.ref is not None else {})
         self.rewards = RewardSet(cfg.rewards, aggregation=cfg.algo.reward_aggregation, workers=cfg.trainer.reward_workers,
                                  eps=cfg.algo.adv_eps)
         if self.family.frames:  # videos: each reward scores their frames (``frames.FrameRewards``)
             self.rewards = FrameRewards(self.rewards, stride=cfg.video.frame_stride, reduce=cfg.video.frame_reduce)
+        # Rewards not optimised, scored on the held-out images at each evaluation (``offtarget.py``).
+        off = cfg.offtarget
+        self.offtarget_rewards = None
+        if off.enabled and off.rewards:
+            self.offtarget_rewards = RewardSet(off.rewards, aggregation=cfg.algo.reward_aggregation, workers=0)
+            if self.family.frames:
+                self.offtarget_rewards = FrameRewards(self.offtarget_rewards, stride=cfg.video.frame_stride,
+                                                      reduce=cfg.video.frame_reduce)
         # 5. What the algorithm's rollout mode adds (FlowGRPO: the schedule's step constants; NFT: the old policy).
         self.mode.setup()
+        # After the mode's setup: NFT's and DGPO's frozen reference copy (full fine-tuning) is made there, and the
+        # backend lays out every frozen copy it is given here.
+        self.models = Models(reference=self._reference, frozen={"reference": self.ref} if self.ref is not None else {})
 
     @property
     def model(self):
@@ -225,4 +232,6 @@ class DiffusionEnvironment(Environment):
     def close(self) -> None:
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
+        if getattr(self, "offtarget_rewards", None) is not None:
+            self.offtarget_rewards.close()
 

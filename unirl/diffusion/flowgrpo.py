@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import torch
 
-from unirl.diffusion.rollout_mode import RolloutMode
+from unirl.diffusion.rollout_mode import RolloutMode, register_rollout_mode
 from unirl.diffusion.sampling import rescore_step, rescore_steps, sample_with_logprob, schedule_coefficients, trained_steps
 from unirl.diffusion.sde import step_coefficients, step_kl
 from unirl.diffusion.window import kept_steps, window_bounds, window_mask
 from unirl.env import Rollout
 
 
+@register_rollout_mode("flowgrpo")
 class FlowGRPORollout(RolloutMode):
-    """SDE rollouts with per-step log-probs, re-scored step by step for the ratio loss (module docstring)."""
+    """FlowGRPO: SDE rollouts with per-step log-probs, re-scored step by step for the ratio loss or a guard
+    (``unirl/diffusion/flowgrpo.py``)."""
 
     policy_loss = None  # the ratio loss of ``algo`` (clipped, or gspo with algo.level: sequence)
+    # ``old_mean``: the sampler's step means, kept only when the run's loss reads them (the guards).
+    offers = frozenset({"logp", "mean", "old_mean", "std", "sigma", "sigma_next"})
 
     def setup(self) -> None:
         # The training schedule's step constants, once for every rollout: the sampler's (one object a
@@ -39,6 +43,16 @@ class FlowGRPORollout(RolloutMode):
         self.coefficients = schedule_coefficients(self.sigmas_device, noise_level=s.noise_level, sde_type=s.sde_type)
         self.constants = step_coefficients(self.sigmas_device[:-1], self.sigmas_device[1:], noise_level=s.noise_level,
                                            sde_type=s.sde_type)  # [S]
+        # What the run's loss reads beyond the log-probs: the guards compare the current step means with
+        # the sampler's (kept at rollout, one more latent a trained step).
+        self.keep_old_means = "old_mean" in self.loss.reads
+
+    @property
+    def with_mean(self) -> bool:
+        """Whether the forward computes the step means: for a loss that reads them or a KL (``algo`` as it is
+        now: a tool may change the KL between calls)."""
+        algo = self.env.cfg.algo
+        return "mean" in self.loss.reads or algo.kl_coef > 0 or algo.use_kl_in_reward
 
     def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:
         env = self.env
@@ -80,7 +94,8 @@ class FlowGRPORollout(RolloutMode):
             out = sample_with_logprob(env.family, env.model, noise[lo:hi].to(device), sigmas, timesteps, cond,
                                       guidance_scale=env.train_guidance, noise_level=s.noise_level,
                                       stochastic=stochastic, record=steps[lo:hi], sde_type=s.sde_type,
-                                      generator=generator, coefficients=coefficients, start=first, dpm=dpm)
+                                      generator=generator, coefficients=coefficients, start=first, dpm=dpm,
+                                      keep_means=self.keep_old_means)
             images += env.sampler.decode_and_queue(out.final, prompts, columns, lo, hi, last=hi == N, futures=futures)
             outs.append(out)
         # 5. Everything training needs to re-evaluate the trained steps.
@@ -98,6 +113,8 @@ class FlowGRPORollout(RolloutMode):
             "timestep": timesteps.cpu()[steps],  # [N, T]
             **{k: v.cpu() for k, v in encoded.items()},  # the family's conditioning, each [N, ...]
         }
+        if self.keep_old_means:
+            tensors["old_mean"] = joined([o.means for o in outs])  # [N, T, *latent]: the sampling policy's means
         rollout = Rollout(tensors=tensors, group_ids=group_ids, prompts=prompts, samples=images, columns=columns,
                           old_logp=joined([o.logp for o in outs]))  # [N, T]
         return rollout, futures, {"rollout/window_start": float(start), "rollout/window_size": float(stop - start)}
@@ -149,16 +166,17 @@ class FlowGRPORollout(RolloutMode):
         if len(picked) == 1:  # the loop's pieces, one trained step each: views made once per batch
             j = picked[0]
             one = {k: v[j] for k, v in stored["columns"].items()}  # [n, ...]: column j of each
-            # The mean only for a KL: without one nothing reads it.
+            # The mean only for a KL or a loss that reads it: otherwise nothing does.
             logp, mean, _ = rescore_step(env.family, model, one["latents"], one["next_latents"], one["timestep"],
                                          stored["cond"], stored["coef"][j], guidance_scale=env.train_guidance,
-                                         offset=one.get("offset"),
-                                         with_mean=env.cfg.algo.kl_coef > 0 or env.cfg.algo.use_kl_in_reward)
+                                         offset=one.get("offset"), with_mean=self.with_mean)
             out = {"logp": logp.unsqueeze(1), "std": stored["narrow"]["std"][j],
                    "sigma": stored["narrow"]["sigma"][j], "sigma_next": stored["narrow"]["sigma_next"][j],
                    "mask": None}  # [n, 1, ...]; no mask: every stored step is trained
             if mean is not None:
                 out["mean"] = mean.unsqueeze(1)  # [n, 1, *latent]
+            if "old_mean" in one:
+                out["old_mean"] = one["old_mean"].unsqueeze(1)  # [n, 1, *latent]
         else:
             t = {k: v[:, columns] for k, v in stored["steps"].items()}  # [n, T', ...]
             # The steps are the rollout's, from the schedule and settings its sampler checked: no check here.
@@ -166,6 +184,8 @@ class FlowGRPORollout(RolloutMode):
                                 t["timestep"], stored["cond"], guidance_scale=env.train_guidance, noise_level=s.noise_level,
                                 sde_type=s.sde_type, check=False, coefficients=stored["coef"][columns])
             out["sigma"], out["sigma_next"] = t["sigma"], t["sigma_next"]  # [n, T'], for the KL
+            if "old_mean" in t:
+                out["old_mean"] = t["old_mean"]  # [n, T', *latent]
             out["mask"] = None  # every stored step is trained
         return out
 
@@ -178,10 +198,11 @@ class FlowGRPORollout(RolloutMode):
         the whole batch, not one per piece)."""
         env = self.env
         device = env.accelerator.device
-        steps = {k: batch.tensors[k].to(device) for k in ("latents", "next_latents", "sigma", "sigma_next", "timestep")}
+        names = ("latents", "next_latents", "sigma", "sigma_next", "timestep", "old_mean")
+        steps = {k: batch.tensors[k].to(device) for k in names if k in batch.tensors}
         steps["sigma"], steps["sigma_next"] = steps["sigma"].float(), steps["sigma_next"].float()
         whole = self._stored_constants(batch, steps)  # [n, T], latent-facing [n, T, 1, ...]
-        columns = {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep")}
+        columns = {k: v.unbind(1) for k, v in steps.items() if k in ("latents", "next_latents", "timestep", "old_mean")}
         if not whole.ode:  # every step's offset x' - a x at once (step_log_prob), not once a piece with gradients on
             columns["offset"] = (steps["next_latents"].float() - steps["latents"].float() * whole.sample_weight).unbind(1)
         n, T = steps["sigma"].shape

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from unirl.diffusion.frames import write_grid
+from unirl.diffusion.offtarget import evaluation_figures, evaluation_parts
 from unirl.diffusion.sampling import sample_with_logprob, to_pil
 
 
@@ -60,22 +61,26 @@ def held_out_evaluation(env, step: int, run_dir: Path) -> tuple[dict[str, float]
     if rows:
         columns = {c: [row.get(c) for row in rows] for c in rows[0] if c != "prompt"}
         comps = env.rewards.components(images, prompts=[row["prompt"] for row in rows], columns=columns, texts=judged)
+    # Off-target figures of each image (offtarget.py): gathered with the scores, averaged below.
+    off = evaluation_parts(env, images, rows) if env.cfg.offtarget.enabled else [None] * len(rows)
     local = [(i, {name: float(v[j]) for name, v in comps.items()}, images[j] if i < k else None,
-              {name: v[j] for name, v in judged.items()}) for j, i in enumerate(mine)]
+              {name: v[j] for name, v in judged.items()}, off[j]) for j, i in enumerate(mine)]
     results = sorted(gather_object(local) if acc.num_processes > 1 else local, key=lambda res: res[0])
     comps = {name: torch.tensor([res[1][name] for res in results]) for name in env.rewards.names}
     total, _ = env.rewards.combine(comps, torch.arange(len(results)))
     out = {f"eval/reward/{name}": v.nanmean().item() for name, v in comps.items()}
     out["eval/reward"] = total.mean().item()
+    if env.cfg.offtarget.enabled:  # the held-out reward beside the figures that are not optimised
+        out.update({"offtarget/eval/reward": out["eval/reward"], **evaluation_figures([res[4] for res in results])})
     if acc.is_main_process:
         shown = results[:k]
         captions = [f"{env.test_rows[i]['prompt']}\n" + " ".join(f"{name}={v:.3f}" for name, v in scores.items())
-                    for i, scores, _, _ in shown]
+                    for i, scores, _, _, _ in shown]
         path = Path(run_dir) / "eval" / f"step_{step:06d}.png"
-        grid = write_grid([image for _, _, image, _ in shown], captions, path, fps=env.cfg.video.fps)
-        if any(judge for *_, judge in results):  # a judge's reasons beside its scores
+        grid = write_grid([image for _, _, image, _, _ in shown], captions, path, fps=env.cfg.video.fps)
+        if any(judge for _, _, _, judge, _ in results):  # a judge's reasons beside its scores
             with open(path.with_suffix(".jsonl"), "w") as f:
-                for i, scores, _, judge in results:
+                for i, scores, _, judge, _ in results:
                     f.write(json.dumps({"prompt": env.test_rows[i]["prompt"], **scores, "judge": judge}) + "\n")
         media = {"images": {"eval/grid": grid}}  # for the trackers
     return out, media

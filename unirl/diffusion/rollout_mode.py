@@ -1,26 +1,37 @@
-"""The seam between the diffusion environment and its algorithm: a rollout mode (``algorithm:``).
+"""The seam between the diffusion environment and its algorithm: a registered rollout mode (``algorithm:``).
 
-FlowGRPO and DiffusionNFT share the environment's setup, prompts, rewards, reference, EMA, held-out
+The diffusion algorithms share the environment's setup, prompts, rewards, reference, EMA, held-out
 evaluation and saving (``unirl/diffusion/env.py``); they differ in what a rollout keeps and in the
-forward of what it kept. ``DiffusionEnvironment`` builds the mode of ``cfg.algorithm`` once
-(``ROLLOUT_MODES`` in ``env.py``) and hands these to it, never branching on the algorithm itself:
+forward of what it kept. Each is a ``RolloutMode`` registered by name in ``ROLLOUT_MODES``
+(``@register_rollout_mode("name")``); ``algorithm:`` names one, checked where the config loads
+(``resolve_algorithm``), and ``DiffusionEnvironment`` builds it once and hands these to it, never
+branching on the algorithm itself:
 
 * ``rollout``: sample and keep what training needs (FlowGRPO: the SDE steps and their log-probs,
   ``unirl/diffusion/flowgrpo.py``; DiffusionNFT: clean latents and noise levels, ``unirl/diffusion/nft.py``);
 * ``score_actions``, ``loss_mask``, ``column_slices``, ``kl``: the forward of the stored samples, what
-  the mode's ``policy_loss`` (a registered name, ``unirl.core.policy_losses``) reads;
+  the run's policy loss (a registered name, ``unirl.core.policy_losses``) reads;
 * ``setup``, ``after_optimizer_step``, ``checkpoint_objects``: the mode's own state (NFT's old policy).
+
+A mode declares its default ``policy_loss`` and what its forward ``offers``; a loss declares what it
+``reads`` (``PolicyLoss.reads``), so a loss the mode cannot feed is refused where the config loads,
+naming both. A mode's own knobs are a frozen dataclass it registers (``settings=``), filled from the
+config's ``mode_args`` (as a loss's from ``algo.loss_args``). A new method is a registered mode (and,
+if it has one, a registered loss): no branch in the environment or the trainer.
 
 Shapes: B prompts, G group size, N = B*G, T trained steps or noise levels, latents ``[*latent]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from typing import Any, Callable
 
 import torch
 
 from unirl.env import Actions, Rollout
+from unirl.registry import Registry
 
 
 class RolloutMode(Actions, ABC):
@@ -30,11 +41,25 @@ class RolloutMode(Actions, ABC):
 
     #: The registered policy loss this mode's rollouts train with (None: the ratio loss of ``algo``).
     policy_loss: str | None = None
-    #: The trainer samples: the sampler's log-probs are the policy's.
-    recompute_old_logprobs = False
+    #: What ``score_actions`` can return besides ``mask``: a loss that reads more is refused at config load.
+    offers: frozenset[str] = frozenset()
+    #: Whether the trainer recomputes the old log-probs (``Actions.recompute_old_logprobs``): False where the
+    #: trainer samples, so the sampler's log-probs are the policy's own (FlowGRPO), or there are none (NFT).
+    recompute_old_logprobs: bool = False
+    #: The mode's own settings (a frozen dataclass, from ``mode_args``); set by ``register_rollout_mode``.
+    settings: type | None = None
 
     def __init__(self, env):
+        from unirl.core.policy_losses import POLICY_LOSSES
+
         self.env = env
+        self.args = build_mode_args(env.cfg.algorithm, env.cfg.mode_args)
+        #: The run's registered policy loss (what it reads decides what the forward returns).
+        self.loss = POLICY_LOSSES.get(env.cfg.policy_loss_name())
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse, with the setting to change, what this mode cannot run (``cfg`` a ``DiffusionConfig``)."""
 
     def setup(self) -> None:
         """After the environment's setup: what the mode adds to it."""
@@ -42,7 +67,7 @@ class RolloutMode(Actions, ABC):
     @abstractmethod
     def rollout(self, rows: list[dict], group_size: int) -> tuple[Rollout, list, dict[str, float]]:
         """Sample G per row; returns the rollout, its chunks' queued rewards (``env.sampler.decode_and_queue``)
-        and the mode's rollout figures. Called by ``env.rollout`` with gradients off."""
+        and the mode's rollout figures. Called by ``env.sampler.rollout`` with gradients off."""
 
     @abstractmethod
     def score_actions(self, model, batch: Rollout, columns: slice = slice(None)) -> dict[str, torch.Tensor]:
@@ -66,3 +91,70 @@ class RolloutMode(Actions, ABC):
     def checkpoint_objects(self) -> dict:
         """The mode's stateful objects by name, saved after the environment's."""
         return {}
+
+
+ROLLOUT_MODES: Registry[type[RolloutMode]] = Registry("algorithm (diffusion rollout mode)")
+
+
+def register_rollout_mode(name: str, *, settings: type | None = None) -> Callable[[type[RolloutMode]], type[RolloutMode]]:
+    """Register a ``RolloutMode`` subclass as ``algorithm: name`` (a duplicate name is an error), with
+    ``settings`` the frozen dataclass of its own knobs (``mode_args``)."""
+    if settings is not None and not dataclasses.is_dataclass(settings):
+        raise TypeError(f"register_rollout_mode({name!r}): settings must be a dataclass type, got {settings!r}")
+
+    def decorator(cls: type[RolloutMode]) -> type[RolloutMode]:
+        cls.settings = settings
+        ROLLOUT_MODES.add(name, cls)
+        return cls
+
+    return decorator
+
+
+def shipped_modes() -> Registry[type[RolloutMode]]:
+    """``ROLLOUT_MODES`` with the shipped modes imported (they register on import)."""
+    import unirl.diffusion.awm  # noqa: F401
+    import unirl.diffusion.dgpo  # noqa: F401
+    import unirl.diffusion.flowgrpo  # noqa: F401
+    import unirl.diffusion.nft  # noqa: F401
+    import unirl.diffusion.tempflow  # noqa: F401
+
+    return ROLLOUT_MODES
+
+
+def build_mode_args(name: str, given: dict[str, Any] | None) -> Any:
+    """The settings instance of the rollout mode ``name`` from ``given`` (``mode_args``), as
+    ``build_loss_args`` builds a loss's: an unknown key, or keys for a mode without settings, is a
+    ``ValueError`` naming ``mode_args.<key>`` and the mode's valid keys."""
+    cls = shipped_modes().get(name).settings
+    given = dict(given or {})
+    if cls is None:
+        if given:
+            raise ValueError(f"mode_args: algorithm {name!r} has no settings of its own, got {', '.join(sorted(given))}")
+        return None
+    valid = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(given) - valid)
+    if unknown:
+        raise ValueError(f"mode_args.{unknown[0]}: not a setting of algorithm {name!r}; its settings: "
+                         f"{', '.join(sorted(valid))}")
+    try:
+        return cls(**given)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"mode_args ({name}): {err}") from None
+
+
+def resolve_algorithm(cfg) -> str:
+    """Check ``cfg.algorithm`` (a registered mode), its ``mode_args``, the run's policy loss and its
+    ``algo.loss_args``, that the mode's forward gives what the loss reads, and the mode's own
+    ``check_config``; returns the run's policy loss. Called where a ``DiffusionConfig`` loads."""
+    from unirl.config.schema import check_loss_args
+
+    modes = shipped_modes()
+    if cfg.algorithm not in modes:
+        raise ValueError(f"algorithm: {modes.unknown_message(cfg.algorithm)}")
+    mode = modes.get(cfg.algorithm)
+    build_mode_args(cfg.algorithm, cfg.mode_args)
+    own = mode.policy_loss or "the ratio loss of algo, clipped or gspo"
+    name = check_loss_args(cfg.algo, mode.policy_loss, offers=mode.offers, where=f"algorithm={cfg.algorithm}",
+                           hint=f"; leave algo.policy_loss null for the algorithm's own ({own}) or choose another algorithm")
+    mode.check_config(cfg)
+    return name

@@ -34,6 +34,7 @@ class SampleOutput:
     latents: torch.Tensor  # [N, T, *latent]
     next_latents: torch.Tensor  # [N, T, *latent]
     logp: torch.Tensor  # [N, T]
+    means: torch.Tensor | None = None  # [N, T, *latent] the trained steps' Gaussian means, when asked (``keep_means``)
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -183,6 +184,7 @@ def sample_with_logprob(
     start: int = 0,
     stop: int | None = None,
     dpm: torch.Tensor | None = None,
+    keep_means: bool = False,
 ) -> SampleOutput:
     """Run the denoising steps ``start .. stop - 1`` (all S by default) from ``noise`` [N, *latent] (the
     latents at ``sigmas[start]``), keeping the recorded steps; ``final`` is the latent at ``sigmas[stop]``.
@@ -204,6 +206,8 @@ def sample_with_logprob(
         dpm: ``[S]`` bool, ODE steps taken by DPM-Solver++(2M) (``unirl.diffusion.dpm_solver``) instead
             of Euler; each uses the data prediction of the step before it (second order) unless that
             step is not run here or it is the last step (first order). None: Euler for every ODE step.
+        keep_means: also keep the recorded steps' Gaussian means (``SampleOutput.means``): the old
+            policy's means that GRPO-Guard and Flow-DPPO compare the current ones with.
     """
     n, num_steps = noise.shape[0], len(timesteps)
     stop = num_steps if stop is None else stop
@@ -228,7 +232,7 @@ def sample_with_logprob(
     recorded = sorted({i for row in rows for i in row})  # the steps some sample records
     step_times = timesteps.unsqueeze(1).expand(-1, n).unbind()  # S x [n]: each step's timestep for the batch, views
     latents = noise.float()  # [N, *latent]
-    before, after, logps = [], [], []  # per recorded step: [N, *latent], [N, *latent], [N]
+    before, after, logps, means = [], [], [], []  # per recorded step: [N, *latent], [N, *latent], [N], [N, *latent]
     prev_x0 = None  # the previous step's data prediction, when the next step is a DPM-Solver step
     for i in range(start, stop):
         v = guided_velocity(family, transformer, latents, step_times[i], cond, guidance_scale)
@@ -239,12 +243,17 @@ def sample_with_logprob(
             nxt = dpm_solver_pp_step(latents, x0, sigma_values[i], sigma_values[i + 1], prev_x0=prev_x0,
                                      prev_sigma=sigma_values[i - 1] if prev_x0 is not None else None)
         else:
-            nxt, logp, _, _ = sde_step(v, latents, (sde_coef if is_sde[i] else ode_coef)[i], generator=generator)
+            nxt, logp, mean, _ = sde_step(v, latents, (sde_coef if is_sde[i] else ode_coef)[i], generator=generator)
             x0 = data_prediction(latents, v, sigma_values[i]) if i + 1 < stop and is_dpm[i + 1] else None
         if i in recorded:
             before.append(latents), after.append(nxt), logps.append(logp)
+            if keep_means:
+                means.append(mean)
         latents, prev_x0 = nxt, x0
-    return _kept(latents, record, rows, recorded, before, after, logps)
+    out = _kept(latents, record, rows, recorded, before, after, logps)
+    if keep_means and recorded:
+        out.means = _stacked(means, record, rows, recorded)  # [N, T, *latent]
+    return out
 
 
 def _kept(final: torch.Tensor, record: torch.Tensor, rows: list[list[int]], recorded: list[int],
@@ -273,6 +282,18 @@ def _kept(final: torch.Tensor, record: torch.Tensor, rows: list[list[int]], reco
     rows = torch.arange(n, device=final.device).unsqueeze(1)  # [N, 1]
     return SampleOutput(final=final, latents=torch.stack(before)[where, rows],  # [N, T, *latent]
                         next_latents=torch.stack(after)[where, rows], logp=torch.stack(logps)[where, rows])
+
+
+def _stacked(per_step: list[torch.Tensor], record: torch.Tensor, rows: list[list[int]], recorded: list[int]
+             ) -> torch.Tensor:
+    """``[N, T, ...]``: sample r's column t is the value of step ``record[r, t]`` in ``per_step`` (one
+    ``[N, ...]`` tensor per step of ``recorded``), one copy (what ``_kept`` does for the latents)."""
+    if all(row == rows[0] for row in rows):
+        return torch.stack([per_step[recorded.index(i)] for i in rows[0]], dim=1)
+    slot = torch.zeros(int(record.max()) + 1, dtype=torch.long)
+    slot[recorded] = torch.arange(len(recorded))
+    where = slot[record].to(per_step[0].device)  # [N, T]
+    return torch.stack(per_step)[where, torch.arange(record.shape[0], device=where.device).unsqueeze(1)]
 
 
 def rescore_steps(
