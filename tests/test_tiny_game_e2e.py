@@ -70,3 +70,46 @@ def test_episodes_with(tmp_path, feature, overrides):
     assert len(rows) == 2 and all(r["env/errors"] == 0 and r["env/turns_mean"] > 1 for r in rows)
     figure = {"dapo": "filter/kept_groups", "async": "rollout/staleness_mean", "distill": "distill/reverse_kl"}[feature]
     assert all(figure in r for r in rows), sorted(rows[0])
+
+
+def test_episodes_in_flight_at_a_checkpoint_resume_exactly(tmp_path):
+    """The resume rule for episodes (docs/agents.md): a step's episodes all end before its update, so a
+    checkpoint never holds a half-played episode; with asynchronous rollouts the batches played ahead (episodes
+    of later prompts, played with older weights) are finished first and saved whole with the checkpoint, and the
+    resumed run trains on exactly them. SIGTERM during step 2 of 4 at source.max_staleness=1, then resume: steps
+    3 and 4 give the uninterrupted run's figures."""
+    import signal
+
+    from unirl.cli import load_run_config
+    from unirl.text.env import TextEnvironment
+    from unirl.trainer.loop import Preempted, Trainer
+
+    args = ["trainer.total_steps=4", "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.mini_batch_size=16",
+            "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
+            "source.max_staleness=1"]
+
+    def trainer(name: str, *extra: str) -> Trainer:
+        cfg = load_run_config("text", "tiny_game", [*args, *extra], output_dir=str(tmp_path / name))
+        return Trainer.from_config(TextEnvironment(cfg), cfg)
+
+    def figures(rows):  # what the run's math gives: wall-clock figures (time/, perf/, the env's latency) left out
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and k != "env/step_latency_s"}
+                for r in rows]
+
+    whole = figures(trainer("whole").train())
+    stopped = trainer("split")
+    step = stopped.train_step
+
+    def signalled_at_step_two():
+        if stopped.step == 1:
+            stopped.signals.signal = signal.SIGTERM
+        return step()
+
+    stopped.train_step = signalled_at_step_two
+    with pytest.raises(Preempted, match="stopped by SIGTERM after step 2"):
+        stopped.train()
+    saved = json.loads((tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state" / "source.json").read_text())
+    assert [item["batch"] for item in saved["batches"]] == [2]  # batch 2's episodes, played to their end
+    resumed = figures(trainer("split", "trainer.resume=true").train())
+    assert all(r["env/turns_mean"] > 1 for r in resumed)
+    assert resumed == whole[2:]
