@@ -69,7 +69,7 @@ class RolloutService:
     def __init__(self, engine, model_name: str, params: ServedParams | None = None, vocab_size: int | None = None):
         self.engine, self.model_name, self.params = engine, model_name, params
         self.tokenizer = engine.tokenizer
-        self.vocab_size = vocab_size or len(self.tokenizer)
+        self.vocab_size = vocab_size or tokenizer_vocab(self.tokenizer)
         self.lock = threading.Lock()
         self.connecting = threading.Lock()  # one trainer joins at a time; a second is refused, not queued
         self.weights_version: str | None = None  # None: the weights the server loaded at start
@@ -174,9 +174,9 @@ class RolloutService:
 
     def served(self) -> dict:
         """``GET /weights``: what a push must hold (the served model's tensors) and the version now served."""
-        params = self.params or {}
-        return {"weights_version": self.weights_version, "tensors": {
-            n: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, (shape, dtype) in params.items()}}
+        tensors = None if self.params is None else {
+            n: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, (shape, dtype) in self.params.items()}
+        return {"weights_version": self.weights_version, "tensors": tensors}
 
 
 def make_app(service: RolloutService, guards: Guards, weight_guards: Guards | None = None, extra_routes=None) -> FastAPI:
@@ -410,6 +410,15 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
     server = AppServer(make_app(service, guards, weight_guards), host, port, grace_s=grace_s)
     server.token_file = None if made_token is None else write_token(made_token, server.server_address[1])
     return server
+
+
+def tokenizer_vocab(tokenizer) -> int:
+    """The ids a tokenizer knows: its length, or one past the largest id of its vocabulary (a tokenizer with no
+    length)."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return max(tokenizer.get_vocab().values()) + 1
 
 
 def write_token(token: str, port: int) -> Path:

@@ -75,7 +75,7 @@ class ServerEngine:
         self.model_name = health.get("model")
         # The weight routes need the token: a missing or wrong one is reported here, at once (it was a 120 s
         # wait for a weight group the server never joined); the answer lists what a push must hold.
-        self.served = self._call("GET", "/weights", None, timeout=30.0).get("tensors") or {}
+        self.served = self._call("GET", "/weights", None, timeout=30.0).get("tensors")  # None: it takes no push
         self.group = self._connect()
 
     def _connect(self):
@@ -130,11 +130,12 @@ class ServerEngine:
 
         weights = list(weights)
         specs = describe(weights)
-        served = {n: (tuple(t["shape"]), getattr(torch, t["dtype"], torch.uint8)) for n, t in self.served.items()}
-        try:
-            check_specs(specs, served, f"rollout server {self.url} serves another model")
-        except ValueError as err:  # before the push: the server would refuse it, and nothing is sent
-            raise RolloutServerError(str(err)) from None
+        if self.served is not None:  # (None: the server refuses every push and says why)
+            served = {n: (tuple(t["shape"]), getattr(torch, t["dtype"], torch.uint8)) for n, t in self.served.items()}
+            try:
+                check_specs(specs, served, f"rollout server {self.url} serves another model")
+            except ValueError as err:  # before the push: the server would refuse it, and nothing is sent
+                raise RolloutServerError(str(err)) from None
         self.version += 1
         answer: list = []
         body = json.dumps({"tensors": specs, "version": str(self.version)}).encode()
