@@ -18,7 +18,11 @@ push never lands inside a generation, and generations queue.
   "version"}``: receive the tensors the trainer broadcasts over it and reload them in place
   (``VLLMEngine.load_weights``). What the trainer uses: ~10x faster than a file over HTTP here.
 - ``POST /weights``: the same from a safetensors file in the body (HF checkpoint names), for a pusher
-  that is no torch program; ``X-Unirl-Weights-Version`` names them.
+  that is no torch program; ``X-Unirl-Weights-Version`` names them. ``GET /weights``: the served model's
+  tensors (name, shape, dtype) every push is checked against before anything loads.
+- The weight routes take a token even on loopback: without ``--token`` one is made at start and written
+  (0600) to ``server_client.token_path(port)``, where a trainer of the same user reads it.
+- Every field of a request is checked before the engine sees it (``unirl.rollout.server_requests``).
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes
   (``model``, ``prompt`` / ``messages``, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``,
   ``seed``, ``logprobs``: the sampled tokens' log-probs; top alternatives are not returned; vLLM's
