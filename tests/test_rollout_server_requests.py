@@ -217,3 +217,28 @@ def test_a_trainer_with_a_wrong_token_is_told_at_once_and_a_wrong_model_before_i
     gens = trainer.generate([[3, 4, 5]], n=2, max_new_tokens=4, temperature=1.0, seed=3)
     assert len(gens) == 1 and len(gens[0]) == 2 and all(len(x.response_ids) <= 4 for x in gens[0])
     json.dumps([x.logprobs for x in gens[0]])  # plain floats
+
+
+def test_a_load_that_fails_after_the_checks_stops_generation_instead_of_serving_a_mix(served):
+    """The transformers engine loads strictly: a push of some tensors passes the checks (vLLM takes such a
+    push) and fails while loading, after the tensors it holds were copied in; the server then says so on every
+    generation (503, restart) rather than sample from a mix of two versions."""
+    from fastapi.testclient import TestClient
+
+    from unirl.rollout.hf import HFEngine
+    from unirl.rollout.server import RolloutService, make_app
+
+    client, service, engine, original = served
+    own = HFEngine.with_own_copy(engine.own, engine.tokenizer, torch.device("cpu"))
+    fresh = TestClient(make_app(RolloutService(own, "tiny", params=service.params), _open(), _open()))
+    partial = {"model.norm.weight": torch.zeros(128)}
+    out = fresh.post("/weights", content=_safetensors(partial))
+    assert out.status_code == 500 and "Missing key" in out.json()["error"]["message"]
+    gen = fresh.post("/generate", json={"prompt_ids": [[3, 4]], "max_new_tokens": 2})
+    assert gen.status_code == 503 and "restart `unirl serve-rollout`" in gen.json()["error"]["message"]
+
+
+def _open():
+    from unirl.serving.guards import Guards
+
+    return Guards.from_settings("serve-rollout", max_body_mb=8, body_timeout_s=5, token=None, token_env="UNSET_X")
