@@ -141,8 +141,7 @@ def test_weight_routes_refuse_bad_connects_and_receives_in_one_line(served):
 
 
 def test_a_server_without_a_token_hands_the_one_it_made_to_a_trainer_on_this_machine(tmp_path, monkeypatch):
-    from unirl.rollout.server import write_token
-    from unirl.rollout.server_client import _token, token_path
+    from unirl.rollout.server_client import _token, token_path, write_token
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("UNIRL_ROLLOUT_TOKEN", raising=False)

@@ -49,7 +49,7 @@ from starlette.exceptions import HTTPException
 
 from unirl.rollout.server_requests import BadRequest, check_prompt_ids, check_seed
 from unirl.rollout.server_requests import field as _field, parse_json as _json, sampling as _sampling
-from unirl.rollout.server_client import token_path
+from unirl.rollout.server_client import write_token
 from unirl.rollout.weight_channel import ServedParams, check_specs, describe, served_params
 from unirl.serving.guards import Guards, Refused
 
@@ -423,19 +423,6 @@ def tokenizer_vocab(tokenizer) -> int:
         return len(tokenizer)
     except TypeError:
         return max(tokenizer.get_vocab().values()) + 1
-
-
-def write_token(token: str, port: int) -> Path:
-    """The weight routes' token made at start, in ``token_path(port)`` readable by this user only (0600, in a
-    0700 directory); the trainer's client reads it when it has no ``$UNIRL_ROLLOUT_TOKEN``."""
-    path = token_path(port)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # a file left by an earlier server keeps its mode through O_CREAT
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return path
 
 
 def _local_dir(path: str) -> str:

@@ -34,6 +34,23 @@ def token_path(port: int) -> Path:
     return Path(cache) / "unirl" / "rollout-tokens" / str(port)
 
 
+def write_token(token: str, port: int) -> Path:
+    """The weight routes' token made at start, in ``token_path(port)`` readable by this user only (0600, in a
+    0700 directory); the trainer's client reads it when it has no ``$UNIRL_ROLLOUT_TOKEN``."""
+    path = token_path(port)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path.parent, 0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a file left by an earlier server keeps its mode through O_CREAT
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+    except OSError as err:
+        raise OSError(f"cannot write the weight routes' token to {path} ({err.strerror}); give --token (or "
+                      f"${TOKEN_ENV}) and the same to the trainer") from None
+    return path
+
+
 def trainer_vocab(tokenizer, policy=None) -> int | None:
     """The ids a trainer can embed: its policy's embedding rows (past the tokenizer's length on models whose
     embedding is padded), else the tokenizer's length; None when neither is known."""
