@@ -241,3 +241,31 @@ def _open():
     from unirl.serving.guards import Guards
 
     return Guards.from_settings("serve-rollout", max_body_mb=8, body_timeout_s=5, token=None, token_env="UNSET_X")
+
+
+def test_a_join_that_waits_holds_neither_generations_nor_a_second_join(live):
+    """issue 51: eight joins to a dead port delayed every generation by ~78 s (they took the threads the
+    generations run on). Now one join waits, on threads of its own; a second is refused (409)."""
+    import urllib.error
+    import urllib.request
+
+    url, *_ = live
+
+    def post(path, body, token=TOKEN):
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST", headers={
+            "Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    waiting = threading.Thread(target=post, args=("/weights/connect", {"host": "127.0.0.1", "port": 9, "timeout_s": 2}))
+    waiting.start()
+    time.sleep(0.5)
+    status, out = post("/weights/connect", {"host": "127.0.0.1", "port": 9, "timeout_s": 2})
+    assert status == 409 and "another trainer is joining" in out["error"]["message"]
+    start = time.monotonic()
+    status, _ = post("/generate", {"prompt_ids": [[3, 4]], "max_new_tokens": 2}, token=None)
+    assert status == 200 and time.monotonic() - start < 3 and waiting.is_alive()
+    waiting.join()
