@@ -196,3 +196,13 @@ def test_resolve_config_path(tmp_path, monkeypatch):
 
 def test_configs_root_is_the_repository_configs_dir():
     assert config_module.CONFIGS_ROOT == Path(config_module.__file__).resolve().parents[2] / "configs"
+
+
+def test_max_staleness_is_bounded_by_the_runs_steps():
+    """issue 51: ``source.max_staleness=1000000000`` was accepted (every batch sampled from the starting weights,
+    each checkpoint holding all the remaining batches); it is refused at load, naming both fields."""
+    from unirl.text.config import TextConfig
+
+    with pytest.raises(ConfigError, match=r"source.max_staleness=1000000000 is more than trainer.total_steps=100"):
+        load_config(TextConfig, {}, ["source.max_staleness=1000000000"])
+    assert load_config(TextConfig, {}, ["source.max_staleness=3", "trainer.total_steps=3"]).source.max_staleness == 3

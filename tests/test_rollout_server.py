@@ -86,7 +86,7 @@ def test_samples_equal_the_colocated_engines_and_pushed_weights_give_the_trainer
 
     from unirl.rollout.vllm import VLLMEngine
     from unirl.rollout.weights import hf_checkpoint_weights
-    from unirl.rollout.server_client import ServerEngine
+    from unirl.rollout.server_client import ServerEngine, token_path
 
     tok = AutoTokenizer.from_pretrained(chat_model_dir)
     ids = [tok(p).input_ids for p in PROMPTS]
@@ -116,6 +116,13 @@ def test_samples_equal_the_colocated_engines_and_pushed_weights_give_the_trainer
             logp = torch.log_softmax(model(seq).logits[0, len(prompt) - 1:-1].float(), -1)  # [R, V]
         trainer = logp.gather(1, torch.tensor(g.response_ids)[:, None])[:, 0]
         assert g.logprobs == pytest.approx(trainer.tolist(), abs=2e-4)
+    # The weight routes took the token the server made at start (no --token), from the file a trainer on this
+    # machine reads; a push naming a tensor vLLM does not serve is refused before loading (issue 51: it broke
+    # every later generation with "Meta tensors"), and the server goes on serving.
+    bad = {"tensors": [{"name": "model.nope.weight", "shape": [3], "dtype": "float32"}], "version": "x"}
+    assert _post(server, "/weights/receive", bad)[0] == 401
+    status, out = _post(server, "/weights/receive", bad, token_path(int(server.rsplit(":", 1)[1])).read_text())
+    assert status == 400 and "'model.nope.weight' is not a parameter of the served model" in out["error"]["message"]
     assert _post(server, "/generate", {"prompt_ids": ids[:1], "max_new_tokens": 2})[0] == 200
 
 

@@ -158,6 +158,7 @@ def _serve(model_dir):
     from unirl.serving.server import AppServer
     from unirl.rollout.hf import HFEngine
     from unirl.rollout.server import RolloutService, make_app
+    from unirl.rollout.weight_channel import served_params
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = HFEngine.with_own_copy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tok, "cpu")
@@ -166,7 +167,8 @@ def _serve(model_dir):
     engine.generate = lambda prompt_ids, **kw: (calls.append(len(prompt_ids)), generate(prompt_ids, **kw))[1]
     guards = Guards.from_settings("serve-rollout", max_body_mb=64, body_timeout_s=60, token=None,
                                   token_env="UNIRL_ROLLOUT_TOKEN")
-    server = AppServer(make_app(RolloutService(engine, "tiny"), guards, guards), "127.0.0.1", 0)
+    service = RolloutService(engine, "tiny", params=served_params(str(model_dir)))  # what pushes are checked against
+    server = AppServer(make_app(service, guards, guards), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, calls
 

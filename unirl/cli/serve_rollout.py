@@ -31,7 +31,9 @@ def add_parser(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout-s", type=float, default=600.0, metavar="S",
                    help="seconds a request body may take to arrive (default 600, a weight push included); slower get 408")
     p.add_argument("--token", default=None, help="a shared secret every request but /health must send as "
-                   "'Authorization: Bearer TOKEN' (default: $UNIRL_ROLLOUT_TOKEN); required when --host is not loopback")
+                   "'Authorization: Bearer TOKEN' (default: $UNIRL_ROLLOUT_TOKEN); required when --host is not "
+                   "loopback. Without one, the weight routes still take a token, made at start and written "
+                   "(0600) to ~/.cache/unirl/rollout-tokens/PORT, where a trainer on this machine reads it")
     p.add_argument("--grace-s", type=float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds the requests in flight get to finish (default 10)")
     p.set_defaults(func=serve_command)
@@ -53,5 +55,13 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError, OverflowError) as err:
         print(f"unirl serve-rollout: {err}", file=sys.stderr)
         return 1
-    serve_until_interrupted(server, f"rollouts of {args.model!r}")
+    if server.token_file is not None:  # before the URL line a script waits for
+        print(f"unirl serve-rollout: no --token: the weight routes take a token made now, written to "
+              f"{server.token_file} (0600) for a trainer of this user on this machine; other clients set "
+              f"$UNIRL_ROLLOUT_TOKEN to it", file=sys.stderr, flush=True)
+    try:
+        serve_until_interrupted(server, f"rollouts of {args.model!r}")
+    finally:
+        if server.token_file is not None:
+            server.token_file.unlink(missing_ok=True)
     return 0

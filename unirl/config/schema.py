@@ -449,6 +449,12 @@ class RunConfig:
             raise ValueError("rewards: at least one reward is needed")
         check_groups(self.algo, self.trainer)
         check_loss_args(self.algo, self.mode_policy_loss())
+        if self.source.max_staleness > self.trainer.total_steps:
+            # A batch k steps stale is sampled k steps ahead: more than the run's steps samples batches no step
+            # takes (and a checkpoint holds every one of them), so a larger k is a typo, not a setting.
+            raise ValueError(f"source.max_staleness={self.source.max_staleness} is more than trainer.total_steps="
+                             f"{self.trainer.total_steps}: a batch can be at most the run's steps stale; use "
+                             f"0..{self.trainer.total_steps} (1 is verl's one-step-off)")
 
     def mode_policy_loss(self) -> str | None:
         """The registered policy loss the environment's rollout mode trains with when ``algo.policy_loss`` is

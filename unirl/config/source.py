@@ -59,7 +59,7 @@ class SourceConfig:
 
     #: Asynchronous rollouts: 0 is the synchronous loop (each step samples with the weights it trains);
     #: k >= 1 generates step s's batch with the weights after step s-k in a producer thread while the trainer
-    #: updates (verl's one-step-off at 1, TRL's ``max_staleness``); the PPO ratio is then taken against the
+    #: updates (verl's one-step-off at 1, TRL's ``max_staleness``), at most ``trainer.total_steps``; the PPO ratio is then taken against the
     #: engine's log-probs unless ``bypass_mode: false``.
     max_staleness: int = 0
     #: verl's ``rollout_correction.bypass_mode``: the PPO ratio is taken against the rollout engine's

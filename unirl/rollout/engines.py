@@ -34,10 +34,13 @@ def hf_engine(ctx: EngineContext):
 @register_engine("server", hf_weights=True)
 def server_engine(ctx: EngineContext):
     """``unirl serve-rollout`` at ``rollout.server_url`` (its own process and devices)."""
-    from unirl.rollout.server_client import ServerEngine
+    from unirl.rollout.server_client import ServerEngine, trainer_vocab
 
     r = ctx.cfg.rollout
-    return ServerEngine(r.server_url, timeout_s=r.server_timeout_s, processes=ctx.accelerator.num_processes)
+    return ServerEngine(r.server_url, timeout_s=r.server_timeout_s, processes=ctx.accelerator.num_processes,
+                        # an evaluation's policy loads on first use: its tokenizer is enough there
+                        vocab_size=trainer_vocab(ctx.tokenizer, ctx.policy() if ctx.policy and ctx.purpose == "train"
+                                                 else None))
 
 
 def engine_loads_weights(name: str) -> bool:

@@ -41,7 +41,8 @@ class RemoteEngine:
     weights_format = "hf_checkpoint"
     shares_policy = False
 
-    def __init__(self, urls: list[str], *, timeout_s: float = 600.0, token: str | None = None, processes: int = 1):
+    def __init__(self, urls: list[str], *, timeout_s: float = 600.0, token: str | None = None, processes: int = 1,
+                 vocab_size: int | None = None):
         from unirl.rollout.server_client import ServerEngine
 
         if not urls:
@@ -49,7 +50,7 @@ class RemoteEngine:
         if processes > 1:
             raise ValueError("source.urls takes one trainer process at present (each would push its weights to every "
                              "server); use rollout.engine=vllm with several processes")
-        self.servers = [ServerEngine(url, timeout_s=timeout_s, token=token) for url in urls]
+        self.servers = [ServerEngine(url, timeout_s=timeout_s, token=token, vocab_size=vocab_size) for url in urls]
         self.pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="unirl-remote")
 
     def generate(self, prompt_ids: list[list[int]], **sampling) -> list[list[Generation]]:

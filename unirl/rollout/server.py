@@ -18,7 +18,11 @@ push never lands inside a generation, and generations queue.
   "version"}``: receive the tensors the trainer broadcasts over it and reload them in place
   (``VLLMEngine.load_weights``). What the trainer uses: ~10x faster than a file over HTTP here.
 - ``POST /weights``: the same from a safetensors file in the body (HF checkpoint names), for a pusher
-  that is no torch program; ``X-Unirl-Weights-Version`` names them.
+  that is no torch program; ``X-Unirl-Weights-Version`` names them. ``GET /weights``: the served model's
+  tensors (name, shape, dtype) every push is checked against before anything loads.
+- The weight routes take a token even on loopback: without ``--token`` one is made at start and written
+  (0600) to ``server_client.token_path(port)``, where a trainer of the same user reads it.
+- Every field of a request is checked before the engine sees it (``unirl.rollout.server_requests``).
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes
   (``model``, ``prompt`` / ``messages``, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``,
   ``seed``, ``logprobs``: the sampled tokens' log-probs; top alternatives are not returned; vLLM's
@@ -30,17 +34,23 @@ Every error body is ``{"error": {"message": ..., "type": ...}}``, OpenAI's shape
 from __future__ import annotations
 
 import asyncio
-import json
+import os
+import secrets
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from unirl.rollout.server_requests import BadRequest, check_prompt_ids, check_seed
+from unirl.rollout.server_requests import field as _field, parse_json as _json, sampling as _sampling
+from unirl.rollout.server_client import write_token
+from unirl.rollout.weight_channel import ServedParams, check_specs, describe, served_params
 from unirl.serving.guards import Guards, Refused
 
 #: The environment variable holding the shared token when ``--token`` is not given (the trainer's
@@ -48,26 +58,52 @@ from unirl.serving.guards import Guards, Refused
 TOKEN_ENV = "UNIRL_ROLLOUT_TOKEN"
 
 
-class BadRequest(Exception):
-    """A request the server cannot answer as asked (400, or ``status``), with what was expected."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+#: The longest a trainer may ask the server to wait for its weight group (``POST /weights/connect``'s
+#: ``timeout_s``): the trainer's own side waits at most 120 s (``ServerEngine``).
+MAX_CONNECT_S = 300.0
 
 
 class RolloutService:
-    """The engine behind the endpoints: one call at a time, and the version of the weights it holds."""
+    """The engine behind the endpoints: one call at a time, and the version of the weights it holds.
 
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    ``params``: the served model's tensors (``weight_channel.served_params``), which every weight push is
+    checked against before anything loads (None: pushes are refused, there is nothing to check them by).
+    ``vocab_size``: prompt ids must lie below it (default: the tokenizer's length)."""
+
+    def __init__(self, engine, model_name: str, params: ServedParams | None = None, vocab_size: int | None = None):
+        self.engine, self.model_name, self.params = engine, model_name, params
         self.tokenizer = engine.tokenizer
+        self.vocab_size = vocab_size or tokenizer_vocab(self.tokenizer)
         self.lock = threading.Lock()
+        self.connecting = threading.Lock()  # one trainer joins at a time; a second is refused, not queued
         self.weights_version: str | None = None  # None: the weights the server loaded at start
+        self.broken: str | None = None  # why the engine cannot serve (a load that failed half-way)
 
     def generate(self, prompt_ids: list[list[int]], **sampling) -> list[list[Any]]:
         with self.lock:
+            if self.broken:
+                raise BadRequest(self.broken, status=503)
             return self.engine.generate(prompt_ids, **sampling)
+
+    def check_push(self, specs: list[dict]) -> None:
+        """A 400 naming the first tensor the served model does not hold as described, before anything loads."""
+        if self.params is None:
+            raise BadRequest(f"this server cannot check pushed weights against {self.model_name!r} (its directory "
+                             f"has no safetensors files), so it takes none")
+        try:
+            check_specs(specs, self.params, "weights")
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+
+    def _load(self, weights) -> None:
+        """Into the engine, under the lock; a load that fails after the checks leaves the engine half-loaded:
+        it is marked broken (503 on every generation, saying to restart), never served from silently."""
+        try:
+            self.engine.load_weights(iter(weights))
+        except Exception as err:
+            self.broken = (f"a weight push failed while loading ({type(err).__name__}: {str(err)[:200]}); the engine "
+                           f"holds a mix of old and new weights: restart `unirl serve-rollout`")
+            raise
 
     # What the OpenAI endpoints call; the agent endpoint (``unirl.rollout.sessions.AgentService``) records sessions.
     def default_max_tokens(self, chat: bool) -> int:
@@ -90,33 +126,61 @@ class RolloutService:
             weights = load(data)
         except Exception as err:  # safetensors' own error type: not a safetensors file
             raise BadRequest(f"POST /weights takes a safetensors file of the policy's weights: {err}") from None
+        self.check_push(describe(list(weights.items())))
         with self.lock:
-            self.engine.load_weights(iter(weights.items()))
+            self._load(weights.items())
             self.weights_version = version
         return len(weights)
 
     def connect(self, request: dict) -> dict:
-        """Join a trainer's weight group (``unirl.rollout.weight_channel``); a new trainer replaces the old one."""
+        """Join a trainer's weight group (``unirl.rollout.weight_channel``); a new trainer replaces the old one.
+        The wait is bounded (``MAX_CONNECT_S``) and one join runs at a time (a second is refused, 409)."""
         from unirl.rollout.weight_channel import WeightGroup
 
-        host, port = request.get("host"), request.get("port")
-        if not isinstance(host, str) or not isinstance(port, int):
-            raise BadRequest("POST /weights/connect takes {\"host\": str, \"port\": int}")
-        self.group = WeightGroup(host, port, rank=1, timeout_s=float(request.get("timeout_s") or 600))
+        host = _field(request, "host", str)
+        port = _field(request, "port", int, low=1, high=65535)
+        timeout = float(_field(request, "timeout_s", (int, float), 120.0, low=1, high=MAX_CONNECT_S))
+        if host is None or port is None:
+            raise BadRequest("POST /weights/connect takes {\"host\": str, \"port\": int, \"timeout_s\": number}")
+        if not self.connecting.acquire(blocking=False):
+            raise BadRequest("another trainer is joining its weight group now; try again when it has", status=409)
+        try:
+            self.group = WeightGroup(host, port, rank=1, timeout_s=timeout)
+        except RuntimeError as err:  # torch.distributed's errors carry a C++ stack after their first line
+            raise BadRequest(f"could not join the trainer's weight group at {host}:{port} within {timeout:g} s: "
+                             f"{str(err).strip().splitlines()[0][:300]}", status=502) from None
+        finally:
+            self.connecting.release()
         return {"connected": True}
 
     def receive_weights(self, request: dict) -> dict:
-        """The tensors a trainer broadcasts over its group, loaded into the engine between generations."""
+        """The tensors a trainer broadcasts over its group, loaded into the engine between generations. A push
+        that does not fit the served model is refused before a byte is received, and the group is dropped (the
+        trainer's broadcast fails at once instead of waiting for a receiver that never comes)."""
         specs = request.get("tensors")
-        if getattr(self, "group", None) is None:
+        group = getattr(self, "group", None)
+        if group is None:
             raise BadRequest("no trainer connected its weight group: POST /weights/connect first")
-        if not isinstance(specs, list) or not all(isinstance(s, dict) and {"name", "shape", "dtype"} <= set(s) for s in specs):
-            raise BadRequest("POST /weights/receive takes {\"tensors\": [{\"name\", \"shape\", \"dtype\"}], \"version\"}")
+        try:
+            if not isinstance(specs, list) or not all(isinstance(s, dict) and {"name", "shape", "dtype"} <= set(s)
+                                                      for s in specs):
+                raise BadRequest("POST /weights/receive takes {\"tensors\": [{\"name\", \"shape\", \"dtype\"}], "
+                                 "\"version\"}")
+            self.check_push(specs)
+        except BadRequest:
+            self.group = None
+            raise
         with self.lock:
-            weights = self.group.receive(specs)
-            self.engine.load_weights(iter(weights))
+            weights = group.receive(specs)
+            self._load(weights)
             self.weights_version = request.get("version")
         return {"loaded": len(weights), "weights_version": self.weights_version}
+
+    def served(self) -> dict:
+        """``GET /weights``: what a push must hold (the served model's tensors) and the version now served."""
+        tensors = None if self.params is None else {
+            n: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, (shape, dtype) in self.params.items()}
+        return {"weights_version": self.weights_version, "tensors": tensors}
 
 
 def make_app(service: RolloutService, guards: Guards, weight_guards: Guards | None = None, extra_routes=None) -> FastAPI:
@@ -189,72 +253,48 @@ def make_app(service: RolloutService, guards: Guards, weight_guards: Guards | No
 
 
 def _weight_routes(app: FastAPI, service: RolloutService, guarded, weight_guards: Guards) -> None:
-    """``POST /weights`` (a safetensors body, under ``weight_guards``' larger limit), ``/weights/connect``
-    and ``/weights/receive`` (the trainer's gloo group)."""
+    """``POST /weights`` (a safetensors body), ``/weights/connect`` and ``/weights/receive`` (the trainer's gloo
+    group) and ``GET /weights`` (what a push must hold), all behind ``weight_guards`` (their token and larger
+    body limit). They run on threads of their own: a join waiting for a trainer that never comes does not take
+    the threads generations run on (eight such joins once delayed every generation by ~78 s, issue 51)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="serve-rollout-weights")
+
+    def off(fn, *args):
+        return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    @app.get("/weights")
+    async def served(request: Request):
+        return await guarded(request, lambda body, _: _now(service.served()), weight_guards)
 
     @app.post("/weights")
     async def weights(request: Request):
         async def load(body: bytes, req: Request) -> dict:
             version = req.headers.get("x-unirl-weights-version")
-            count = await asyncio.to_thread(service.load_weights, body, version)
+            count = await off(service.load_weights, body, version)
             return {"loaded": count, "weights_version": version}
 
         return await guarded(request, load, weight_guards)
 
     @app.post("/weights/connect")
     async def weights_connect(request: Request):
-        return await guarded(request, lambda body, _: asyncio.to_thread(service.connect, _json(body)))
+        return await guarded(request, lambda body, _: off(service.connect, _json(body)), weight_guards)
 
     @app.post("/weights/receive")
     async def weights_receive(request: Request):
-        return await guarded(request, lambda body, _: asyncio.to_thread(service.receive_weights, _json(body)))
+        return await guarded(request, lambda body, _: off(service.receive_weights, _json(body)), weight_guards)
 
 
-def _json(body: bytes) -> dict:
-    try:
-        request = json.loads(body)
-    except ValueError as err:
-        raise BadRequest(f"the body is not JSON: {err}") from None
-    if not isinstance(request, dict):
-        raise BadRequest("the body must be a JSON object")
-    return request
-
-
-def _field(request: dict, name: str, kind: type | tuple, default: Any = None, *, low: float | None = None) -> Any:
-    """``request[name]`` checked against ``kind`` (and ``>= low``), or ``default`` when absent or null."""
-    value = request.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise BadRequest(f"{name!r} must be {names}, got {value!r}")
-    if low is not None and value < low:
-        raise BadRequest(f"{name!r} must be >= {low}, got {value!r}")
+async def _now(value):
     return value
 
 
-def _sampling(request: dict, *, max_tokens_key: str | tuple[str, ...], default_max: int) -> dict:
-    keys = (max_tokens_key,) if isinstance(max_tokens_key, str) else max_tokens_key
-    max_tokens = next((_field(request, k, int, low=1) for k in keys if request.get(k) is not None), default_max)
-    temperature = float(_field(request, "temperature", (int, float), 1.0, low=0))
-    stop = request.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise BadRequest(f"'stop' must be a string or a list of strings, got {stop!r}")
-    return dict(n=_field(request, "n", int, 1, low=1), max_new_tokens=max_tokens,
-                temperature=temperature if temperature > 0 else 1.0, greedy=temperature == 0,
-                top_p=float(_field(request, "top_p", (int, float), 1.0)), top_k=_field(request, "top_k", int, -1),
-                stop=stop, seed=_field(request, "seed", int))
-
-
 async def _generate(service: RolloutService, request: dict) -> dict:
-    prompts = request.get("prompt_ids")
-    if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p and all(
-            isinstance(t, int) for t in p) for p in prompts)):
-        raise BadRequest("'prompt_ids' must be a non-empty list of non-empty lists of token ids")
+    prompts = check_prompt_ids(request.get("prompt_ids"), service.vocab_size)
     sampling = _sampling(request, max_tokens_key="max_new_tokens", default_max=256)
-    sampling["greedy"] = bool(request.get("greedy", False)) or sampling["greedy"]
+    sampling["greedy"] = _field(request, "greedy", bool, False) or sampling["greedy"]
+    check_seed(sampling, len(prompts))
     gens = await asyncio.to_thread(service.generate, prompts, **sampling)
     return {"generations": [[{"response_ids": g.response_ids, "logprobs": g.logprobs, "text": g.text,
                               "finished": g.finished} for g in group] for group in gens]}
@@ -273,17 +313,16 @@ def _prompts(service: RolloutService, request: dict, chat: bool) -> list[list[in
         if not getattr(tok, "chat_template", None):
             raise BadRequest(f"model {service.model_name!r} has no chat template; use /v1/completions")
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return [list(ids)]
+        return check_prompt_ids([list(ids)], service.vocab_size, "messages")
     prompt = request.get("prompt")
     if isinstance(prompt, str):
         prompt = [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return check_prompt_ids([prompt], service.vocab_size, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
-        return [tok(p).input_ids for p in prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
-                                                   for p in prompt):
-        return prompt
+        return check_prompt_ids([tok(p).input_ids for p in prompt], service.vocab_size, "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt):
+        return check_prompt_ids(prompt, service.vocab_size, "prompt")
     raise BadRequest("'prompt' must be a non-empty string, a list of strings, token ids or lists of token ids")
 
 
@@ -294,6 +333,7 @@ async def _openai(service: RolloutService, request: dict, chat: bool, headers=No
     prompts = _prompts(service, request, chat)
     sampling = _sampling(request, max_tokens_key=("max_completion_tokens", "max_tokens") if chat else "max_tokens",
                          default_max=service.default_max_tokens(chat))
+    check_seed(sampling, len(prompts))
     want_logprobs = bool(request.get("logprobs")) if chat else request.get("logprobs") is not None
     token_ids = bool(request.get("return_token_ids"))  # vLLM's extension: the exact ids, token-in / token-out
     admitted = service.admit(request, headers or {}, prompts, sampling)
@@ -357,8 +397,11 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
         raise ValueError(f"--kv-cache-gb must be > 0 (GiB), got {kv_cache_gb}")
     guards = Guards.from_settings("serve-rollout", max_body_mb=max_body_mb, body_timeout_s=body_timeout_s, token=token,
                                   token_env=TOKEN_ENV)
+    # The weight routes change what every client is served: they need a token even on loopback, one made
+    # now when none is given, which ``token_path(port)`` hands to a trainer on this machine (``ServerEngine``).
+    made_token = None if guards.token else secrets.token_urlsafe(32)
     weight_guards = Guards.from_settings("serve-rollout", max_body_mb=max_weights_mb, body_timeout_s=body_timeout_s,
-                                         token=token, token_env=TOKEN_ENV)
+                                         token=guards.token or made_token, token_env=TOKEN_ENV)
     if host not in ("127.0.0.1", "localhost", "::1") and guards.token is None:
         raise ValueError(f"serve-rollout: --host {host} exposes the policy beyond this machine; give a --token "
                          f"(or ${TOKEN_ENV}) that every client must send")
@@ -367,5 +410,28 @@ def make_server(model: str, host: str = "127.0.0.1", port: int = 8100, *, served
                         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                         enforce_eager=enforce_eager, max_model_len=max_model_len,
                         kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * (1 << 30)))
-    service = RolloutService(engine, served_name or model)
-    return AppServer(make_app(service, guards, weight_guards), host, port, grace_s=grace_s)
+    service = RolloutService(engine, served_name or model, params=served_params(_local_dir(path)))
+    server = AppServer(make_app(service, guards, weight_guards), host, port, grace_s=grace_s)
+    server.token_file = None if made_token is None else write_token(made_token, server.server_address[1])
+    return server
+
+
+def tokenizer_vocab(tokenizer) -> int:
+    """The ids a tokenizer knows: its length, or one past the largest id of its vocabulary (a tokenizer with no
+    length)."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return max(tokenizer.get_vocab().values()) + 1
+
+
+def _local_dir(path: str) -> str:
+    """The directory vLLM loaded ``path`` from: itself, or a hub name's snapshot in the local cache."""
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, local_files_only=True)
+    except Exception:  # not in the cache as a hub snapshot: served_params finds no files and pushes are refused
+        return path

@@ -348,8 +348,11 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
         if getattr(sampler, "engine", None) is None:
             raise ValueError(f"source.urls: {type(env).__name__} samples with the policy itself (no rollout engine)")
         sampler.engine.close()
+        from unirl.rollout.server_client import trainer_vocab
+
         sampler.engine = RemoteEngine(source_cfg.urls, timeout_s=env.cfg.rollout.server_timeout_s,
-                                  processes=num_processes)
+                                      processes=num_processes,
+                                      vocab_size=trainer_vocab(getattr(env, "tokenizer", None), policy()))
     if k == 0:
         return InlineSource(produce, env.sampler.sync_weights, stop)
     sampler = env.sampler
