@@ -122,7 +122,7 @@ def loss_settings_section() -> list[str]:
 def mode_settings_section() -> list[str]:
     """A table of each registered diffusion algorithm (rollout mode): its default loss and its own settings
     (``mode_args``), from the dataclass it registered."""
-    from unirl.diffusion.rollout_mode import shipped_modes
+    from unirl.diffusion.modes import shipped_modes
     from unirl.registry import first_sentence
 
     lines = ["## Diffusion algorithms and their settings", "",

@@ -377,7 +377,7 @@ class DiffusionConfig(RunConfig):
                 f"takes no classifier-free guidance here; set sampling.guidance_scale: 1.0 and its embedded guidance "
                 f"with sampling.distilled_guidance"
             )
-        from unirl.diffusion.rollout_mode import resolve_algorithm
+        from unirl.diffusion.modes import resolve_algorithm
 
         # The algorithm, its mode_args, the run's loss and its loss_args, and that the mode feeds that loss.
         resolve_algorithm(self)
@@ -389,7 +389,7 @@ class DiffusionConfig(RunConfig):
         """The registered policy loss of ``algorithm``'s rollout mode (DiffusionNFT's, AWM's, DGPO's,
         TempFlow's own; None for FlowGRPO's ratio loss); an unregistered algorithm is refused here, naming
         the registered ones."""
-        from unirl.diffusion.rollout_mode import shipped_modes
+        from unirl.diffusion.modes import shipped_modes
 
         modes = shipped_modes()
         if self.algorithm not in modes:

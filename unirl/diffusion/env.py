@@ -41,7 +41,7 @@ from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards
 from unirl.diffusion.pipeline import load_pipeline
 from unirl.diffusion.prompts import load_prompt_rows
-from unirl.diffusion.rollout_mode import shipped_modes
+from unirl.diffusion.modes import shipped_modes
 from unirl.diffusion.sampling import ForwardCounter
 from unirl.diffusion.batches import DiffusionSampler
 from unirl.env import Environment, Models, lora_or_frozen_reference, sharded_state_dict

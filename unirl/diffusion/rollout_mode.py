@@ -4,8 +4,8 @@ The diffusion algorithms share the environment's setup, prompts, rewards, refere
 evaluation and saving (``unirl/diffusion/env.py``); they differ in what a rollout keeps and in the
 forward of what it kept. Each is a ``RolloutMode`` registered by name in ``ROLLOUT_MODES``
 (``@register_rollout_mode("name")``); ``algorithm:`` names one, checked where the config loads
-(``resolve_algorithm``), and ``DiffusionEnvironment`` builds it once and hands these to it, never
-branching on the algorithm itself:
+(``resolve_algorithm`` in ``unirl/diffusion/modes.py``, which imports the shipped modes), and
+``DiffusionEnvironment`` builds it once and hands these to it, never branching on the algorithm itself:
 
 * ``rollout``: sample and keep what training needs (FlowGRPO: the SDE steps and their log-probs,
   ``unirl/diffusion/flowgrpo.py``; DiffusionNFT: clean latents and noise levels, ``unirl/diffusion/nft.py``);
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -108,53 +108,3 @@ def register_rollout_mode(name: str, *, settings: type | None = None) -> Callabl
         return cls
 
     return decorator
-
-
-def shipped_modes() -> Registry[type[RolloutMode]]:
-    """``ROLLOUT_MODES`` with the shipped modes imported (they register on import)."""
-    import unirl.diffusion.awm  # noqa: F401
-    import unirl.diffusion.dgpo  # noqa: F401
-    import unirl.diffusion.flowgrpo  # noqa: F401
-    import unirl.diffusion.nft  # noqa: F401
-    import unirl.diffusion.tempflow  # noqa: F401
-
-    return ROLLOUT_MODES
-
-
-def build_mode_args(name: str, given: dict[str, Any] | None) -> Any:
-    """The settings instance of the rollout mode ``name`` from ``given`` (``mode_args``), as
-    ``build_loss_args`` builds a loss's: an unknown key, or keys for a mode without settings, is a
-    ``ValueError`` naming ``mode_args.<key>`` and the mode's valid keys."""
-    cls = shipped_modes().get(name).settings
-    given = dict(given or {})
-    if cls is None:
-        if given:
-            raise ValueError(f"mode_args: algorithm {name!r} has no settings of its own, got {', '.join(sorted(given))}")
-        return None
-    valid = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(given) - valid)
-    if unknown:
-        raise ValueError(f"mode_args.{unknown[0]}: not a setting of algorithm {name!r}; its settings: "
-                         f"{', '.join(sorted(valid))}")
-    try:
-        return cls(**given)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"mode_args ({name}): {err}") from None
-
-
-def resolve_algorithm(cfg) -> str:
-    """Check ``cfg.algorithm`` (a registered mode), its ``mode_args``, the run's policy loss and its
-    ``algo.loss_args``, that the mode's forward gives what the loss reads, and the mode's own
-    ``check_config``; returns the run's policy loss. Called where a ``DiffusionConfig`` loads."""
-    from unirl.config.schema import check_loss_args
-
-    modes = shipped_modes()
-    if cfg.algorithm not in modes:
-        raise ValueError(f"algorithm: {modes.unknown_message(cfg.algorithm)}")
-    mode = modes.get(cfg.algorithm)
-    build_mode_args(cfg.algorithm, cfg.mode_args)
-    own = mode.policy_loss or "the ratio loss of algo, clipped or gspo"
-    name = check_loss_args(cfg.algo, mode.policy_loss, offers=mode.offers, where=f"algorithm={cfg.algorithm}",
-                           hint=f"; leave algo.policy_loss null for the algorithm's own ({own}) or choose another algorithm")
-    mode.check_config(cfg)
-    return name

@@ -46,33 +46,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from unirl.env import LOOP_FIELDS, Rollout
-
-
-@dataclass
-class Batch:
-    """One scored batch from a source, as the rollout and score stages give it."""
-
-    rollout: Rollout
-    rewards: torch.Tensor  # [N]
-    reward_metrics: dict[str, float]
-    filter_metrics: dict[str, float] | None  # dynamic sampling's filter/* figures
-    version: int  # the training steps of the weights that sampled it
-    optimizer_steps: int  # the optimizer steps of those weights (Rollout.policy_version)
-    times: dict[str, float] = field(default_factory=dict)  # seconds of its stages, when the step waited for them
-
-
-def produced(out: tuple, version: int, optimizer_steps: int, times: dict[str, float] | None = None) -> Batch:
-    """``produce``'s ``(rollout, rewards, reward_metrics, filter_metrics)`` as a ``Batch`` whose samples are
-    stamped with the optimizer steps of the weights that sampled them (``Rollout.policy_version`` [N])."""
-    rollout, rewards, reward_metrics, filter_metrics = out
-    rollout.policy_version = torch.full((len(rollout),), optimizer_steps, dtype=torch.long)  # [N]
-    return Batch(rollout, rewards, reward_metrics, filter_metrics, version, optimizer_steps, times or {})
+from unirl.rollout.batch import Batch, own_engine, produced  # noqa: F401 (Batch: what get returns)
 
 
 class InlineSource:
@@ -367,20 +344,6 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     return ThreadedSource(k, total_steps, produce, lambda version: version.load_into(sampler.engine),
                           sampler.sync_weights,
                           snapshot=lambda steps: WeightVersion(policy(), sampler.engine.weights_format, bucket_mb, steps))
-
-
-def own_engine(sampler, env) -> None:
-    """Give ``sampler`` an engine with weights of its own when its engine samples from the trainer's live policy
-    (the transformers engine): a copy the trainer's updates do not touch, loaded by published versions."""
-    if sampler.engine.shares_policy:
-        import dataclasses
-
-        from unirl.rollout.engines import build_engine
-
-        live = sampler.engine
-        ctx = sampler.engine_context(env.model_path)
-        sampler.engine = build_engine(sampler.engine_name, dataclasses.replace(ctx, own_weights=True))
-        live.close()
 
 
 def describe_source(source_cfg) -> str:

@@ -38,7 +38,7 @@ import torch
 
 from unirl.core.rollout_correction import token_staleness_metrics, within_staleness
 from unirl.env import Rollout
-from unirl.rollout.sources import Batch
+from unirl.rollout.batch import Batch
 
 
 class VersionedEngine:
@@ -242,7 +242,7 @@ def build_stream_source(source_cfg, env, *, policy: Callable[[], Any], prompts_p
                         num_processes: int, dynamic_sampling: bool) -> StreamSource:
     """The ``StreamSource`` of ``source.stream`` (the environment's episodes, ``env.sampler.episode_feed``) or
     ``source.agent`` (your agent's sessions, ``unirl.rollout.sessions.SessionFeed``) over ``env``'s engine."""
-    from unirl.rollout.sources import own_engine
+    from unirl.rollout.batch import own_engine
     from unirl.rollout.weights import WeightVersion
 
     what, k = ("source.stream" if source_cfg.stream else "source.agent"), source_cfg.max_staleness

@@ -15,17 +15,7 @@ registers one). Nothing outside this package tests ``trainer.strategy``.
 
 from __future__ import annotations
 
-from typing import Callable
-
-from unirl.registry import Registry
-from unirl.trainer.backends.base import Backend
-
-BACKENDS: Registry[Callable[..., Backend]] = Registry("training backend")
-
-
-def register_backend(name: str):
-    """Register a ``Backend`` class (built as ``cls(accelerator, trainer_cfg)``) as ``trainer.strategy: name``."""
-    return BACKENDS.register(name)
+from unirl.trainer.backends.base import BACKENDS, Backend, register_backend
 
 
 def build_backend(accelerator, trainer_cfg) -> Backend:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+
+from unirl.registry import Registry
 
 
 class Backend:
@@ -159,3 +161,12 @@ class Backend:
         if kind == "optimizer":
             return load_optimizer_shards(stem, obj)
         return materialise_tree(read_shards(stem), obj.state_dict())
+
+
+#: The registered backends by ``trainer.strategy`` name (``unirl.trainer.backends`` builds and checks them).
+BACKENDS: Registry[Callable[..., Backend]] = Registry("training backend")
+
+
+def register_backend(name: str):
+    """Register a ``Backend`` class (built as ``cls(accelerator, trainer_cfg)``) as ``trainer.strategy: name``."""
+    return BACKENDS.register(name)

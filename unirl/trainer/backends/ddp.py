@@ -4,8 +4,7 @@ backward of each mini-batch (``Backend.hold_gradients`` holds the others back)."
 
 from __future__ import annotations
 
-from unirl.trainer.backends import register_backend
-from unirl.trainer.backends.base import Backend
+from unirl.trainer.backends.base import Backend, register_backend
 
 
 @register_backend("ddp")

@@ -27,8 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from unirl.sharding import fsdp_unit, full, gathered_state, is_sharded, resharded  # noqa: F401 (also the trainer's names)
-from unirl.trainer.backends import register_backend
-from unirl.trainer.backends.base import Backend
+from unirl.trainer.backends.base import Backend, register_backend
 
 
 @register_backend("fsdp2")
