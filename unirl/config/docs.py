@@ -142,7 +142,7 @@ def mode_settings_section() -> list[str]:
     return lines
 
 
-def loss_lines() -> list[tuple[str, str, list[tuple[str, Any, str]]]]:
+def loss_lines() -> list[tuple[str, str, list[tuple[str, typing.Any, str]]]]:
     """``(name, first sentence of its docstring, [(setting, default, its comment)])`` per registered loss."""
     from unirl.core import POLICY_LOSSES
     from unirl.registry import first_sentence

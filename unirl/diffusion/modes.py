@@ -6,10 +6,9 @@ registry imports no mode."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from unirl.diffusion.rollout_mode import ROLLOUT_MODES, RolloutMode
+from unirl.diffusion.rollout_mode import ROLLOUT_MODES, RolloutMode, build_settings
 from unirl.registry import Registry
 
 
@@ -25,24 +24,8 @@ def shipped_modes() -> Registry[type[RolloutMode]]:
 
 
 def build_mode_args(name: str, given: dict[str, Any] | None) -> Any:
-    """The settings instance of the rollout mode ``name`` from ``given`` (``mode_args``), as
-    ``build_loss_args`` builds a loss's: an unknown key, or keys for a mode without settings, is a
-    ``ValueError`` naming ``mode_args.<key>`` and the mode's valid keys."""
-    cls = shipped_modes().get(name).settings
-    given = dict(given or {})
-    if cls is None:
-        if given:
-            raise ValueError(f"mode_args: algorithm {name!r} has no settings of its own, got {', '.join(sorted(given))}")
-        return None
-    valid = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(given) - valid)
-    if unknown:
-        raise ValueError(f"mode_args.{unknown[0]}: not a setting of algorithm {name!r}; its settings: "
-                         f"{', '.join(sorted(valid))}")
-    try:
-        return cls(**given)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"mode_args ({name}): {err}") from None
+    """The settings instance of the shipped or registered rollout mode ``name`` from ``given`` (``mode_args``)."""
+    return build_settings(name, shipped_modes().get(name).settings, given)
 
 
 def resolve_algorithm(cfg) -> str:

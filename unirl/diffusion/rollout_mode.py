@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -53,7 +53,7 @@ class RolloutMode(Actions, ABC):
         from unirl.core.policy_losses import POLICY_LOSSES
 
         self.env = env
-        self.args = build_mode_args(env.cfg.algorithm, env.cfg.mode_args)
+        self.args = build_settings(env.cfg.algorithm, type(self).settings, env.cfg.mode_args)
         #: The run's registered policy loss (what it reads decides what the forward returns).
         self.loss = POLICY_LOSSES.get(env.cfg.policy_loss_name())
 
@@ -108,3 +108,23 @@ def register_rollout_mode(name: str, *, settings: type | None = None) -> Callabl
         return cls
 
     return decorator
+
+
+def build_settings(name: str, cls: type | None, given: dict[str, Any] | None) -> Any:
+    """The settings instance (of the dataclass ``cls``, None for a mode without settings) of the rollout mode
+    ``name`` from ``given`` (``mode_args``), as ``build_loss_args`` builds a loss's: an unknown key, or keys
+    for a mode without settings, is a ``ValueError`` naming ``mode_args.<key>`` and the mode's valid keys."""
+    given = dict(given or {})
+    if cls is None:
+        if given:
+            raise ValueError(f"mode_args: algorithm {name!r} has no settings of its own, got {', '.join(sorted(given))}")
+        return None
+    valid = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(given) - valid)
+    if unknown:
+        raise ValueError(f"mode_args.{unknown[0]}: not a setting of algorithm {name!r}; its settings: "
+                         f"{', '.join(sorted(valid))}")
+    try:
+        return cls(**given)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"mode_args ({name}): {err}") from None
