@@ -32,8 +32,13 @@ def test_streamed_episodes_train_with_per_token_versions(tmp_path):
     rows = _rows(run)
     assert len(rows) == 4
     for r in rows:
-        # no token is older than the bound (k = 1: the weights of the step before), none left the loss for it
-        assert r["rollout/staleness_token_max"] <= 1 and r["rollout/stale_token_frac"] == 0.0, r
+        # No token older than the bound (k = 1: the weights of the step before) trains. Usually none comes; on a
+        # loaded machine a slow group of batch b can be taken a step late, after finished groups of batch b + 1
+        # (a step takes the oldest finished groups), and its tokens from two versions back leave the loss.
+        if r["rollout/staleness_token_max"] > 1:
+            assert 0 < r["rollout/stale_token_frac"] < 1, r
+        else:
+            assert r["rollout/stale_token_frac"] == 0.0, r
         assert r["env/errors"] == 0
     # turns went to the engine (a step between whose figures the engine made no call, its batch played ahead
     # of time, logs no turns_per_engine_call)
