@@ -6,6 +6,7 @@ fails with the choices instead of a bare ``KeyError``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from typing import Callable, Generic, Iterator, TypeVar
@@ -84,3 +85,23 @@ def first_sentence(text: str) -> str:
     paragraph = " ".join(text.strip().split("\n\n", 1)[0].split())
     match = re.search(r"(?<=[.!?])\s+(?=[A-Z`(\[])", paragraph)
     return paragraph[: match.start()] if match else paragraph
+
+
+def build_settings(cls: type | None, given: dict | None, *, key: str, owner: str, name: str):
+    """An instance of a registered entry's settings dataclass ``cls`` (None: it has none) from the config's
+    ``given`` dict, as a policy loss's ``algo.loss_args`` and a diffusion mode's ``mode_args`` are built: keys
+    for an entry without settings, an unknown key, or a value its ``__post_init__`` refuses is a ``ValueError``
+    naming ``<key>.<field>`` (or ``<key>``), ``owner`` (e.g. "the policy loss 'cispo'") and the valid keys."""
+    given = dict(given or {})
+    if cls is None:
+        if given:
+            raise ValueError(f"{key}: {owner} has no settings of its own, got {', '.join(sorted(given))}")
+        return None
+    valid = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(given) - valid)
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]}: not a setting of {owner}; its settings: {', '.join(sorted(valid))}")
+    try:
+        return cls(**given)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{key} ({name}): {err}") from None

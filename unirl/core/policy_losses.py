@@ -41,7 +41,7 @@ import torch
 
 from unirl.core.losses import AGG_MODES, aggregate, clipped_policy_loss, policy_loss_metrics
 from unirl.core.nft import nft_loss, velocity_kl
-from unirl.registry import Registry
+from unirl.registry import Registry, build_settings
 
 
 @dataclass(frozen=True)
@@ -152,21 +152,7 @@ def build_loss_args(name: str, given: dict[str, Any] | None) -> Any:
     or keys for a loss that has no settings, is a ``ValueError`` naming ``algo.loss_args.<key>`` and the
     loss's valid keys."""
     cls = POLICY_LOSSES.get(name).settings
-    given = dict(given or {})
-    if cls is None:
-        if given:
-            raise ValueError(f"algo.loss_args: the policy loss {name!r} has no settings of its own, got "
-                             f"{', '.join(sorted(given))}")
-        return None
-    valid = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(given) - valid)
-    if unknown:
-        raise ValueError(f"algo.loss_args.{unknown[0]}: not a setting of the policy loss {name!r}; its settings: "
-                         f"{', '.join(sorted(valid))}")
-    try:
-        return cls(**given)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"algo.loss_args ({name}): {err}") from None
+    return build_settings(cls, given, key="algo.loss_args", owner=f"the policy loss {name!r}", name=name)
 
 
 def loss_settings(name: str, algo: Any) -> LossSettings:

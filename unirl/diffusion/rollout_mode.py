@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from unirl.env import Actions, Rollout
-from unirl.registry import Registry
+from unirl.registry import Registry, build_settings as build_registered_settings
 
 
 class RolloutMode(Actions, ABC):
@@ -114,17 +114,4 @@ def build_settings(name: str, cls: type | None, given: dict[str, Any] | None) ->
     """The settings instance (of the dataclass ``cls``, None for a mode without settings) of the rollout mode
     ``name`` from ``given`` (``mode_args``), as ``build_loss_args`` builds a loss's: an unknown key, or keys
     for a mode without settings, is a ``ValueError`` naming ``mode_args.<key>`` and the mode's valid keys."""
-    given = dict(given or {})
-    if cls is None:
-        if given:
-            raise ValueError(f"mode_args: algorithm {name!r} has no settings of its own, got {', '.join(sorted(given))}")
-        return None
-    valid = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(given) - valid)
-    if unknown:
-        raise ValueError(f"mode_args.{unknown[0]}: not a setting of algorithm {name!r}; its settings: "
-                         f"{', '.join(sorted(valid))}")
-    try:
-        return cls(**given)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"mode_args ({name}): {err}") from None
+    return build_registered_settings(cls, given, key="mode_args", owner=f"algorithm {name!r}", name=name)
