@@ -247,6 +247,38 @@ def _not_an_episode(row):
     return dict(row)
 
 
+def test_the_walk_in_words_for_an_instruct_model():
+    """The words style (configs/text/smollm2_game.yaml): an answer naming one direction moves, one naming both or
+    neither wastes the turn; a row's ``cells`` sets the line (its ends hold); train and test rows are disjoint."""
+    from unirl.agents.tiny_game_task import words_rows
+
+    episode = load_environment("walk", {"style": "words"})({"start": 18, "goal": 16, "cells": 20})
+    assert episode.reset() == ("Position 18, target 16. Left goes down, right goes up. To reach the target, should "
+                               "I go left or right? Reply with one word.")
+    assert episode.step("To reach the target, you should go Left.").observation.startswith("Position 17, target 16.")
+    for wasted in ("left or right?", "Go up.", "l"):  # both, neither, the terse style's move
+        assert episode.step(wasted).observation.startswith("Position 17,")
+    assert episode.step("RIGHT").observation.startswith("Position 18,")
+    assert episode.step("right").observation.startswith("Position 19,")
+    assert episode.step("right").observation.startswith("Position 19,")  # the line's end holds
+    assert load_environment("walk", {"style": "words"})({"start": 1, "goal": 0}).step("left") == Step(reward=1.0,
+                                                                                                      done=True)
+    train, test = words_rows("train"), words_rows("test")
+    pairs = lambda rows: {(r["start"], r["goal"]) for r in rows}  # noqa: E731
+    assert len(train) + len(test) == 108 and len(test) == 32 and not pairs(train) & pairs(test)
+    assert all(0 < abs(r["start"] - r["goal"]) <= 3 and r["prompt"] == load_environment("walk", {"style": "words"})(
+        r).reset() for r in train + test)
+    tight = load_environment("walk", {"style": "words", "slack": 1})({"start": 5, "goal": 3, "cells": 20})
+    assert not tight.step("right").truncated and not tight.step("left").truncated  # 2 + 1 turns: one more
+    assert tight.step("left") == Step(reward=0.0, truncated=True)
+    exact = load_environment("walk", {"slack": 0})({"start": 5, "goal": 3})  # 2 turns: every move must be right
+    assert not exact.step("l").truncated and exact.step("r") == Step(reward=0.0, truncated=True)
+    with pytest.raises(ValueError, match="style is one of terse, words; got 'word'"):
+        load_environment("walk", {"style": "word"})({"start": 1, "goal": 0})
+    with pytest.raises(ValueError, match="a row needs 'goal', a cell 0..9; got 12"):
+        load_environment("walk")({"start": 1, "goal": 12})
+
+
 def test_registering_an_environment():
     try:
         register_environment("counter_for_test")(Counter)

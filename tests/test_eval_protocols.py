@@ -100,11 +100,12 @@ def test_the_gsm8k_protocol_is_verls_validation():
     assert (gsm8k.n, gsm8k.greedy, gsm8k.top_p, gsm8k.top_k, gsm8k.max_new_tokens, gsm8k.size) == \
         (1, True, 1.0, -1, 1024, None)
     assert set(PROTOCOLS) >= {"tiny", "tiny_sampled", "tiny_search", "tiny_game", "arithmetic", "gsm8k_verl",
-                              "gsm8k_sampled"}
+                              "gsm8k_sampled", "walk_words"}
 
 
 @pytest.mark.parametrize("config, shipped", [("tiny", "tiny"), ("tiny_vlm", "tiny"), ("tiny_search", "tiny_search"),
                                              ("tiny_game", "tiny_game"), ("smollm2_math", "arithmetic"),
+                                             ("smollm2_game", "walk_words"),
                                              ("gsm8k", "gsm8k_verl"), ("gsm8k_ppo", None)])
 def test_each_bundled_task_evaluates_its_shipped_protocol(config, shipped):
     """A bundled config's own held-out evaluation (its default set) is the shipped protocol of its task, so a run's

@@ -126,6 +126,10 @@ ship(EvalProtocol(name="arithmetic", data="unirl://arithmetic/test?n=200&seed=0&
 # The tiny game (configs/text/tiny_game.yaml, an agents environment): its held-out boards, greedy episodes.
 ship(EvalProtocol(name="tiny_game", data="unirl://tiny_game/test", adapter="plain", n=1, temperature=0.0,
                   max_new_tokens=4))
+# The words walk game (configs/text/smollm2_game.yaml): its held-out start/goal pairs (none trained on), greedy
+# episodes of up to 16 tokens a turn.
+ship(EvalProtocol(name="walk_words", data="unirl://walk_words/test", adapter="plain", n=1, temperature=0.0,
+                  max_new_tokens=16))
 # GSM8K as verl validates it (examples/data_preprocess/gsm8k.py: the whole openai/gsm8k "main" test split,
 # 1319 questions, with the instruction the gsm8k adapter appends; rollout.val_kwargs: n 1, temperature 0,
 # do_sample False, i.e. greedy; the answer as long as training's, data.max_response_length 1024 in
