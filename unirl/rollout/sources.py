@@ -310,6 +310,7 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     publishes, ``rollout.sync_bucket_mb`` at a time when sharded. ``source.stream`` and ``source.agent`` build a
     ``unirl.rollout.stream.StreamSource`` (``prompts_per_step`` groups of ``group_size`` a step). Refuses what
     it cannot run, in one line."""
+    from unirl.rollout.server_client import trainer_vocab
     from unirl.rollout.weights import WeightVersion
 
     k = source_cfg.max_staleness
@@ -325,11 +326,13 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
         if getattr(sampler, "engine", None) is None:
             raise ValueError(f"source.urls: {type(env).__name__} samples with the policy itself (no rollout engine)")
         sampler.engine.close()
-        from unirl.rollout.server_client import trainer_vocab
-
         sampler.engine = RemoteEngine(source_cfg.urls, timeout_s=env.cfg.rollout.server_timeout_s,
                                       processes=num_processes,
-                                      vocab_size=trainer_vocab(getattr(env, "tokenizer", None), policy()))
+                                      vocab_size=trainer_vocab(getattr(env, "tokenizer", None), policy()),
+                                      seed=env.cfg.trainer.seed)
+    seeds = getattr(getattr(getattr(env, "sampler", None), "engine", None), "seeds", None)
+    if seeds is not None:  # a rollout server's: each batch's calls seeded by the run (CallSeeds)
+        produce = seeds.scoped(produce)
     if k == 0:
         return InlineSource(produce, env.sampler.sync_weights, stop)
     sampler = env.sampler
