@@ -41,8 +41,10 @@ class Engine:
         time.sleep(random.random() * 0.004)
         held = self.weights
         self.generating = False
-        rollout = Rollout(tensors={"held": torch.full((2,), held)}, group_ids=torch.tensor([0, 0]), prompts=["p", "p"],
-                          samples=[str(batch)] * 2, columns={"batch": [batch, batch]})
+        tokens = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+                  "response_ids": torch.zeros(2, 1, dtype=torch.long), "response_mask": torch.ones(2, 1)}  # a checkpoint checks them
+        rollout = Rollout(tensors={"held": torch.full((2,), held), **tokens}, group_ids=torch.tensor([0, 0]),
+                          prompts=["p", "p"], samples=[str(batch)] * 2, columns={"batch": [batch, batch]})
         return rollout, torch.tensor([float(batch), 0.0]), {"reward/x": float(batch)}, None
 
 

@@ -19,6 +19,12 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 
+class StateError(ValueError):
+    """A checkpoint object's saved state that the object cannot take (its ``load_state_dict`` or
+    ``check_resumed`` says what is wrong: the item, the field, what it should hold). The checkpoint module puts
+    the file in front, and resume skips that checkpoint with one line (``unirl.trainer.checkpoints``)."""
+
+
 #: The loop's own per-sample tensors on ``Rollout`` (each None until its stage writes it).
 LOOP_FIELDS = ("rewards", "advantages", "returns", "values", "old_logp", "engine_logp", "policy_version", "token_version",
                "teacher_logp")
@@ -294,7 +300,9 @@ class Environment(ABC):
 
     def checkpoint_objects(self) -> dict[str, Any]:
         """Extra stateful objects (``state_dict``/``load_state_dict``) saved with checkpoints by name, e.g.
-        ``{"ema": ...}``."""
+        ``{"ema": ...}``. A ``load_state_dict`` that finds its state damaged raises ``StateError``; an object with
+        ``check_resumed(loop_state)`` checks what it took against the checkpoint's ``loop.json`` (the batch
+        source does)."""
         return {}
 
     def after_optimizer_step(self, optimizer_steps: int) -> None:

@@ -14,6 +14,7 @@ the one place an environment or ``unirl eval`` gets one. A user registers anothe
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
@@ -36,7 +37,9 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the trainer, the batch sources and the evaluation call on an engine."""
+    """What the trainer, the batch sources and the evaluation call on an engine. An engine whose random state
+    lies outside the trainer (a rollout server) also has ``seeds``, a ``CallSeeds`` that seeds its unseeded
+    calls of a training batch (optional: the batch sources look for it)."""
 
     #: The names ``load_weights`` takes: ``hf_checkpoint`` (Hugging Face checkpoint names, LoRA merged:
     #: vLLM, the rollout server) or ``module_state`` (the policy module's own ``state_dict`` names: the
@@ -75,6 +78,53 @@ def call_seed(seed: int | None, call: int) -> int | None:
     """The seed of call ``call`` (0, 1, ...) of a seeded generation made of several engine calls (the turns of
     a multi-turn answer), so no two calls sample from the same seeds; None stays None."""
     return None if seed is None else seed + CALL_SEED_STRIDE * call
+
+
+def batch_seed(seed: int, batch: int) -> int:
+    """A 31-bit seed for training batch ``batch`` of a run seeded ``seed``: a hash, so distinct (seed, batch)
+    pairs give unrelated seeds (``seed + batch`` would make run 0's batch 1 run 1's batch 0).
+
+    >>> batch_seed(0, 3) == batch_seed(0, 3) != batch_seed(1, 3)
+    True
+    """
+    digest = hashlib.blake2b(f"unirl/{seed}/{batch}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+class CallSeeds:
+    """The seeds of a training batch's sampling calls, for an engine whose random state the trainer can neither
+    save nor restore: a rollout server's lives in its own process, and a server started anew (after a crash,
+    or on another machine) starts again from its own seed. Held by the trainer, they make the samples depend
+    on the run's seed and the batch only, so a run resumed against a new server trains on the uninterrupted
+    run's samples (issue 51: it differed in 27 of 33 figures). Call c (0, 1, ...: a multi-turn answer's turns,
+    dynamic sampling's draws) of batch b samples from ``call_seed(batch_seed(seed, b), c)``.
+
+    ``scoped(produce)`` wraps a source's ``produce(batch, ...)`` so each batch's calls are counted from 0
+    (``unirl.rollout.sources.build_source``); a call outside a batch (none but the batches' are made on the
+    trainer's behalf: an evaluation gives its own seed) takes None, the server's own generator."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._batch: int | None = None
+        self._calls = 0
+
+    def take(self) -> int | None:
+        """The seed of the next call of the batch being produced; None outside a batch."""
+        if self._batch is None:
+            return None
+        self._calls += 1
+        return call_seed(batch_seed(self.seed, self._batch), self._calls - 1)
+
+    def scoped(self, produce: Callable[..., Any]) -> Callable[..., Any]:
+        """``produce(batch, *args)`` with ``batch``'s calls seeded (the sources call it from one thread at a
+        time: the producer holds ``engine_lock`` while it produces, as an evaluation does while it samples)."""
+        def seeded(batch: int, *args, **kwargs):
+            self._batch, self._calls = batch, 0
+            try:
+                return produce(batch, *args, **kwargs)
+            finally:
+                self._batch = None
+        return seeded
 
 
 @dataclass

@@ -38,6 +38,7 @@ def server_engine(ctx: EngineContext):
 
     r = ctx.cfg.rollout
     return ServerEngine(r.server_url, timeout_s=r.server_timeout_s, processes=ctx.accelerator.num_processes,
+                        seed=ctx.seed,
                         # an evaluation's policy loads on first use: its tokenizer is enough there
                         vocab_size=trainer_vocab(ctx.tokenizer, ctx.policy() if ctx.policy and ctx.purpose == "train"
                                                  else None))

@@ -125,8 +125,10 @@ class HFEngine:
             device = next(self.model_fn().parameters()).device
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                return self.generate(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, greedy=greedy, stop=stop, extra_inputs=extra_inputs)
+                # This class's own method, not ``self.generate``: a subclass's (the VLM's, which adds its
+                # extra_inputs again) or a wrapper's would run twice for one call.
+                return HFEngine.generate(self, prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_p=top_p, top_k=top_k, greedy=greedy, stop=stop, extra_inputs=extra_inputs)
         from transformers import LogitsProcessorList
 
         model = self.model_fn()

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from unirl.rollout.engine import Generation
+from unirl.rollout.engine import CallSeeds, Generation
 
 
 def shares(n: int, parts: int) -> list[range]:
@@ -42,7 +42,9 @@ class RemoteEngine:
     shares_policy = False
 
     def __init__(self, urls: list[str], *, timeout_s: float = 600.0, token: str | None = None, processes: int = 1,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, seed: int | None = None):
+        """``seed``: the run's, which seeds a training batch's calls (``seeds``: ``unirl.rollout.engine.CallSeeds``),
+        so the servers' own generators, which a restart resets, never decide a training sample."""
         from unirl.rollout.server_client import ServerEngine
 
         if not urls:
@@ -51,6 +53,7 @@ class RemoteEngine:
             raise ValueError("source.urls takes one trainer process at present (each would push its weights to every "
                              "server); use rollout.engine=vllm with several processes")
         self.servers = [ServerEngine(url, timeout_s=timeout_s, token=token, vocab_size=vocab_size) for url in urls]
+        self.seeds = None if seed is None else CallSeeds(seed)
         self.pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="unirl-remote")
 
     def generate(self, prompt_ids: list[list[int]], **sampling) -> list[list[Generation]]:
@@ -58,6 +61,8 @@ class RemoteEngine:
         ``seed`` is moved by each share's start, so prompt i samples from ``seed + i * n`` as on one server."""
         parts = shares(len(prompt_ids), len(self.servers))
         seed, step = sampling.pop("seed", None), 1 if sampling.get("greedy") else sampling.get("n", 1)
+        if seed is None and self.seeds is not None:
+            seed = self.seeds.take()
         futures = [self.pool.submit(server.generate, [prompt_ids[i] for i in part], **sampling,
                                     **({} if seed is None else {"seed": seed + part.start * step}))
                    for server, part in zip(self.servers, parts)]

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from unirl.rollout.engine import Generation
+from unirl.rollout.engine import CallSeeds, Generation
 
 #: The environment variable with the server's token (``unirl serve-rollout --token``).
 TOKEN_ENV = "UNIRL_ROLLOUT_TOKEN"
@@ -79,14 +79,16 @@ class ServerEngine:
     shares_policy = False
 
     def __init__(self, url: str, *, timeout_s: float = 600.0, token: str | None = None, processes: int = 1,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, seed: int | None = None):
         """``vocab_size``: the trainer's vocabulary; an answer with a token id outside it is refused (None: not
-        checked)."""
+        checked). ``seed``: the run's, which seeds a training batch's calls (``seeds``, a ``CallSeeds``: the
+        server's own generator is not the trainer's to save); None: unseeded calls use the server's generator."""
         if processes > 1:
             raise ValueError("rollout.engine=server takes one trainer process at present (each would push its "
                              "weights to the one server); use rollout.engine=vllm with several processes")
         self.url, self.timeout, self.vocab_size = url.rstrip("/"), timeout_s, vocab_size
         self.token = token or _token(self.url)
+        self.seeds = None if seed is None else CallSeeds(seed)
         self.version = 0
         health = self._call("GET", "/health", None, timeout=30.0)
         self.model_name = health.get("model")
@@ -129,6 +131,8 @@ class ServerEngine:
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = -1, greedy: bool = False, stop: list[str] | None = None,
                  seed: int | None = None) -> list[list[Generation]]:
+        if seed is None and self.seeds is not None:
+            seed = self.seeds.take()
         body = {"prompt_ids": prompt_ids, "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "top_k": top_k, "greedy": greedy, "stop": stop, "seed": seed}
         out = self._call("POST", "/generate", json.dumps(body).encode(), content_type="application/json")

@@ -29,7 +29,8 @@ steps are k optimizer steps with one mini-batch and one epoch, the default).
 Checkpoints (``state_dict``): the producer is drained first (it finishes every batch the published
 weights allow: batches s..s+k-1 after step s, and it may not start batch s+k, whose weights are
 published only at the next step's start), and those finished batches are saved with the trainer
-state, so a resumed run trains on exactly the batches the uninterrupted run would have. A run
+state, so a resumed run trains on exactly the batches the uninterrupted run would have (each checked whole
+first: ``unirl.rollout.in_flight``). A run
 extended past its ``total_steps`` samples its first new batches with the weights it resumed from.
 
 Several processes: each runs its own producer and engine on its own share of the prompts; the
@@ -48,8 +49,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from unirl.env import LOOP_FIELDS, Rollout
+from unirl.env import StateError
 from unirl.rollout.batch import Batch, own_engine, produced  # noqa: F401 (Batch: what get returns)
+from unirl.rollout.in_flight import batch_state, batches_from_state, check_schedule
 
 
 class InlineSource:
@@ -100,10 +102,12 @@ class ThreadedSource:
 
     def __init__(self, max_staleness: int, total_steps: int, produce: Callable[..., tuple],
                  load_weights: Callable[[Any], None], sync: Callable[[], None] | None = None,
-                 snapshot: Callable[[int], Any] | None = None):
+                 snapshot: Callable[[int], Any] | None = None, vocab_size: int | None = None):
         if max_staleness < 1:
             raise ValueError(f"source.max_staleness must be >= 1 for asynchronous rollouts, got {max_staleness}")
         self.k, self.total_steps = max_staleness, total_steps
+        self.vocab_size = vocab_size  # a restored batch's token ids must lie below it (None: not checked)
+        self._restored: dict[str, Any] | None = None  # what a checkpoint's state said about its batches
         #: ``snapshot(optimizer_steps)``: the trainer's weights now, as a ``WeightVersion`` (what ``start`` and
         #: ``get`` publish); ``sync()``: the trainer's weights into the engine, for an evaluation.
         self.produce, self.load_weights, self.sync, self.snapshot = produce, load_weights, sync, snapshot
@@ -255,34 +259,35 @@ class ThreadedSource:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The finished batches not yet trained (after draining), as tensors and plain data."""
+        """The finished batches not yet trained (after draining), as tensors and plain data, with the run's
+        ``total_steps`` (how many batches the drain could finish: ``unirl.rollout.in_flight.check_schedule``)."""
         self.drain()
-        return {"max_staleness": self.k, "batches": [_produced_state(s, p) for s, p in sorted(self._ready.items())]}
+        return {"max_staleness": self.k, "total_steps": self.total_steps,
+                "batches": [batch_state(s, p) for s, p in sorted(self._ready.items())]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's batches, each checked whole (``unirl.rollout.in_flight``: ``StateError`` names what is
+        wrong); None: the checkpoint's were deleted, so they are sampled again (docs/async.md)."""
+        if state is None:
+            self._ready, self._restored = {}, None
+            return
+        if not isinstance(state, dict):
+            raise StateError(f"not a JSON object of the batches sampled ahead, got {type(state).__name__}")
         if state.get("max_staleness") != self.k:
-            raise ValueError(f"the checkpoint's in-flight batches were sampled with source.max_staleness="
+            raise StateError(f"the in-flight batches were sampled with source.max_staleness="
                              f"{state.get('max_staleness')}, this run has {self.k}; resume with the same value")
-        self._ready = dict(_produced_from_state(item) for item in state["batches"])
+        total = state.get("total_steps")  # absent in checkpoints of earlier versions
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+            raise StateError(f"total_steps must be a whole number >= 1, got {total!r}")
+        self._ready = batches_from_state(state.get("batches"), self.vocab_size)
+        self._restored = {"total_steps": total}
 
-
-def _produced_state(batch: int, p: Batch) -> dict[str, Any]:
-    r = p.rollout
-    loop = {name: getattr(r, name) for name in LOOP_FIELDS if getattr(r, name) is not None}
-    return {"batch": batch, "version": p.version, "optimizer_steps": p.optimizer_steps, "rewards": p.rewards,
-            "reward_metrics": p.reward_metrics, "filter_metrics": p.filter_metrics,
-            "rollout": {"tensors": r.tensors, "group_ids": r.group_ids, "prompts": r.prompts, "samples": r.samples,
-                        "columns": r.columns, "loop": loop}}
-
-
-def _produced_from_state(item: dict[str, Any]) -> tuple[int, Batch]:
-    r = item["rollout"]
-    rollout = Rollout(tensors=r["tensors"], group_ids=r["group_ids"], prompts=r["prompts"], samples=r["samples"],
-                      columns=r["columns"], **r["loop"])
-    return item["batch"], Batch(rollout, item["rewards"], item["reward_metrics"], item["filter_metrics"],
-                                item["version"], item["optimizer_steps"])
-
-
+    def check_resumed(self, loop_state: dict[str, Any]) -> None:
+        """The restored batches against the checkpoint's counters: the batches the drain finished after its step,
+        each sampled with weights the schedule allows (``check_schedule``)."""
+        if self._restored is not None:
+            check_schedule(self._ready, step=loop_state["step"], optimizer_steps=loop_state["optimizer_steps"],
+                           k=self.k, total_steps=self._restored["total_steps"])
 
 
 # ------------------------------------------------------------ the run's source
@@ -310,6 +315,7 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     publishes, ``rollout.sync_bucket_mb`` at a time when sharded. ``source.stream`` and ``source.agent`` build a
     ``unirl.rollout.stream.StreamSource`` (``prompts_per_step`` groups of ``group_size`` a step). Refuses what
     it cannot run, in one line."""
+    from unirl.rollout.server_client import trainer_vocab
     from unirl.rollout.weights import WeightVersion
 
     k = source_cfg.max_staleness
@@ -325,11 +331,13 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
         if getattr(sampler, "engine", None) is None:
             raise ValueError(f"source.urls: {type(env).__name__} samples with the policy itself (no rollout engine)")
         sampler.engine.close()
-        from unirl.rollout.server_client import trainer_vocab
-
         sampler.engine = RemoteEngine(source_cfg.urls, timeout_s=env.cfg.rollout.server_timeout_s,
                                       processes=num_processes,
-                                      vocab_size=trainer_vocab(getattr(env, "tokenizer", None), policy()))
+                                      vocab_size=trainer_vocab(getattr(env, "tokenizer", None), policy()),
+                                      seed=env.cfg.trainer.seed)
+    seeds = getattr(getattr(getattr(env, "sampler", None), "engine", None), "seeds", None)
+    if seeds is not None:  # a rollout server's: each batch's calls seeded by the run (CallSeeds)
+        produce = seeds.scoped(produce)
     if k == 0:
         return InlineSource(produce, env.sampler.sync_weights, stop)
     sampler = env.sampler
@@ -343,7 +351,8 @@ def build_source(source_cfg, env, produce: Callable[..., tuple], *, policy: Call
     bucket_mb = env.cfg.rollout.sync_bucket_mb
     return ThreadedSource(k, total_steps, produce, lambda version: version.load_into(sampler.engine),
                           sampler.sync_weights,
-                          snapshot=lambda steps: WeightVersion(policy(), sampler.engine.weights_format, bucket_mb, steps))
+                          snapshot=lambda steps: WeightVersion(policy(), sampler.engine.weights_format, bucket_mb, steps),
+                          vocab_size=trainer_vocab(getattr(env, "tokenizer", None), policy()))
 
 
 def describe_source(source_cfg) -> str:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import random
 import re
 import shutil
@@ -42,8 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from unirl.env import StateError
 from unirl.trainer.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
-                                 link_out_of, links_out, trains_a_critic)
+                                 link_out_of, links_out, set_rng_states, trains_a_critic)
 from unirl.trainer.state_files import StateFileError, load_state, read_json, save_state
 
 
@@ -337,11 +337,21 @@ def load_trainer_state(backend, directory: Path, objects: dict[str, tuple[str, A
         if kind == "model":
             backend.load_model(obj, stem)
             continue
+        if name == "source":  # the batches sampled ahead: their own rule (docs/async.md)
+            _load_source(backend, obj, stem, step)
+            continue
         _load_into(obj, backend.load_object(obj, stem, kind), stem)
         if kind == "optimizer":
             check_optimizer(obj, stem)
         else:  # a schedule (the loop's own); other objects pass
             check_scheduler(obj, stem)
+    for name, (kind, obj) in objects.items():  # what an object took, against loop.json's counters
+        if hasattr(obj, "check_resumed"):
+            try:
+                obj.check_resumed(loop_state)
+            except StateError as e:
+                stem = directory / stems[name]
+                raise StateFileError(f"{stem}.json: {e}{_resample_hint(stem) if name == 'source' else ''}") from None
     for name, saved in _optimizer_settings(objects).items():
         if configured[name] != saved:  # a setting outside an ``optim`` section, which check_config cannot name
             raise CheckpointError(f"resume: {name} was saved with {saved[0]}, this run configures "
@@ -355,7 +365,7 @@ def load_trainer_state(backend, directory: Path, objects: dict[str, tuple[str, A
                           f"not restored (sampling differs from an uninterrupted run)")
         return loop_state
     stem = directory / f"rng_{accelerator.process_index}"
-    _set_rng_states(load_state(stem), stem)
+    set_rng_states(load_state(stem), stem)
     return loop_state
 
 
@@ -371,33 +381,36 @@ def _uses_legacy_names(directory: Path, objects: dict[str, tuple[str, Any]]) -> 
     return numbered and not named
 
 
+def _load_source(backend, source, stem: Path, step: int) -> None:
+    """The batch source's in-flight batches. Any damage is a ``StateFileError`` (resume then takes the checkpoint
+    before, exactly) that says how to keep this checkpoint instead: delete both files, and the batches are
+    sampled again with its weights, said in one line (not exact: the uninterrupted run's were sampled with older
+    weights). Never resampled without a word (issue 51)."""
+    files = [Path(f"{stem}.json"), Path(f"{stem}.safetensors")]
+    if not any(f.exists() for f in files) and not any(stem.parent.glob(f"{stem.name}.rank*")):
+        backend.accelerator.print(f"resume: {stem}.json and .safetensors are deleted: the batches in flight at step "
+                                  f"{step} are sampled again with its weights (the run now differs from an "
+                                  f"uninterrupted one, whose batches were sampled with older weights)")
+        source.load_state_dict(None)
+        return
+    try:
+        _load_into(source, backend.load_object(source, stem, "state"), stem)
+    except StateFileError as e:
+        raise StateFileError(f"{e}{_resample_hint(stem)}") from None
+
+
+def _resample_hint(stem: Path) -> str:
+    return (f"; to resume from this checkpoint anyway, delete its {stem.name}.json and {stem.name}.safetensors and "
+            f"the batches are sampled again (not exact, docs/async.md)")
+
+
 def _load_into(obj, state: Any, stem: Path) -> None:
     try:
         obj.load_state_dict(state)
+    except StateError as e:  # the object said what is wrong in its state
+        raise StateFileError(f"{stem}.json: {e}") from None
     except (KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError, AttributeError) as e:
         raise StateFileError(f"{stem}.json: does not fit {type(obj).__name__} ({_why(e)})") from e
-
-
-def _set_rng_states(states: Any, stem: Path) -> None:
-    """Each library's RNG state, checked whole first: no float in it may be infinite or NaN (Python's and
-    numpy's ``setstate`` take a cached Gaussian of ``inf`` as it is, and the next normal draw returns it)."""
-    def floats(value):
-        return [x for v in value for x in floats(v)] if isinstance(value, (list, tuple)) else (
-            [value] if isinstance(value, float) else [])
-
-    bad = [x for key in ("python", "numpy") for x in floats(states.get(key, ()) if isinstance(states, dict) else ())
-           if not math.isfinite(x)]
-    if bad:
-        raise StateFileError(f"{stem}: corrupt RNG state (holds {bad[0]}; an RNG state is whole numbers and a finite "
-                             f"cached Gaussian draw)")
-    try:
-        random.setstate(states["python"])
-        np.random.set_state(states["numpy"])
-        torch.set_rng_state(states["torch"])
-        if "cuda" in states and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(states["cuda"])
-    except (KeyError, ValueError, RuntimeError, TypeError, OverflowError, IndexError) as e:
-        raise StateFileError(f"{stem}: corrupt RNG state ({_why(e)})") from e
 
 
 # ===================================================================== logs

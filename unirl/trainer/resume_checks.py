@@ -1,5 +1,6 @@
 """What a resume checks before it trusts a checkpoint (``unirl.trainer.checkpoints.resume``): where its files
-are, the loop's counters, the restored optimizer and schedule, and which config changes it refuses.
+are, the loop's counters, the restored optimizer and schedule, the RNG states, and which config changes it
+refuses. (The batch source checks its in-flight batches itself: ``unirl.rollout.in_flight``.)
 
 A checkpoint is data that may have been damaged or edited by hand. Each check raises
 ``StateFileError`` naming the file and the field, so resume skips the checkpoint with that one line
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from unirl.trainer.state_files import StateFileError
@@ -84,6 +87,33 @@ def _real(value: Any) -> bool:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ================================================================ RNG states
+def set_rng_states(states: Any, stem: Path) -> None:
+    """Each library's RNG state, checked whole first: no float in it may be infinite or NaN (Python's and
+    numpy's ``setstate`` take a cached Gaussian of ``inf`` as it is, and the next normal draw returns it)."""
+    def floats(value):
+        return [x for v in value for x in floats(v)] if isinstance(value, (list, tuple)) else (
+            [value] if isinstance(value, float) else [])
+
+    bad = [x for key in ("python", "numpy") for x in floats(states.get(key, ()) if isinstance(states, dict) else ())
+           if not math.isfinite(x)]
+    if bad:
+        raise StateFileError(f"{stem}: corrupt RNG state (holds {bad[0]}; an RNG state is whole numbers and a finite "
+                             f"cached Gaussian draw)")
+    try:
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.set_rng_state(states["torch"])
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
+    except (KeyError, ValueError, RuntimeError, TypeError, OverflowError, IndexError) as e:
+        raise StateFileError(f"{stem}: corrupt RNG state ({_first_line(e)})") from e
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 # =================================================== optimizer and schedule
