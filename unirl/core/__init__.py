@@ -44,7 +44,9 @@ from unirl.core.returns import (
     discounted_returns,
     gae_advantages,
     kl_penalized_rewards,
+    kl_step_rewards,
     reinforce_pp_advantages,
+    stepwise_advantages,
     token_scores,
 )
 from unirl.core.turns import turn_token_rewards
@@ -75,6 +77,7 @@ __all__ = [
     "grpo_advantages",
     "kl_divergence",
     "kl_penalized_rewards",
+    "kl_step_rewards",
     "masked_mean",
     "nonconstant_groups",
     "overlong_penalty",
@@ -86,6 +89,7 @@ __all__ = [
     "rloo_advantages",
     "rollout_is_weights",
     "rollout_mismatch_metrics",
+    "stepwise_advantages",
     "token_scores",
     "token_staleness_metrics",
     "truncated_importance_weights",
