@@ -36,9 +36,9 @@ from unirl.core.losses import (
 )
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, PolicyLoss, register_policy_loss
 # The 2026 losses register themselves on import (cispo, dppo_tv, dppo_kl; sapo, geo_mean; clip_cov, kl_cov;
-# grpo_guard, flow_dppo; dgpo, tempflow).
+# grpo_guard, flow_dppo; dgpo, tempflow; gardo).
 from unirl.core import covariance_losses, is_weighted_losses, smooth_ratio_losses  # noqa: F401
-from unirl.core import flow_guards, flow_methods  # noqa: F401
+from unirl.core import flow_guards, flow_methods, gardo  # noqa: F401
 from unirl.core.returns import (
     discounted_future_sum,
     discounted_returns,
