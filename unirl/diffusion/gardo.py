@@ -22,7 +22,7 @@ Shapes: B prompts, G group size, N = B*G, T trained steps, latents ``[*latent]``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from unirl.core.gardo import diversity_weights, gated_kl, next_gate_fraction, un
 from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.flowgrpo import FlowGRPORollout
 from unirl.diffusion.offtarget import pooled
-from unirl.diffusion.rollout_mode import register_rollout_mode
+from unirl.diffusion.rollout_mode import build_settings, register_rollout_mode
 from unirl.env import Rollout
 
 
@@ -41,7 +41,7 @@ class GardoModeArgs:
     ``config/grpo_gardo.py`` and its script's ``RiskCompensator``."""
 
     #: Rewards of the config (weight 0: scored, not trained) whose ranks judge a sample's uncertainty.
-    aux_rewards: list[str] = field(default_factory=lambda: ["aesthetic", "imagereward"])
+    aux_rewards: tuple[str, ...] = ("aesthetic", "imagereward")
     #: Reset the reference when a training step's gated KL mean exceeded this (``kl_thres``: 3e-4).
     reset_kl: float = 3e-4
     #: ... or when more than this many steps passed since the last reset (``reset_freq``: 15).
@@ -56,7 +56,7 @@ class GardoModeArgs:
     diversity_size: int = 32
 
     def __post_init__(self):
-        if not self.aux_rewards or not all(isinstance(a, str) for a in self.aux_rewards):
+        if isinstance(self.aux_rewards, str) or not self.aux_rewards or not all(isinstance(a, str) for a in self.aux_rewards):
             raise ValueError(f"aux_rewards must name at least one reward of the config, got {self.aux_rewards!r}")
         if not 0 < self.gate_min <= self.gate_base <= self.gate_max <= 1:
             raise ValueError(f"need 0 < gate_min <= gate_base <= gate_max <= 1, got {self.gate_min}, "
@@ -87,14 +87,12 @@ class GardoRollout(FlowGRPORollout):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        from unirl.diffusion.modes import build_mode_args
-
         super().check_config(cfg)
         if cfg.algo.kl_coef > 0 or cfg.algo.use_kl_in_reward:
             raise ValueError("algorithm=gardo: its gated KL is in its loss (algo.loss_args.kl_coef); set "
                              "algo.kl_coef: 0 and algo.use_kl_in_reward: false")
         names = [r.name for r in cfg.rewards]
-        for aux in build_mode_args(cfg.algorithm, cfg.mode_args).aux_rewards:
+        for aux in build_settings(cfg.algorithm, cls.settings, cfg.mode_args).aux_rewards:
             if aux not in names:
                 raise ValueError(f"mode_args.aux_rewards: {aux!r} is not among the rewards ({', '.join(names)}); "
                                  f"list it there with weight: 0 (scored for the gate, not trained)")
