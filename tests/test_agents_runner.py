@@ -307,7 +307,7 @@ def test_rollout_tensors_and_per_turn_token_rewards():
     for estimator, expected in (("reinforce++", {1: 1.125, 7: 1.25, 13: 1.5}),  # G_k
                                 ("gae", {1: 1.125 - 1.25, 7: 1.25 - 1.5, 13: 1.5})):  # G_k - G_{k+1}
         ctx, state = SimpleNamespace(algo=SimpleNamespace(adv_estimator=estimator)), SimpleNamespace(kl_ctrl=None)
-        scores, _ = _token_rewards(ctx, state, rollout, R, mask)
+        scores, _, _ = _token_rewards(ctx, state, rollout, R, mask)
         want = torch.zeros_like(scores)
         for i, v in expected.items():
             want[0, i] = v

@@ -206,6 +206,10 @@ class AlgoConfig:
     #: ``algorithm.use_kl_in_reward``, estimator ``kl_estimator``); beta from ``kl_ctrl``. Logged as
     #: ``actor/reward_kl_penalty`` (the batch's mean KL) and ``actor/reward_kl_penalty_coeff`` (beta).
     use_kl_in_reward: bool = False
+    #: How the KL enters the reward: ``sum`` (verl's: the score minus beta times the trajectory's summed KL, one
+    #: advantage a sample) or ``per_step`` (diffusion: each denoising step's reward is the score minus beta times
+    #: that step's KL, advantages per step; FlowGRPO's ``kl_reward``, ``unirl.core.kl_step_rewards``).
+    kl_in_reward: Literal["sum", "per_step"] = "sum"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     #: Discount and GAE's lambda of the token-reward estimators (``gae``, ``reinforce++``; verl's 1 and 1).
     gamma: float = 1.0

@@ -36,15 +36,17 @@ from unirl.core.losses import (
 )
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings, PolicyLoss, register_policy_loss
 # The 2026 losses register themselves on import (cispo, dppo_tv, dppo_kl; sapo, geo_mean; clip_cov, kl_cov;
-# grpo_guard, flow_dppo; dgpo, tempflow).
+# grpo_guard, flow_dppo; dgpo, tempflow; gardo).
 from unirl.core import covariance_losses, is_weighted_losses, smooth_ratio_losses  # noqa: F401
-from unirl.core import flow_guards, flow_methods  # noqa: F401
+from unirl.core import flow_guards, flow_methods, gardo  # noqa: F401
 from unirl.core.returns import (
     discounted_future_sum,
     discounted_returns,
     gae_advantages,
     kl_penalized_rewards,
+    kl_step_rewards,
     reinforce_pp_advantages,
+    stepwise_advantages,
     token_scores,
 )
 from unirl.core.turns import turn_token_rewards
@@ -75,6 +77,7 @@ __all__ = [
     "grpo_advantages",
     "kl_divergence",
     "kl_penalized_rewards",
+    "kl_step_rewards",
     "masked_mean",
     "nonconstant_groups",
     "overlong_penalty",
@@ -86,6 +89,7 @@ __all__ = [
     "rloo_advantages",
     "rollout_is_weights",
     "rollout_mismatch_metrics",
+    "stepwise_advantages",
     "token_scores",
     "token_staleness_metrics",
     "truncated_importance_weights",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core.advantages import ADVANTAGE_ESTIMATORS, check_mask, masked_whiten
+from unirl.core.advantages import ADVANTAGE_ESTIMATORS, check_mask, estimate_advantages, masked_whiten
 
 
 def token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -57,6 +57,45 @@ def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Ten
     kl = torch.where(mask, kl, 0.0)  # [N, T]
     sequence_kl = kl.sum(-1) / mask.sum(-1).clamp_min(1)  # [N]
     return scores - beta * kl, sequence_kl
+
+
+def kl_step_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float | torch.Tensor
+                    ) -> torch.Tensor:
+    """The KL in the reward per denoising step: ``R_t = score - beta * kl_t`` on every trained step [N, T]
+    (0 at masked-out ones), FlowGRPO's ``kl_reward`` (``scripts/train_sd3.py`` of May-June 2025, commit
+    f37646f: ``rewards["avg"].unsqueeze(-1) - kl_reward * samples["kl"]``, the per-step KL of the sampling
+    policy's step mean to the reference's from ``sd3_pipeline_with_logprob``). Each step's advantage then
+    comes from its own column (``stepwise_advantages``), so a step that moved far from the reference loses
+    advantage there and not at the other steps, where ``kl_penalized_rewards`` sums the KL over the trajectory.
+
+    Args:
+        scores: [N] the outcome scores.
+        kl: [N, T] per-step KL between the sampling (old) policy and the reference.
+        mask: [N, T] boolean or 0/1 trained steps.
+        beta: the KL coefficient.
+    """
+    mask = check_mask(mask, scores.shape[0])
+    if kl.shape != mask.shape:
+        raise ValueError(f"kl must have the shape of mask {tuple(mask.shape)}, got {tuple(kl.shape)}")
+    return torch.where(mask, scores.unsqueeze(-1) - beta * kl, 0.0)  # [N, T]
+
+
+def stepwise_advantages(name: str, step_rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                        **kwargs) -> torch.Tensor:
+    """The outcome estimator ``name`` (``grpo``, ``rloo``: one advantage a sample) applied to each column of
+    ``step_rewards`` [N, T] on its own: ``A[:, t] = estimator(R[:, t])`` (group mean and std per step, as
+    FlowGRPO's ``PerPromptStatTracker`` takes them over axis 0 of its [N, T] rewards). [N, T], 0 at
+    masked-out steps. The steps of a group must be aligned (column t is the same noise level for every
+    sample), which FlowGRPO's ``timestep_selection: first`` gives; ``kwargs`` are the estimator's (but ``mask``)."""
+    mask = check_mask(mask, step_rewards.shape[0])
+    columns = []
+    for t in range(step_rewards.shape[1]):
+        adv, _ = estimate_advantages(name, step_rewards[:, t], group_ids, mask=mask[:, t:t + 1], **kwargs)  # [N]
+        if adv.ndim != 1:
+            raise ValueError(f"the KL in the reward per step needs an outcome estimator (one advantage a sample: "
+                             f"grpo, rloo), got {name!r}")
+        columns.append(adv)
+    return torch.where(mask, torch.stack(columns, dim=1), 0.0)  # [N, T]
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,

@@ -72,6 +72,7 @@ class DiffusionSampler:
             components = self.env.rewards.components(rollout.samples, prompts=rollout.prompts, columns=rollout.columns)
         rollout.tensors.update({f"score/{k}": v for k, v in components.items()})  # for global metrics
         rewards, metrics = self.env.rewards.combine(components, rollout.group_ids)
+        self.env.mode.scored(rollout, rewards)  # what the mode derives from the rewards (GARDO's gate)
         return rewards, {**metrics, **figures}
 
 

@@ -35,6 +35,19 @@ class FlowGRPORollout(RolloutMode):
     # ``old_mean``: the sampler's step means, kept only when the run's loss reads them (the guards).
     offers = frozenset({"logp", "mean", "old_mean", "std", "sigma", "sigma_next"})
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        algo, s = cfg.algo, cfg.sampling
+        if algo.kl_in_reward == "per_step":  # each step's advantage from its own column (unirl.core.stepwise_advantages)
+            if not algo.use_kl_in_reward:
+                raise ValueError("algo.kl_in_reward=per_step places the KL in the reward: set algo.use_kl_in_reward: true")
+            if algo.adv_estimator not in ("grpo", "rloo"):
+                raise ValueError(f"algo.kl_in_reward=per_step takes an outcome estimator per step (grpo, rloo), got "
+                                 f"algo.adv_estimator={algo.adv_estimator}")
+            if s.timestep_selection == "random" and s.timestep_fraction < 1:
+                raise ValueError("algo.kl_in_reward=per_step compares step t across a group: every sample must train "
+                                 "the same steps; set sampling.timestep_selection: first (or timestep_fraction: 1)")
+
     def setup(self) -> None:
         # The training schedule's step constants, once for every rollout: the sampler's (one object a
         # step) and the whole schedule's [S], from which the update gathers its stored steps'.

@@ -1,5 +1,5 @@
 """The shipped diffusion algorithms, loaded: ``shipped_modes`` imports each registered rollout mode
-(``unirl/diffusion/{flowgrpo,nft,awm,dgpo,tempflow}.py``, which register on import into
+(``unirl/diffusion/{flowgrpo,nft,awm,dgpo,tempflow,gardo}.py``, which register on import into
 ``unirl.diffusion.rollout_mode.ROLLOUT_MODES``), and the checks of a config's ``algorithm`` and
 ``mode_args`` against them. Kept apart from ``rollout_mode.py`` so the modes import the registry and the
 registry imports no mode."""
@@ -17,6 +17,7 @@ def shipped_modes() -> Registry[type[RolloutMode]]:
     import unirl.diffusion.awm  # noqa: F401
     import unirl.diffusion.dgpo  # noqa: F401
     import unirl.diffusion.flowgrpo  # noqa: F401
+    import unirl.diffusion.gardo  # noqa: F401
     import unirl.diffusion.nft  # noqa: F401
     import unirl.diffusion.tempflow  # noqa: F401
 

@@ -11,7 +11,8 @@ forward of what it kept. Each is a ``RolloutMode`` registered by name in ``ROLLO
   ``unirl/diffusion/flowgrpo.py``; DiffusionNFT: clean latents and noise levels, ``unirl/diffusion/nft.py``);
 * ``score_actions``, ``loss_mask``, ``column_slices``, ``kl``: the forward of the stored samples, what
   the run's policy loss (a registered name, ``unirl.core.policy_losses``) reads;
-* ``setup``, ``after_optimizer_step``, ``checkpoint_objects``: the mode's own state (NFT's old policy).
+* ``setup``, ``scored``, ``after_optimizer_step``, ``checkpoint_objects``: the mode's own state (NFT's old policy,
+  GARDO's gate and reference).
 
 A mode declares its default ``policy_loss`` and what its forward ``offers``; a loss declares what it
 ``reads`` (``PolicyLoss.reads``), so a loss the mode cannot feed is refused where the config loads,
@@ -84,6 +85,10 @@ class RolloutMode(Actions, ABC):
     @abstractmethod
     def kl(self, current: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
         """[n, T] KL penalty to the reference (``Environment.kl``)."""
+
+    def scored(self, rollout: Rollout, rewards: torch.Tensor) -> None:
+        """Once the rollout's rewards [N] are in (its ``score/<name>`` components in ``rollout.tensors``): what
+        the mode derives from them for its update (GARDO's gate)."""
 
     def after_optimizer_step(self, optimizer_steps: int) -> None:
         """After each optimizer step, after the environment's EMA."""

@@ -351,6 +351,9 @@ class TextConfig(RunConfig):
                              f"got {self.overlong.buffer}")
         if self.overlong.penalty_factor < 0:
             raise ValueError(f"overlong.penalty_factor must be >= 0, got {self.overlong.penalty_factor}")
+        if self.algo.kl_in_reward != "sum":
+            raise ValueError("algo.kl_in_reward=per_step normalises each step's reward over the group, which needs "
+                             "the samples' steps aligned (diffusion's denoising steps); tokens are not: use sum")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for sampling (evaluation is greedy by itself)")
         if self.distill.teacher and self.distill.mode == "alone" and self.algo.adv_estimator == "gae":

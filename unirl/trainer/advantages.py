@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core import (ADVANTAGE_ESTIMATORS, estimate_advantages, group_stats, kl_penalized_rewards,
-                        reverse_kl_advantages, token_scores, turn_token_rewards)
+from unirl.core import (ADVANTAGE_ESTIMATORS, estimate_advantages, group_stats, kl_penalized_rewards, kl_step_rewards,
+                        reverse_kl_advantages, stepwise_advantages, token_scores, turn_token_rewards)
 from unirl.env import Rollout
 from unirl.trainer.context import RunState, StepContext
 from unirl.trainer.distributed import gather_rows
@@ -33,7 +33,7 @@ def compute_advantages(ctx: StepContext, state: RunState, rollout: Rollout) -> d
     # Group ids made unique across processes: local ids renumbered 0..k-1, then offset by rank (one
     # process: its ids as they are, the estimators take any integers).
     rank, n = acc.process_index, len(rollout)
-    token_rewards, kl_metrics = _token_rewards(ctx, state, rollout, rewards, mask)  # [N, T]
+    token_rewards, step_rewards, kl_metrics = _token_rewards(ctx, state, rollout, rewards, mask)  # [N, T], [N, T] or None
     all_token_rewards = gather_rows(acc, token_rewards)  # [N_all, T_max]
     all_rewards = all_token_rewards.sum(-1)  # [N_all]: the scores exactly, without a KL penalty
     all_values = None if rollout.values is None else gather_rows(acc, rollout.values)  # [N_all, T_max]
@@ -43,10 +43,14 @@ def compute_advantages(ctx: StepContext, state: RunState, rollout: Rollout) -> d
     else:
         all_ids = rollout.group_ids  # [N]
     all_mask = gather_rows(acc, mask)  # [N_all, T_max]
-    adv, returns = estimate_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, scale=algo.adv_scale,
-                                       eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased",
-                                       token_rewards=all_token_rewards, values=all_values, gamma=algo.gamma,
-                                       lam=algo.lam)
+    settings = dict(scale=algo.adv_scale, eps=algo.adv_eps, unbiased=algo.adv_std == "unbiased")
+    if step_rewards is not None:  # algo.kl_in_reward=per_step: each step's advantage from its own column
+        adv, returns = stepwise_advantages(algo.adv_estimator, gather_rows(acc, step_rewards), all_ids, all_mask,
+                                           **settings), None  # [N_all, T_max]
+    else:
+        adv, returns = estimate_advantages(algo.adv_estimator, all_rewards, all_ids, mask=all_mask, **settings,
+                                           token_rewards=all_token_rewards, values=all_values, gamma=algo.gamma,
+                                           lam=algo.lam)
     if algo.adv_clip is not None:
         adv = adv.clamp(-algo.adv_clip, algo.adv_clip)
     distill_figures = {}
@@ -85,13 +89,14 @@ def _with_distillation(ctx: StepContext, rollout: Rollout, outcome: torch.Tensor
 
 
 def _token_rewards(ctx: StepContext, state: RunState, rollout: Rollout, rewards: torch.Tensor, mask: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Rewards on tokens [N, T]: each score on its sample's last trained token (verl's
     ``token_level_scores``), and with ``algo.use_kl_in_reward`` minus ``beta * KL`` on every trained
     token (verl's ``apply_kl_penalty``: KL between the old policy and the reference, by ``env.kl``).
     Beta comes from the controller (``unirl.trainer.kl_control``), which then updates on the global
     batch's mean per-sequence KL; logged ``actor/reward_kl_penalty`` (that KL) and
-    ``actor/reward_kl_penalty_coeff`` (the beta used)."""
+    ``actor/reward_kl_penalty_coeff`` (the beta used). With ``algo.kl_in_reward: per_step`` also the rewards
+    per step [N, T], ``score - beta * KL_t`` (``kl_step_rewards``), else None."""
     scores = token_scores(rewards.float(), mask)  # [N, T]
     if "turn_ends" in rollout.tensors:  # an environment's episodes: each turn's reward on its turn (unirl.core.turns)
         t = {k: rollout.tensors[k].to(mask.device) for k in ("turn_rewards", "turn_ends", "turn_discount")}
@@ -100,11 +105,12 @@ def _token_rewards(ctx: StepContext, state: RunState, rollout: Rollout, rewards:
                                     mask, gamma=t["turn_discount"], carry=not restart)  # [N, T]
     kl_ctrl = state.kl_ctrl
     if kl_ctrl is None:
-        return scores, {}
+        return scores, None, {}
     kl = ctx.env.actions.kl(rollout.old, rollout.ref).float()  # [N, T]
     beta = kl_ctrl.value
     penalised, sequence_kl = kl_penalized_rewards(scores, kl[:, : mask.shape[1]], mask, beta)  # [N, T], [N]
+    per_step = kl_step_rewards(rewards.float(), kl[:, : mask.shape[1]], mask, beta) if ctx.algo.kl_in_reward == "per_step" else None
     everyone = gather_rows(ctx.accelerator, sequence_kl)  # [N_all]
     current_kl = everyone.mean().item()
     kl_ctrl.update(current_kl, n=len(everyone))
-    return penalised, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    return penalised, per_step, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
