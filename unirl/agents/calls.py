@@ -11,6 +11,8 @@ import inspect
 import threading
 from typing import Any, Awaitable, Callable
 
+from unirl.tools.calling import in_daemon_thread
+
 
 class EnvFailure(Exception):
     """An environment's call raised, returned something invalid, or timed out; ``what`` says which."""
@@ -36,34 +38,10 @@ async def guarded(fn: Callable, *args: Any, what: str, timeout_s: float) -> Any:
 async def _call(fn: Callable, args: tuple, what: str) -> Any:
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
         return await fn(*args)
-    result = await in_daemon_thread(lambda: fn(*args), name=what)
+    result = await in_daemon_thread(lambda: fn(*args), name=f"unirl-env {what}")
     if inspect.isawaitable(result):  # a plain method that returned a coroutine
         return await result
     return result
-
-
-def in_daemon_thread(work: Callable[[], Any], *, name: str) -> asyncio.Future:
-    """``work()`` in a daemon thread; its outcome lands in the returned future, or is dropped when the
-    loop has gone on without it (a timed-out call) or has closed."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error):
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def body():
-        try:
-            outcome = (work(), None)
-        except BaseException as err:  # noqa: BLE001 - handed to the awaiting call, which names it
-            outcome = (None, err)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop has closed: the call timed out long ago
-            pass
-
-    threading.Thread(target=body, name=f"unirl-env {name}", daemon=True).start()
-    return future
 
 
 def run_coroutine(coroutine: Awaitable) -> Any:

@@ -102,32 +102,17 @@ class ToolRunner:
         return await self._in_daemon_thread(call.name, lambda: fn(**call.arguments))
 
     def _in_daemon_thread(self, name: str, work: Callable[[], Any]) -> asyncio.Future:
-        """``work()`` in a daemon thread named for the tool; its outcome lands in the returned future
-        (dropped when the loop has gone on without it: a timed-out call)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        """``work()`` in a daemon thread named for the tool, counted in ``still_running`` until it returns."""
 
-        def settle(result, error):
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(result)
-
-        def body():
-            try:
-                outcome = (work(), None)
-            except BaseException as err:  # noqa: BLE001 - handed to the awaiting call, which names the tool
-                outcome = (None, err)
+        def started(thread):
             with self._lock:
-                self._running.discard(threading.current_thread())
-            try:
-                loop.call_soon_threadsafe(settle, *outcome)
-            except RuntimeError:  # the loop has closed: the call timed out long ago
-                pass
+                self._running.add(thread)
 
-        thread = threading.Thread(target=body, name=f"unirl-tool {name}", daemon=True)
-        with self._lock:
-            self._running.add(thread)
-        thread.start()
-        return future
+        def finished(thread):
+            with self._lock:
+                self._running.discard(thread)
+
+        return in_daemon_thread(work, name=f"unirl-tool {name}", started=started, finished=finished)
 
     def still_running(self) -> list[str]:
         """The tools whose calls have not returned (hung past their timeout, or still working)."""
@@ -161,3 +146,35 @@ def valid_utf8(text: str | None) -> str | None:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def in_daemon_thread(work: Callable[[], Any], *, name: str, started: Callable[[threading.Thread], Any] | None = None,
+                     finished: Callable[[threading.Thread], Any] | None = None) -> asyncio.Future:
+    """``work()`` in a daemon thread called ``name`` (a hung call never keeps the process alive); its outcome
+    lands in the returned future, or is dropped when the loop has gone on without it (a timed-out call) or
+    has closed. ``started(thread)`` runs before the thread starts, ``finished(thread)`` in it once ``work``
+    has returned or raised (the tools' and the environments' calls both run this way)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def body():
+        try:
+            outcome = (work(), None)
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting call, which names it
+            outcome = (None, err)
+        if finished is not None:
+            finished(threading.current_thread())
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop has closed: the call timed out long ago
+            pass
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    if started is not None:
+        started(thread)
+    thread.start()
+    return future
