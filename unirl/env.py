@@ -188,6 +188,12 @@ class Actions:
         ``column_slices``); outputs are [n, T'] then."""
         raise NotImplementedError
 
+    def sampled_outputs(self, batch: Rollout) -> dict[str, torch.Tensor] | None:
+        """The policy's own ``score_actions`` outputs for ``batch`` as its sampler kept them, where they equal a
+        re-scoring's (the same weights and forward): the old-policy pass of the KL in the reward then runs no
+        model. None (the default): the loop re-scores the batch."""
+        return None
+
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         """[n, T] mask of the trained tokens / steps, without running a model (``score_actions``'s, or all True
         where ``score_actions`` returns None)."""

@@ -165,6 +165,17 @@ class SamplingConfig:
     max_sequence_length: int = 128
     #: Frames per sample; more than 1 only for a family whose samples are videos.
     num_frames: int = 1
+    #: Prompts whose text-encoder outputs are kept across steps (``unirl/diffusion/prompt_cache.py``; each
+    #: prompt encoded alone, then reused bit for bit). 0 (unirl's default, the references encode every batch):
+    #: each step encodes its rows in one batch, as before, so existing runs keep their numbers (the two
+    #: differ in the last float bits on a CPU). Frozen encoders only: the cache never goes stale.
+    prompt_cache_size: int = 0
+    #: The KL in the reward (``algo.use_kl_in_reward``) reads the old policy's step means from the sampler, which
+    #: keeps them as it samples (one more latent a trained step), instead of re-scoring the rollout with the
+    #: policy before the advantages: the same weights and forward, so the same numbers (bit for bit when a
+    #: sampling chunk is a micro-batch; tested), one transformer pass a trained step fewer. False (unirl's
+    #: default; verl's recomputes): as before. SDE modes only (FlowGRPO, Fast, MixGRPO, TempFlow).
+    sampler_old_means: bool = False
 
     def __post_init__(self):
         if self.num_steps < 1 or self.eval_num_steps < 1:
@@ -184,6 +195,7 @@ class SamplingConfig:
         check_range(self, "distilled_guidance", low=0)
         if self.num_frames < 1:
             raise ValueError(f"num_frames must be >= 1, got {self.num_frames}")
+        check_range(self, "prompt_cache_size", low=0)
         w = self.sde_window
         lo, hi = w.range if w.range is not None else (0, self.num_steps)
         if w.size < 0:

@@ -40,6 +40,7 @@ from unirl.diffusion.ema import ParamEMA
 from unirl.diffusion.families import family_for
 from unirl.diffusion.frames import FrameRewards
 from unirl.diffusion.pipeline import load_pipeline
+from unirl.diffusion.prompt_cache import PromptCache
 from unirl.diffusion.prompts import load_prompt_rows
 from unirl.diffusion.modes import shipped_modes
 from unirl.diffusion.sampling import ForwardCounter
@@ -69,6 +70,8 @@ class DiffusionEnvironment(Environment):
         self.ref = None
         self.ema = None
         self.step = 0  # the training step of the last prompts drawn
+        size = cfg.sampling.prompt_cache_size  # the text encoders' outputs kept across steps (0: off)
+        self.prompt_cache = PromptCache(size) if size else None
         # The algorithm's rollout and forward: the registered mode of ``algorithm:`` (rollout_mode.py); the
         # forward of stored samples is the mode's.
         self.mode = self.actions = shipped_modes().get(cfg.algorithm)(self)
@@ -160,7 +163,13 @@ class DiffusionEnvironment(Environment):
 
     def encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """The family's conditioning of ``rows`` ``{key: [len(rows), ...]}``: their prompts' and, for a family
-        with a conditioning image, their images' (``row["image"]``, a path checked at loading)."""
+        with a conditioning image, their images' (``row["image"]``, a path checked at loading); from the prompt
+        cache when ``sampling.prompt_cache_size`` is set (``unirl/diffusion/prompt_cache.py``)."""
+        if self.prompt_cache is not None:
+            return self.prompt_cache.encode(rows, self._encode)
+        return self._encode(rows)
+
+    def _encode(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         s, device = self.cfg.sampling, self.accelerator.device
         cond = self.family.encode(self.pipe, [row["prompt"] for row in rows], max_sequence_length=s.max_sequence_length,
                                   device=device)

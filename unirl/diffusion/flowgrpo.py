@@ -32,6 +32,7 @@ class FlowGRPORollout(RolloutMode):
     (``unirl/diffusion/flowgrpo.py``)."""
 
     policy_loss = None  # the ratio loss of ``algo`` (clipped, or gspo with algo.level: sequence)
+    keeps_sampler_means = True  # its SDE sampler keeps the step means when asked (sampling.sampler_old_means)
     # ``old_mean``: the sampler's step means, kept only when the run's loss reads them (the guards).
     offers = frozenset({"logp", "mean", "old_mean", "std", "sigma", "sigma_next"})
 
@@ -58,7 +59,7 @@ class FlowGRPORollout(RolloutMode):
                                            sde_type=s.sde_type)  # [S]
         # What the run's loss reads beyond the log-probs: the guards compare the current step means with
         # the sampler's (kept at rollout, one more latent a trained step).
-        self.keep_old_means = "old_mean" in self.loss.reads
+        self.keep_old_means = "old_mean" in self.loss.reads or s.sampler_old_means
 
     @property
     def with_mean(self) -> bool:
@@ -241,6 +242,15 @@ class FlowGRPORollout(RolloutMode):
             raise ValueError("the rollout's stored sigma / sigma_next are not the training schedule's sigmas at its "
                              "step_index (sampling.num_steps or the scheduler changed since it was sampled?)")
         return self.constants.take(index, latent_ndim)
+
+    def sampled_outputs(self, batch: Rollout) -> dict[str, torch.Tensor] | None:
+        """The old policy's outputs the KL in the reward reads (``kl``), as the sampler kept them
+        (``sampling.sampler_old_means``): the trainer's own weights sampled, so a re-scoring gives the same."""
+        if not self.env.cfg.sampling.sampler_old_means:
+            return None
+        t = batch.tensors
+        return {"logp": batch.old_logp, "mean": t["old_mean"], "sigma": t["sigma"].float(),
+                "sigma_next": t["sigma_next"].float()}  # [n, T], [n, T, *latent]
 
     def loss_mask(self, batch: Rollout) -> torch.Tensor:
         return torch.ones_like(batch.old_logp, dtype=torch.bool)  # [n, T]: every stored step is trained

@@ -43,5 +43,12 @@ def resolve_algorithm(cfg) -> str:
     own = mode.policy_loss or "the ratio loss of algo, clipped or gspo"
     name = check_loss_args(cfg.algo, mode.policy_loss, offers=mode.offers, where=f"algorithm={cfg.algorithm}",
                            hint=f"; leave algo.policy_loss null for the algorithm's own ({own}) or choose another algorithm")
+    if cfg.sampling.sampler_old_means:
+        if not mode.keeps_sampler_means:
+            raise ValueError(f"sampling.sampler_old_means=true: algorithm={cfg.algorithm} samples no SDE steps, so its "
+                             f"sampler has no step means to keep; set it to false")
+        if not cfg.algo.use_kl_in_reward:
+            raise ValueError("sampling.sampler_old_means=true: only the KL in the reward reads the old step means; "
+                             "set algo.use_kl_in_reward: true or sampling.sampler_old_means: false")
     mode.check_config(cfg)
     return name

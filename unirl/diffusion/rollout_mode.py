@@ -47,6 +47,8 @@ class RolloutMode(Actions, ABC):
     #: Whether the trainer recomputes the old log-probs (``Actions.recompute_old_logprobs``): False where the
     #: trainer samples, so the sampler's log-probs are the policy's own (FlowGRPO), or there are none (NFT).
     recompute_old_logprobs: bool = False
+    #: Whether the mode's sampler can keep the policy's step means (``sampling.sampler_old_means``).
+    keeps_sampler_means: bool = False
     #: The mode's own settings (a frozen dataclass, from ``mode_args``); set by ``register_rollout_mode``.
     settings: type | None = None
 

@@ -36,7 +36,8 @@ def old_and_reference(ctx: StepContext, state: RunState, rollout: Rollout) -> di
             metrics.update(rollout_metrics(ctx, rollout))
     if state.kl_ctrl is not None:
         # The KL in the reward compares the old policy's outputs with the reference's (diffusion: the
-        # means of its steps, which the sampler did not keep, so the policy scores them here).
+        # means of its steps, scored here unless the sampler kept them: ``Actions.sampled_outputs``).
+        old = env.actions.sampled_outputs(rollout) if old is None else old
         old = score_all(ctx, model, rollout) if old is None else old
         rollout.old = dict(old)
     if ctx.algo.kl_coef > 0 or state.kl_ctrl is not None:
