@@ -31,9 +31,12 @@ def bench():
 
 @pytest.mark.slow
 def test_every_method_runs_and_is_counted(bench, tmp_path):
+    """The four rollout paths run through the benchmark (the SDE, its branching and windowed forms, the forward
+    process); awm, dgpo and tempflow are their shipped configs on two of those paths, whose learning runs are
+    tests/test_flow_methods.py's, and the next test checks the benchmark runs exactly those configs."""
     assert set(bench.METHODS) == {"flowgrpo", "fast", "mixgrpo", "nft", "awm", "dgpo", "tempflow"}
     calls = {}
-    for method in bench.METHODS:
+    for method in ("flowgrpo", "fast", "mixgrpo", "nft"):
         curve = bench.train_one("tiny_colour", method, seed=0, steps=2, eval_every=2, work=tmp_path)
         assert [point["step"] for point in curve] == [0, 2]
         assert set(curve[-1]["colours"]) == {"red", "blue"}
