@@ -6,7 +6,9 @@ checkpoint: its batches are then sampled again, said in one line.
 
 A threaded source runs for real here, over a produce function that writes text rollouts as the text sampler
 does (N=4 samples, P=3 prompt and R=5 response tokens); the checkpoints are the trainer's own files, resumed
-by ``unirl.trainer.checkpoints.resume`` (seconds, no model)."""
+by ``unirl.trainer.checkpoints.resume`` (seconds, no model). Two gloo processes under ``torchrun``
+(``tests/in_flight_processes.py``, a few seconds) each save and resume their own batches; a checkpoint of another
+number of processes is one line with the same way out."""
 
 from __future__ import annotations
 
@@ -229,5 +231,87 @@ def test_a_checkpoint_of_an_earlier_version_without_total_steps_still_resumes(ru
     plain = json.loads(stem.with_name("source.json").read_text())
     del plain["total_steps"]
     stem.with_name("source.json").write_text(json.dumps(plain))
+    state, fresh = _resume(path, run[1], run[2])
+    assert state["step"] == 3 and sorted(fresh._ready) == [3, 4]
+
+
+# ------------------------------------------------------------ several processes
+# Each process runs its own producer on its own share of the prompts, so each saves and resumes its own batches
+# (``source.rank<r>of<W>.*``); earlier versions saved the main process's only, which every process then trained on.
+@pytest.fixture(scope="module")
+def two(run, tmp_path_factory):
+    """``tests/in_flight_processes.py`` on 2 gloo processes (its batch b is batch b + 100 * rank here), which
+    also resumes a copy of the one-process ``run``; returns its run folder and each process's record."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    work = tmp_path_factory.mktemp("two")
+    shutil.copytree(run[0], work / "one")
+    script = Path(__file__).with_name("in_flight_processes.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "--work", str(work / "run"), "--out", str(work / "out"), "--other", str(work / "one")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return work / "run", [json.loads((work / f"out.rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_each_process_saves_and_resumes_its_own_batches(two):
+    path, records = two
+    state = path / "checkpoints" / "step_000003" / "trainer_state"
+    assert sorted(f.name for f in state.glob("source*")) == [f"source.rank{r}of2.{ext}" for r in (0, 1)
+                                                            for ext in ("json", "safetensors")]
+    for rank, record in enumerate(records):
+        assert record["step"] == 3 and sorted(record["held"]) == ["3", "4"]
+        assert record["held"] == {str(b): [f"#### {b + 100 * rank}"] * 4 for b in (3, 4)}  # its own share's
+        assert record["resumed"] == record["held"], rank  # not the main process's batches
+
+
+def test_another_number_of_processes_is_one_line_with_the_way_out(two, run, tmp_path, capsys):
+    path, records = two
+    hint = "and the batches are sampled again (not exact, docs/async.md)"
+    for record in records:  # the one-process run resumed on 2: every process refuses both its checkpoints
+        assert "source.json: in-flight batches of 1 process(es), this run has 2; batches already sampled cannot be " \
+               f"split again over another number of processes; to resume from this checkpoint anyway, delete its " \
+               f"source.json and source.safetensors {hint}" in record["other"], record["other"]
+    copy = tmp_path / "run"
+    shutil.copytree(path, copy)
+    with pytest.raises(CheckpointError, match=r"step_000003/trainer_state/source\.rank\*of2\.json: in-flight batches "
+                                              r"of 2 process\(es\), this run has 1; .* delete its source\.rank\*\.json "
+                                              r"and source\.rank\*\.safetensors \(every process's\) and the batches"):
+        _resume(copy, run[1], run[2])
+    stem = copy / "checkpoints" / "step_000003" / "trainer_state" / "source"
+    for f in stem.parent.glob("source.rank*"):  # the way out: every process's files deleted
+        f.unlink()
+    capsys.readouterr()
+    state, fresh = _resume(copy, run[1], run[2])
+    assert state["step"] == 3 and fresh._ready == {}
+    assert f"resume: {stem}.json and .safetensors are deleted: the batches in flight at step 3 are sampled " \
+           f"again" in capsys.readouterr().out
+
+
+def test_an_earlier_versions_checkpoint_of_several_processes_is_refused(two, run, tmp_path):
+    """Earlier versions wrote the main process's batches as ``source.*`` whatever the number of processes."""
+    path, _ = two
+    copy = tmp_path / "run"
+    shutil.copytree(path, copy)
+    stem = copy / "checkpoints" / "step_000003" / "trainer_state" / "source"
+    save_state(load_state(stem.with_name("source.rank0of2")), stem)
+    for f in stem.parent.glob("source.rank*"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match=r"step_000003/trainer_state/source\.json: holds the main process's "
+                                              r"in-flight batches only \(an earlier unirl saved no other's; written by "
+                                              r"2 processes\); to resume from this checkpoint anyway, delete its "
+                                              r"source\.json and source\.safetensors"):
+        _resume(copy, run[1], run[2])
+
+
+def test_a_one_process_fsdp2_checkpoint_of_an_earlier_version_still_resumes(run, tmp_path):
+    """Earlier versions wrote an FSDP2 run's source as its shards: ``source.rank0of1.*`` on one process."""
+    path, stem = _copy(run, tmp_path)
+    for ext in ("json", "safetensors"):
+        stem.with_name(f"source.{ext}").rename(stem.with_name(f"source.rank0of1.{ext}"))
     state, fresh = _resume(path, run[1], run[2])
     assert state["step"] == 3 and sorted(fresh._ready) == [3, 4]

@@ -1,5 +1,5 @@
 """The batches a threaded source sampled ahead, as a checkpoint holds them (``trainer_state/source.{json,
-safetensors}``): written (``batch_state``), then read back and checked whole before a resumed run trains on any
+safetensors}``, each process's own on several: ``unirl.trainer.source_state``): written (``batch_state``), then read back and checked whole before a resumed run trains on any
 of them (``batches_from_state``, ``check_schedule``; docs/async.md, "Damaged in-flight batches").
 
 A checkpoint is data that may have been damaged or edited. Trained on as they are, a batch with a missing key, a

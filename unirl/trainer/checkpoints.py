@@ -10,7 +10,8 @@ its own name (the trainer's ``state_objects``: name -> (kind, object)):
                                   run's shards as ``policy.rank<r>of<W>.*`` (``unirl.trainer.sharded_state``)
     policy_optimizer.{safetensors,json}, policy_scheduler.{...}   theirs (``critic_optimizer`` ...)
     ema.{...}, old_policy.{...}, source.{...}   the environment's objects (an EMA, NFT's old policy) and the
-                                  batch source's in-flight batches
+                                  batch source's in-flight batches: each process's own, ``source.rank<r>of<W>.*``
+                                  on W > 1 processes (``unirl.trainer.source_state``)
     scaler.{...}                  fp16's gradient scaler
     rng_<process>.{...}           each process's python, numpy, torch (and CUDA) RNG states
 
@@ -44,6 +45,7 @@ import torch
 from unirl.env import StateError
 from unirl.trainer.resume_checks import (check_loop_state, check_optimizer, check_scheduler, critic_changes, link_message,
                                  link_out_of, links_out, set_rng_states, trains_a_critic)
+from unirl.trainer.source_state import read_source, resample_hint, save_source
 from unirl.trainer.state_files import StateFileError, load_state, read_json, save_state
 
 
@@ -183,6 +185,8 @@ def save_trainer_state(backend, directory: Path, objects: dict[str, tuple[str, A
     for name, (kind, obj) in objects.items():
         if kind == "model":
             backend.save_model(obj, directory / name)
+        elif name == "source":  # each process's own batches sampled ahead (unirl.trainer.source_state)
+            save_source(accelerator, obj, directory / name)
         else:
             backend.save_object(obj, directory / name)
     if accelerator.is_main_process:
@@ -331,14 +335,14 @@ def load_trainer_state(backend, directory: Path, objects: dict[str, tuple[str, A
     loop_state = read_json(loop_file)
     check_loop_state(loop_state, loop_file, step)
     stems = legacy_stems(objects) if _uses_legacy_names(directory, objects) else {name: name for name in objects}
-    configured = _optimizer_settings(objects)
+    configured, read = _optimizer_settings(objects), {}  # read: the source's stem this process read
     for name, (kind, obj) in objects.items():
         stem = directory / stems[name]
         if kind == "model":
             backend.load_model(obj, stem)
             continue
-        if name == "source":  # the batches sampled ahead: their own rule (docs/async.md)
-            _load_source(backend, obj, stem, step)
+        if name == "source":  # each process's batches sampled ahead: their own rule (docs/async.md)
+            read[name] = _load_source(accelerator, obj, stem, step)
             continue
         _load_into(obj, backend.load_object(obj, stem, kind), stem)
         if kind == "optimizer":
@@ -351,7 +355,8 @@ def load_trainer_state(backend, directory: Path, objects: dict[str, tuple[str, A
                 obj.check_resumed(loop_state)
             except StateError as e:
                 stem = directory / stems[name]
-                raise StateFileError(f"{stem}.json: {e}{_resample_hint(stem) if name == 'source' else ''}") from None
+                hint = resample_hint(stem) if name == "source" else ""
+                raise StateFileError(f"{read.get(name, stem)}.json: {e}{hint}") from None
     for name, saved in _optimizer_settings(objects).items():
         if configured[name] != saved:  # a setting outside an ``optim`` section, which check_config cannot name
             raise CheckpointError(f"resume: {name} was saved with {saved[0]}, this run configures "
@@ -381,27 +386,20 @@ def _uses_legacy_names(directory: Path, objects: dict[str, tuple[str, Any]]) -> 
     return numbered and not named
 
 
-def _load_source(backend, source, stem: Path, step: int) -> None:
-    """The batch source's in-flight batches. Any damage is a ``StateFileError`` (resume then takes the checkpoint
-    before, exactly) that says how to keep this checkpoint instead: delete both files, and the batches are
-    sampled again with its weights, said in one line (not exact: the uninterrupted run's were sampled with older
-    weights). Never resampled without a word (issue 51)."""
-    files = [Path(f"{stem}.json"), Path(f"{stem}.safetensors")]
-    if not any(f.exists() for f in files) and not any(stem.parent.glob(f"{stem.name}.rank*")):
-        backend.accelerator.print(f"resume: {stem}.json and .safetensors are deleted: the batches in flight at step "
-                                  f"{step} are sampled again with its weights (the run now differs from an "
-                                  f"uninterrupted one, whose batches were sampled with older weights)")
+def _load_source(accelerator, source, stem: Path, step: int) -> Path:
+    """This process's in-flight batches (``unirl.trainer.source_state``); returns the stem read. Any damage is a
+    ``StateFileError`` (resume then takes the checkpoint before, exactly) that says how to keep this checkpoint
+    instead: delete the source files, and the batches are sampled again with its weights, said in one line (not
+    exact: the uninterrupted run's were sampled with older weights). Never resampled without a word (issue 51)."""
+    own, state = read_source(accelerator, stem, step)
+    if state is None:
         source.load_state_dict(None)
-        return
+        return own
     try:
-        _load_into(source, backend.load_object(source, stem, "state"), stem)
+        _load_into(source, state, own)
     except StateFileError as e:
-        raise StateFileError(f"{e}{_resample_hint(stem)}") from None
-
-
-def _resample_hint(stem: Path) -> str:
-    return (f"; to resume from this checkpoint anyway, delete its {stem.name}.json and {stem.name}.safetensors and "
-            f"the batches are sampled again (not exact, docs/async.md)")
+        raise StateFileError(f"{e}{resample_hint(stem)}") from None
+    return own
 
 
 def _load_into(obj, state: Any, stem: Path) -> None:
