@@ -12,7 +12,11 @@ steps of each are left out.
   update) the trainer's recompute (``recompute_old_logprobs`` forced true on the run's actions: what a
   trainer does without rollout correction) vs the sampler's own log-probs (FlowGRPO's default);
 * ``sampler_old_means``: with the KL in the reward, ``sampling.sampler_old_means`` false vs true
-  (``time/old_logprobs``: the old policy's pass it skips).
+  (``time/old_logprobs``: the old policy's pass it skips);
+* ``reward_pool``: the async reward within a step, ``trainer.reward_workers`` 0 (every chunk scored after
+  sampling, inline) vs 1 (each chunk but the last scored in the pool while the next chunk samples), with
+  ``colour_share`` behind ``--reward-latency-ms`` of waiting per image (a reward model on another machine,
+  an OCR server: the toy's own reward takes microseconds) and 2 chunks of 16 a rollout (``time/rollout``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,22 @@ OPTIONS = {
     "old_logprobs": (["trainer.ppo_epochs=2"], [], [], "time/old_logprobs", True),
     "sampler_old_means": (["algo.use_kl_in_reward=true", "algo.kl_ctrl.kl_coef=0.1"], ["sampling.sampler_old_means=false"],
                           ["sampling.sampler_old_means=true"], "time/old_logprobs", False),
+    "reward_pool": (["rewards.0.name=colour_share_remote", "sampling.chunk_size=16"], ["trainer.reward_workers=0"],
+                    ["trainer.reward_workers=1"], "time/rollout", False),
 }
+
+
+def register_remote_reward(latency_ms: float) -> None:
+    """``colour_share_remote``: ``colour_share`` after ``latency_ms`` of waiting per image (the scores are
+    ``colour_share``'s: both runs of ``reward_pool`` learn alike)."""
+    from unirl.rewards import register_reward
+    from unirl.rewards.image import colour_share
+
+    @register_reward("colour_share_remote", modality="image")
+    def colour_share_remote(images, *, prompts, **kwargs):
+        """colour_share behind a network's latency (benchmarks/step_reuse.py)."""
+        time.sleep(latency_ms / 1e3 * len(images))
+        return colour_share(images, prompts=prompts, **kwargs)
 
 
 def make_trainer(overrides: list[str], work: Path):
@@ -76,7 +95,9 @@ def main(argv=None) -> int:
     parser.add_argument("--options", default=",".join(OPTIONS))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reward-latency-ms", type=float, default=10.0, help="reward_pool: waiting per image")
     args = parser.parse_args(argv)
+    register_remote_reward(args.reward_latency_ms)
     print(f"torch threads {torch.get_num_threads()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     print("| option | stage | stage off (ms) | stage on (ms) | step off (ms) | step on (ms) | step on/off |")
     print("|---|---|---|---|---|---|---|")
