@@ -53,7 +53,7 @@ demo-diffusion: setup
 	$(VENV)/bin/unirl train diffusion --config tiny --output-dir runs/demo-diffusion
 
 test: setup
-	@echo "make test: the whole suite, about 20 minutes on 2 CPU cores (1963 tests; benchmarks/README.md)."
+	@echo "make test: the whole suite, about 20 minutes on 2 CPU cores (2046 tests; benchmarks/README.md)."
 	@echo "  One file at a time: $(PY) -m pytest -q tests/test_core.py"
 	$(PY) -m pytest -q
 
