@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import time
 
 import pytest
@@ -20,6 +19,8 @@ from unirl.text.env import TextEnvironment
 from unirl.rollout.sources import InlineSource, ThreadedSource
 from unirl.trainer.checkpoints import CheckpointError
 from unirl.trainer.loop import Preempted, Trainer
+
+from stage_helpers import sigterm_after  # tests/stage_helpers.py
 
 
 # ------------------------------------------------------------ the producer alone (no model)
@@ -158,14 +159,7 @@ def test_staleness_one_samples_with_the_weights_one_step_back_and_resumes_exactl
     cfg = load_run_config("text", "tiny", [*ARGS, "trainer.total_steps=4", "source.max_staleness=1"],
                           output_dir=str(tmp_path / "split"))
     stopped = Trainer.from_config(TextEnvironment(cfg), cfg)
-    step = stopped.train_step
-
-    def signalled_at_step_two():
-        if stopped.step == 1:
-            stopped.signals.signal = signal.SIGTERM
-        return step()
-
-    stopped.train_step = signalled_at_step_two
+    sigterm_after(stopped, 2)
     with pytest.raises(Preempted, match="stopped by SIGTERM after step 2"):
         stopped.train()
     saved = json.loads((tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state" / "source.json").read_text())

@@ -15,6 +15,8 @@ import torch
 from unirl.core.flow_methods import DgpoArgs, TempflowArgs, dgpo_group_weights, matching_log_prob
 from unirl.core.policy_losses import POLICY_LOSSES, LossInputs, LossSettings
 
+from stage_helpers import diffusion_trainer  # tests/stage_helpers.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -162,23 +164,7 @@ def test_tempflow_loss_is_its_codes(seed):
                                torch.autograd.grad(theirs, logp)[0], rtol=1e-5, atol=1e-9)
 
 
-TINY = ["model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_sequence_length=16",
-        "sampling.guidance_scale=1.0", "sampling.train_cfg=false", "trainer.prompts_per_step=3",
-        "trainer.group_size=4", "trainer.mini_batch_size=12", "trainer.micro_batch_size=12", "sampling.chunk_size=5",
-        "sampling.num_steps=6", "sampling.eval_num_steps=4", "ema.enabled=false", "trainer.eval_every=0",
-        "trainer.progress=false", "trainer.reward_workers=0"]
-
-
-def make_trainer(tmp_path, *overrides: str):
-    from unirl.config import load_config
-    from unirl.diffusion import build_environment
-    from unirl.diffusion.config import DiffusionConfig
-    from unirl.trainer.loop import Trainer
-
-    cfg = load_config(DiffusionConfig, None, [*TINY, f"output_dir={tmp_path}", *overrides])
-    trainer = Trainer.from_config(build_environment(cfg), cfg)
-    trainer.setup()
-    return trainer
+make_trainer = diffusion_trainer  # tests/stage_helpers.py: the toy SD3 at its smallest
 
 
 def test_tempflow_branches_each_prompt_at_one_step_and_rescores_its_log_probs(tmp_path):

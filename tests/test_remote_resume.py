@@ -10,7 +10,6 @@ so the in-thread servers differ from a replaced process exactly where a real one
 
 from __future__ import annotations
 
-import signal
 import threading
 
 import pytest
@@ -19,6 +18,8 @@ import torch
 from unirl.cli import load_run_config
 from unirl.text.env import TextEnvironment
 from unirl.trainer.loop import Preempted, Trainer
+
+from stage_helpers import sigterm_after  # tests/stage_helpers.py
 
 ARGS = ["rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.prompts_per_step=4", "trainer.group_size=4",
         "trainer.mini_batch_size=16", "trainer.micro_batch_size=16", "trainer.eval_every=0", "trainer.save_every=0",
@@ -115,14 +116,7 @@ def test_a_resume_against_a_new_server_trains_on_the_uninterrupted_runs_samples(
     server = serve(tiny_lm_dir)
     try:  # SIGTERM during step 3: the checkpoint holds steps 1..3 (and, sampling ahead, batch 3)
         stopped = _trainer(tmp_path, "split", server, route, k)
-        step = stopped.train_step
-
-        def signalled_at_step_three():
-            if stopped.step == 2:
-                stopped.signals.signal = signal.SIGTERM
-            return step()
-
-        stopped.train_step = signalled_at_step_three
+        sigterm_after(stopped, 3)
         with pytest.raises(Preempted, match="after step 3"):
             stopped.train()
     finally:

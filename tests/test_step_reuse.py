@@ -13,23 +13,15 @@ from unirl.config import load_config
 from unirl.diffusion.config import DiffusionConfig
 from unirl.diffusion.prompt_cache import PromptCache
 
+from stage_helpers import TINY_DIFFUSION, diffusion_trainer  # tests/stage_helpers.py
+
 # One sampling chunk and one micro-batch of the whole step's 12 samples: the sampler's forward and the
 # trainer's re-scoring then see the same batch, so their numbers are the same bits.
-TINY = ["model.name_or_path=tiny", "sampling.resolution=32", "sampling.max_sequence_length=16",
-        "sampling.guidance_scale=1.0", "sampling.train_cfg=false", "trainer.prompts_per_step=3",
-        "trainer.group_size=4", "trainer.mini_batch_size=12", "trainer.micro_batch_size=12", "sampling.chunk_size=12",
-        "sampling.num_steps=4", "sampling.eval_num_steps=4", "ema.enabled=false", "trainer.eval_every=0",
-        "trainer.progress=false", "trainer.reward_workers=0"]
+TINY = [*TINY_DIFFUSION, "sampling.chunk_size=12", "sampling.num_steps=4"]
 
 
 def make_trainer(tmp_path, *overrides: str):
-    from unirl.diffusion import build_environment
-    from unirl.trainer.loop import Trainer
-
-    cfg = load_config(DiffusionConfig, None, [*TINY, f"output_dir={tmp_path}", *overrides])
-    trainer = Trainer.from_config(build_environment(cfg), cfg)
-    trainer.setup()
-    return trainer
+    return diffusion_trainer(tmp_path, *overrides, base=TINY)
 
 
 def run_steps(trainer, steps: int) -> list[dict[str, float]]:

@@ -78,7 +78,7 @@ def test_episodes_in_flight_at_a_checkpoint_resume_exactly(tmp_path):
     of later prompts, played with older weights) are finished first and saved whole with the checkpoint, and the
     resumed run trains on exactly them. SIGTERM during step 2 of 4 at source.max_staleness=1, then resume: steps
     3 and 4 give the uninterrupted run's figures."""
-    import signal
+    from stage_helpers import sigterm_after  # tests/stage_helpers.py
 
     from unirl.cli import load_run_config
     from unirl.text.env import TextEnvironment
@@ -98,14 +98,7 @@ def test_episodes_in_flight_at_a_checkpoint_resume_exactly(tmp_path):
 
     whole = figures(trainer("whole").train())
     stopped = trainer("split")
-    step = stopped.train_step
-
-    def signalled_at_step_two():
-        if stopped.step == 1:
-            stopped.signals.signal = signal.SIGTERM
-        return step()
-
-    stopped.train_step = signalled_at_step_two
+    sigterm_after(stopped, 2)
     with pytest.raises(Preempted, match="stopped by SIGTERM after step 2"):
         stopped.train()
     saved = json.loads((tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state" / "source.json").read_text())
